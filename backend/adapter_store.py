@@ -1,0 +1,170 @@
+"""The host adapter store: which adapters exist (registry + adapter root) and which are in host memory.
+
+Adapters are loaded lazily from disk on first use and kept in (pinned, where CUDA is present) host memory up to a
+byte budget, least recently used first out. A request holds a reference to its HostAdapter, so dropping an
+adapter from the store never pulls weights from under a queued request; the next request reloads it.
+
+Names come from clients, so they are checked: letters, digits, '_', '.', '-', not starting with '.', and the
+resolved directory must lie inside the adapter root (no '..', no symlink escaping it). Adapters registered by path
+(multi_lora.json, or `register`) are trusted operator input and may live anywhere.
+
+Thread-safe: the server registers and looks up adapters from request threads while the engine thread runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from slora.backend.adapter import CONFIG_FILE, HostAdapter
+from slora.backend.errors import AdapterError, AdapterNotFoundError
+
+logger = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
+
+AdapterLoader = Callable[[str, Path, int], HostAdapter]
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    name: str
+    path: str
+    in_host: bool
+    ranks: dict[str, int] | None  # None until the adapter has been loaded once
+
+
+def validate_adapter_name(name: object) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise AdapterError(
+            f"adapter name {name!r} is invalid: use 1-128 letters, digits, '_', '.', '-', not starting with '.'"
+        )
+    return name
+
+
+class AdapterStore:
+    def __init__(
+        self,
+        loader: AdapterLoader,
+        budget_bytes: int,
+        root: str | Path | None = None,
+        registry_file: str | Path | None = None,
+    ) -> None:
+        self._loader = loader
+        self.budget_bytes = budget_bytes
+        self.root = Path(root).resolve() if root else None
+        self._lock = threading.Lock()
+        self._registered: dict[str, Path] = {}
+        self._generation: dict[str, int] = {}
+        self._host: OrderedDict[str, HostAdapter] = OrderedDict()
+        self._ranks: dict[str, dict[str, int]] = {}
+        self.host_bytes = 0
+        self.loads = 0
+        self.host_evictions = 0
+        if registry_file:
+            self.register_file(Path(registry_file))
+
+    def register_file(self, registry_file: Path) -> None:
+        """Register every name → path of a multi_lora.json (the format Triton's vLLM backend reads)."""
+        try:
+            entries = json.loads(registry_file.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise AdapterError(f"{registry_file}: cannot be read as JSON ({exc})") from exc
+        if not isinstance(entries, dict):
+            raise AdapterError(f"{registry_file}: must hold a JSON object of adapter name → directory")
+        for name, path in entries.items():
+            target = Path(path) if Path(path).is_absolute() else registry_file.parent / path
+            self.register(name, target, load=False)
+
+    def register(self, name: str, path: str | Path, load: bool = True) -> HostAdapter | None:
+        """Add or replace `name` → `path`. With `load`, the adapter is read now so that a bad one is refused."""
+        validate_adapter_name(name)
+        path = Path(path)
+        if not (path / CONFIG_FILE).is_file():
+            raise AdapterError(f"adapter {name!r}: {path / CONFIG_FILE} is missing")
+        with self._lock:
+            generation = self._generation.get(name, 0) + 1
+        adapter = self._loader(name, path, generation) if load else None
+        with self._lock:
+            self._registered[name] = path
+            self._generation[name] = generation
+            self._drop(name)
+            if adapter is not None:
+                self._insert(adapter)
+        logger.info("registered adapter %r at %s", name, path)
+        return adapter
+
+    def unregister(self, name: str) -> None:
+        """Forget a registered adapter; requests already holding it finish with it."""
+        with self._lock:
+            if name not in self._registered:
+                raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+            del self._registered[name]
+            self._generation[name] = self._generation.get(name, 0) + 1
+            self._drop(name)
+            self._ranks.pop(name, None)
+
+    def get(self, name: str) -> HostAdapter:
+        """The adapter in host memory, loading it from disk if needed (in the caller's thread)."""
+        validate_adapter_name(name)
+        with self._lock:
+            adapter = self._host.get(name)
+            if adapter is not None:
+                self._host.move_to_end(name)
+                return adapter
+            path = self._path(name)
+            generation = self._generation.get(name, 0)
+        adapter = self._loader(name, path, generation)
+        with self._lock:
+            if self._generation.get(name, 0) == generation:
+                self._drop(name)
+                self._insert(adapter)
+        return adapter
+
+    def list(self) -> list[AdapterInfo]:
+        with self._lock:
+            names = set(self._registered) | set(self._host)
+            if self.root and self.root.is_dir():
+                names |= {p.name for p in self.root.iterdir() if (p / CONFIG_FILE).is_file() and _NAME.match(p.name)}
+            return [
+                AdapterInfo(name, str(self._path(name)), name in self._host, self._ranks.get(name))
+                for name in sorted(names)
+            ]
+
+    def _path(self, name: str) -> Path:
+        if name in self._registered:
+            return self._registered[name]
+        if self.root is not None:
+            path = (self.root / name).resolve()
+            if not path.is_relative_to(self.root):
+                raise AdapterError(f"adapter name {name!r} resolves outside the adapter root")
+            if path.is_dir():
+                return path
+        raise AdapterNotFoundError(f"adapter {name!r} is not registered and not found in the adapter root")
+
+    def _insert(self, adapter: HostAdapter) -> None:
+        if adapter.nbytes > self.budget_bytes:
+            raise AdapterError(
+                f"adapter {adapter.name!r} needs {adapter.nbytes} bytes of host memory, more than the whole "
+                f"host budget ({self.budget_bytes} bytes)"
+            )
+        self._host[adapter.name] = adapter
+        self._ranks[adapter.name] = dict(zip(adapter.target_modules, [r for r in adapter.ranks if r]))
+        self.host_bytes += adapter.nbytes
+        self.loads += 1
+        while self.host_bytes > self.budget_bytes:
+            victim, _ = next(iter(self._host.items()))
+            self._drop(victim)
+            self.host_evictions += 1
+            logger.info("host budget: dropped adapter %r from host memory", victim)
+
+    def _drop(self, name: str) -> None:
+        adapter = self._host.pop(name, None)
+        if adapter is not None:
+            self.host_bytes -= adapter.nbytes

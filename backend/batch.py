@@ -1,0 +1,146 @@
+"""What one step computes: the scheduler's choice (ScheduledSeq) and the tensors built from it (ForwardBatch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slora.backend.adapter_cache import ResidentAdapter
+from slora.backend.request import Request
+from slora.kernels.metadata import AttentionMeta, LoraMeta
+
+
+@dataclass
+class ScheduledSeq:
+    """`num_tokens` of `request` are computed this step, starting at its position `request.num_computed`."""
+
+    request: Request
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the request's tokens, so its last logits are sampled."""
+        return self.request.num_computed + self.num_tokens == len(self.request.token_ids)
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    attn: AttentionMeta
+    lora: LoraMeta | None  # None when no token of the step uses an adapter
+    sample_index: torch.Tensor  # int64 [num_sampled]: row of each sampled sequence's last token
+    seqs: list[ScheduledSeq]  # in the order of the rows (grouped by adapter)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def sampled(self) -> list[ScheduledSeq]:
+        return [s for s in self.seqs if s.samples]
+
+
+def order_by_adapter(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    """Base-model sequences first, then those of each adapter together, so each adapter is one token segment."""
+    return sorted(seqs, key=lambda s: (s.request.resident is not None, _adapter_key(s.request)))
+
+
+def _adapter_key(request: Request) -> tuple[str, int]:
+    return request.resident.key if request.resident is not None else ("", 0)
+
+
+def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device) -> ForwardBatch:
+    seqs = order_by_adapter(seqs)
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    q_start = [0]
+    seq_lens: list[int] = []
+    tables: list[list[int]] = []
+    sample_rows: list[int] = []
+    for s in seqs:
+        r = s.request
+        begin, end = r.num_computed, r.num_computed + s.num_tokens
+        input_ids += r.token_ids[begin:end]
+        positions += range(begin, end)
+        slots += [r.pages[p // block_size] * block_size + p % block_size for p in range(begin, end)]
+        q_start.append(q_start[-1] + s.num_tokens)
+        seq_lens.append(end)
+        tables.append(r.pages[: -(-end // block_size)])
+        if s.samples:
+            sample_rows.append(q_start[-1] - 1)
+    width = max(len(t) for t in tables)
+    attn = AttentionMeta(
+        q_start=_tensor(q_start, torch.int32, device),
+        seq_lens=_tensor(seq_lens, torch.int32, device),
+        block_tables=_tensor([t + [0] * (width - len(t)) for t in tables], torch.int32, device),
+        slot_mapping=_tensor(slots, torch.int64, device),
+        block_size=block_size,
+        max_q_len=max(s.num_tokens for s in seqs),
+        max_seq_len=max(seq_lens),
+        q_start_host=q_start,
+        seq_lens_host=seq_lens,
+        block_tables_host=tables,
+    )
+    return ForwardBatch(
+        input_ids=_tensor(input_ids, torch.int64, device),
+        positions=_tensor(positions, torch.int64, device),
+        attn=attn,
+        lora=build_lora_meta(seqs, q_start, device),
+        sample_index=_tensor(sample_rows, torch.int64, device),
+        seqs=seqs,
+    )
+
+
+def build_lora_meta(seqs: list[ScheduledSeq], q_start: list[int], device: torch.device) -> LoraMeta | None:
+    """Segments of tokens per adapter (seqs are already grouped by adapter) and each adapter's row table."""
+    adapters: list[ResidentAdapter] = []
+    index: dict[tuple[str, int], int] = {}
+    token_adapter: list[int] = []
+    seg_start: list[int] = []
+    seg_adapter: list[int] = []
+    for i, s in enumerate(seqs):
+        resident = s.request.resident
+        slot = -1
+        if resident is not None:
+            if resident.key not in index:
+                index[resident.key] = len(adapters)
+                adapters.append(resident)
+                seg_start.append(q_start[i])
+                seg_adapter.append(index[resident.key])
+            slot = index[resident.key]
+        token_adapter += [slot] * s.num_tokens
+    if not adapters:
+        return None
+    seg_start.append(q_start[-1])  # adapter sequences come last (order_by_adapter): the last segment ends the batch
+    ranks = [list(a.host.ranks) for a in adapters]
+    row_start, first = [], 0
+    for a in adapters:
+        starts = []
+        for rank in a.host.ranks:
+            starts.append(first)
+            first += rank
+        row_start.append(starts)
+    scales = [list(a.host.scales) for a in adapters]
+    return LoraMeta(
+        token_adapter=_tensor(token_adapter, torch.int32, device),
+        seg_start=_tensor(seg_start, torch.int32, device),
+        seg_adapter=_tensor(seg_adapter, torch.int32, device),
+        ranks=_tensor(ranks, torch.int32, device),
+        scales=_tensor(scales, torch.float32, device),
+        row_start=_tensor(row_start, torch.int32, device),
+        a_rows=torch.cat([a.a_rows for a in adapters]).to(device, non_blocking=True),
+        b_rows=torch.cat([a.b_rows for a in adapters]).to(device, non_blocking=True),
+        max_rank=max(max(r) for r in ranks),
+        seg_start_host=seg_start,
+        seg_adapter_host=seg_adapter,
+        ranks_host=ranks,
+        scales_host=scales,
+        row_start_host=row_start,
+    )
+
+
+def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

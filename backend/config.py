@@ -1,0 +1,127 @@
+"""Engine configuration: one frozen, validated dataclass, parsed once at the edge (CLI, config.pbtxt)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start. Sizes are bytes; invalid values raise ValueError naming the field.
+
+    The page pool is `pool_bytes` if given, else `pool_fraction` of the device memory left free after the weights
+    (CUDA), else 512 MiB (CPU).
+    """
+
+    model: str = "default"  # "default" (embedded SmolLM2-135M-Instruct) or a checkpoint directory
+    tokenizer: str | None = None  # defaults to the model directory
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | float16 | bfloat16
+    load_format: str = "safetensors"  # safetensors | dummy (random weights of the checkpoint's shapes)
+    page_size: int = 16  # tokens per KV page
+    pool_bytes: int | None = None
+    pool_fraction: float | None = None
+    max_batch_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_num_seqs: int = 256  # running requests at most
+    max_model_len: int | None = None  # prompt + output tokens; defaults to the model's context
+    max_waiting: int = 4096  # queued requests beyond this are refused (EngineOverloadedError)
+    adapter_root: str | None = None  # adapters found by name: <adapter_root>/<name>/adapter_config.json
+    adapter_registry: str | None = None  # multi_lora.json: {"name": "path", ...}
+    host_budget_bytes: int = 8 * GiB  # host memory for adapters, LRU beyond it
+    max_lora_rank: int = 256
+    prefetch_adapters: int = 8  # adapters of queued requests loaded ahead into free pages
+    kernel_backend: str = "auto"  # auto | torch | triton
+    cuda_graphs: bool = False  # capture decode steps (needs the triton kernel backend)
+    seed: int = 0  # for requests that give no seed
+
+    def __post_init__(self) -> None:
+        _positive(self, "page_size", "max_batch_tokens", "max_num_seqs", "max_waiting", "host_budget_bytes")
+        _positive(self, "max_lora_rank")
+        if self.pool_bytes is not None:
+            _positive(self, "pool_bytes")
+        if self.max_model_len is not None:
+            _positive(self, "max_model_len")
+        if self.pool_fraction is not None and not 0.0 < self.pool_fraction < 1.0:
+            raise ValueError(f"pool_fraction must be in (0, 1), got {self.pool_fraction!r}")
+        if self.pool_bytes is not None and self.pool_fraction is not None:
+            raise ValueError("give pool_bytes or pool_fraction, not both")
+        if self.prefetch_adapters < 0:
+            raise ValueError(f"prefetch_adapters must be >= 0, got {self.prefetch_adapters}")
+        _choice(self, "dtype", ("auto", *_DTYPES))
+        _choice(self, "load_format", ("safetensors", "dummy"))
+        _choice(self, "kernel_backend", ("auto", "torch", "triton"))
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but CUDA is not available")
+        return device
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> EngineConfig:
+        """Build from string or typed values (config.pbtxt parameters, CLI); unknown keys are refused."""
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            if key not in known:
+                raise ValueError(f"unknown engine option {key!r} (known: {', '.join(sorted(known))})")
+            kwargs[key] = _parse(key, value, str(known[key].type))
+        return cls(**kwargs)
+
+
+def _parse(key: str, value: Any, type_name: str) -> Any:
+    if not isinstance(value, str):
+        return value
+    if value == "" or value.lower() == "none":
+        if "None" in type_name:
+            return None
+        raise ValueError(f"{key} needs a value")
+    try:
+        if type_name.startswith("int"):
+            return parse_size(value)
+        if type_name.startswith("float"):
+            return float(value)
+        if type_name.startswith("bool"):
+            return {"true": True, "1": True, "false": False, "0": False}[value.lower()]
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"{key}: cannot parse {value!r} as {type_name}") from exc
+    return value
+
+
+def parse_size(text: str) -> int:
+    """'4096', '512MiB', '8GiB', '2GB' → bytes (or a plain integer)."""
+    units = {"kib": 1 << 10, "mib": MiB, "gib": GiB, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    lowered = text.strip().lower()
+    for unit, factor in units.items():
+        if lowered.endswith(unit):
+            return int(float(lowered[: -len(unit)]) * factor)
+    return int(lowered)
+
+
+def _positive(config: EngineConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _choice(config: EngineConfig, name: str, choices: tuple[str, ...]) -> None:
+    if getattr(config, name) not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(config, name)!r}")

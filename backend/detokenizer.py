@@ -1,0 +1,89 @@
+"""Incremental detokenization with stop strings, and the recipe a stateless detokenizer needs to follow it.
+
+Text is produced the way TGI and vLLM do it: decode a small window of ids before and after the newest token and
+keep the difference, holding text back while the window ends inside a multi-byte character (U+FFFD). Characters
+that could be the start of a stop string are held back too, so that streamed deltas concatenate to exactly the
+final text, which ends before the stop string.
+
+Each emitted delta comes with a `TextSpan`: a window of token ids and a character range such that
+`tokenizer.decode(span.ids)[span.start : span.start + span.length] == delta`. Triton's detokenizer step is
+stateless; the span is all it needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+CONTEXT_TOKENS = 5  # prompt tokens decoded with the first output token, so its leading space is right
+
+
+@dataclass(frozen=True)
+class TextSpan:
+    ids: list[int]
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class _Checkpoint:
+    first_id: int  # window start (token index)
+    text_pos: int  # len(text) when this window began producing text
+    prefix_chars: int  # len(decode(ids[first_id:read])) at that time
+
+
+class IncrementalDetokenizer:
+    """Per-request text state. `update` after each new token; `take` returns what may be sent now."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: tuple[str, ...] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._prefix = max(len(prompt_ids) - CONTEXT_TOKENS, 0)
+        self._read = len(prompt_ids)
+        self._stop = stop
+        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._checkpoints: list[_Checkpoint] = []
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self._tokenizer.decode(ids, skip_special_tokens=True))
+
+    def update(self, ids: list[int]) -> None:
+        """Fold in the tokens of `ids` past the last read offset; sets `stopped` when a stop string appears."""
+        prefix_text = self._decode(ids[self._prefix : self._read])
+        full_text = self._decode(ids[self._prefix :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return
+        self._checkpoints.append(_Checkpoint(self._prefix, len(self.text), len(prefix_text)))
+        before = len(self.text)
+        self.text += full_text[len(prefix_text) :]
+        self._prefix, self._read = self._read, len(ids)
+        self._window_end = len(ids)
+        self._window_ids = ids
+        self._find_stop(before)
+
+    def _find_stop(self, before: int) -> None:
+        if not self._stop:
+            return
+        search_from = max(0, before - self._holdback)
+        hits = [i for s in self._stop if (i := self.text.find(s, search_from)) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+
+    def take(self, final: bool) -> tuple[str, TextSpan | None]:
+        """The text that may be sent now (all of it when `final`) and its span; marks it as sent."""
+        limit = len(self.text) if final or self.stopped else max(self.sent, len(self.text) - self._holdback)
+        if limit <= self.sent:
+            return "", None
+        delta = self.text[self.sent : limit]
+        span = self._span(self.sent, limit - self.sent)
+        self.sent = limit
+        return delta, span
+
+    def _span(self, start_char: int, length: int) -> TextSpan:
+        checkpoint = next(c for c in reversed(self._checkpoints) if c.text_pos <= start_char)
+        self._checkpoints = [c for c in self._checkpoints if c.text_pos >= checkpoint.text_pos]
+        ids = self._window_ids[checkpoint.first_id : self._window_end]
+        return TextSpan(list(ids), checkpoint.prefix_chars + start_char - checkpoint.text_pos, length)

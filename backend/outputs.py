@@ -1,0 +1,49 @@
+"""What the engine hands back: per-step request outputs, finished completions and engine statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from slora.backend.detokenizer import TextSpan
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """New tokens (and text, when the engine has a tokenizer) of one request after one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str = ""
+    span: TextSpan | None = None  # lets a stateless detokenizer reproduce `text` (see detokenizer.py)
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    pages_free: int
+    pages_kv: int
+    pages_adapter: int
+    pages_total: int
+    adapters_gpu: int
+    adapters_host: int
+    adapters_known: int
+    running: int
+    waiting: int
+    adapter_loads: int
+    adapter_evictions: int
+    preemptions: int
+    generated_tokens: int
+    finished_requests: int
+    running_adapters: list[str] = field(default_factory=list)
+    waiting_adapters: list[str] = field(default_factory=list)

@@ -1,0 +1,181 @@
+"""The unified page pool: one memory region, one page index space, shared by KV-cache blocks and LoRA weights.
+
+Layout (S-LoRA's Unified Paging, generalized to GQA and to MLP projections)::
+
+    storage: [num_layers, num_pages, page_elems]            one tensor, model dtype, allocated once
+                         │
+      page p ────────────┼──── the same index p names one slab in every layer
+                         ▼
+    as a KV block (block_size tokens), in layer l:
+      storage[l, p] = │ K: block_size × kv_heads × head_dim │ V: block_size × kv_heads × head_dim │
+                        token slot s of page p  ->  flat slot index p * block_size + s
+
+    as adapter rows of width w (w = in/out features of a projection), in layer l:
+      storage[l, p] = │ row 0 (w) │ row 1 (w) │ ... │ row n-1 (w) │ unused │    n = page_elems // w
+                        a row is one rank of lora_A (w = in_features) or of lora_Bᵀ (w = out_features);
+                        its address is the flat element offset  p * page_elems + i * w  in storage[l]
+
+    page_elems = block_size × 2 × kv_heads × head_dim  (≥ the widest row, see PoolGeometry.validate)
+
+An adapter of rank r takes about r × Σ(in + out) / page_elems pages: pages in proportion to its rank, no padding
+to a maximum rank. Both kinds come from the same free list, so neither fragments the other.
+
+The pool is the only allocator: it hands out and takes back page indices and records who owns each page. It
+never calls anyone; the scheduler decides what to evict or preempt. `check_integrity` proves that no page is lost
+and none is owned twice.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+
+class PageKind(enum.IntEnum):
+    FREE = 0
+    KV = 1
+    ADAPTER = 2
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """Shape of one page; the same for every layer."""
+
+    num_layers: int
+    block_size: int  # tokens per KV page
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def page_elems(self) -> int:
+        return self.block_size * 2 * self.num_kv_heads * self.head_dim
+
+    def rows_per_page(self, width: int) -> int:
+        return self.page_elems // width
+
+    def page_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one page index across all layers."""
+        return self.num_layers * self.page_elems * torch.empty((), dtype=dtype).element_size()
+
+    def validate(self, widest_row: int) -> None:
+        if self.page_elems < widest_row:
+            minimum = -(-widest_row // (2 * self.num_kv_heads * self.head_dim))
+            raise ValueError(
+                f"page_size={self.block_size} tokens gives pages of {self.page_elems} elements, smaller than "
+                f"the widest adapter row ({widest_row}); use page_size >= {minimum}"
+            )
+
+
+class PoolIntegrityError(AssertionError):
+    """The pool's bookkeeping is inconsistent (a bug, never a user error)."""
+
+
+Owner = Hashable
+
+
+class PagePool:
+    """Fixed-size pages of one storage tensor, handed out to KV blocks and adapter weights.
+
+    Not thread-safe: the engine thread is the only caller.
+    """
+
+    def __init__(self, geometry: PoolGeometry, num_pages: int, dtype: torch.dtype, device: torch.device) -> None:
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        self.geometry = geometry
+        self.num_pages = num_pages
+        self.storage = torch.zeros(
+            (geometry.num_layers, num_pages, geometry.page_elems), dtype=dtype, device=device
+        )
+        # Free pages are handed out lowest index first after a reset, then most recently freed first.
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._kind = [PageKind.FREE] * num_pages
+        self._owner: list[Owner | None] = [None] * num_pages
+        self._by_owner: dict[Owner, set[int]] = {}
+        self._count = {kind: 0 for kind in PageKind}
+        self._count[PageKind.FREE] = num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def count(self, kind: PageKind) -> int:
+        return self._count[kind]
+
+    def pages_of(self, owner: Owner) -> frozenset[int]:
+        return frozenset(self._by_owner.get(owner, ()))
+
+    def alloc(self, n: int, kind: PageKind, owner: Owner) -> list[int] | None:
+        """Take `n` free pages for `owner`, or None (and change nothing) when fewer than `n` are free."""
+        if kind == PageKind.FREE:
+            raise ValueError("cannot allocate pages of kind FREE")
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > len(self._free):
+            return None
+        pages = [self._free.pop() for _ in range(n)]
+        owned = self._by_owner.setdefault(owner, set())
+        for page in pages:
+            self._kind[page] = kind
+            self._owner[page] = owner
+            owned.add(page)
+        self._count[kind] += n
+        self._count[PageKind.FREE] -= n
+        return pages
+
+    def free(self, pages: Iterable[int], owner: Owner) -> None:
+        """Give back pages that `owner` holds; freeing a page one does not own is a bug and raises."""
+        owned = self._by_owner.get(owner, set())
+        for page in pages:
+            if page not in owned:
+                raise PoolIntegrityError(f"page {page} is not owned by {owner!r}")
+            owned.remove(page)
+            self._count[self._kind[page]] -= 1
+            self._count[PageKind.FREE] += 1
+            self._kind[page] = PageKind.FREE
+            self._owner[page] = None
+            self._free.append(page)
+        if not owned:
+            self._by_owner.pop(owner, None)
+
+    def free_all(self, owner: Owner) -> None:
+        self.free(sorted(self._by_owner.get(owner, ())), owner)
+
+    def kv_layer(self, layer: int) -> torch.Tensor:
+        """KV view of one layer: [num_pages, 2, block_size, num_kv_heads, head_dim]."""
+        g = self.geometry
+        return self.storage[layer].view(self.num_pages, 2, g.block_size, g.num_kv_heads, g.head_dim)
+
+    def flat_layer(self, layer: int) -> torch.Tensor:
+        """One layer as a flat vector; adapter row offsets index into it."""
+        return self.storage[layer].view(-1)
+
+    def check_integrity(self) -> None:
+        """Raise PoolIntegrityError unless every page is either free or owned by exactly one owner."""
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise PoolIntegrityError("a page is on the free list twice")
+        owned_total = 0
+        seen: set[int] = set()
+        for owner, pages in self._by_owner.items():
+            if not pages:
+                raise PoolIntegrityError(f"owner {owner!r} is recorded with no pages")
+            if pages & seen:
+                raise PoolIntegrityError(f"pages {sorted(pages & seen)} are owned twice")
+            seen |= pages
+            owned_total += len(pages)
+            for page in pages:
+                if self._owner[page] != owner or self._kind[page] == PageKind.FREE:
+                    raise PoolIntegrityError(f"page {page} is recorded for {owner!r} but marked otherwise")
+        if free & seen:
+            raise PoolIntegrityError(f"pages {sorted(free & seen)} are both free and owned")
+        if len(free) + owned_total != self.num_pages:
+            raise PoolIntegrityError(
+                f"{self.num_pages - len(free) - owned_total} page(s) are lost (neither free nor owned)"
+            )
+        by_kind = {kind: self._kind.count(kind) for kind in PageKind}
+        if by_kind != self._count or by_kind[PageKind.FREE] != len(free):
+            raise PoolIntegrityError(f"page counts {self._count} disagree with the page table {by_kind}")

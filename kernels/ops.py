@@ -1,0 +1,73 @@
+"""The attention and LoRA operations the model calls, behind one interface with two implementations.
+
+`TorchOps` is the plain-torch reference (any device). Triton-language kernels implement the same three methods
+in kernels/triton_ops.py; `make_ops` picks one.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from slora.kernels.attention_ref import paged_attention_ref, write_kv_ref
+from slora.kernels.lora_ref import lora_ref
+from slora.kernels.metadata import AttentionMeta, LoraMeta
+
+
+class Ops(Protocol):
+    name: str
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta) -> None: ...
+
+    def attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta, scale: float
+    ) -> torch.Tensor: ...
+
+    def lora(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        flat_layer: torch.Tensor,
+        meta: LoraMeta,
+        modules: tuple[int, ...],
+        out_offsets: tuple[int, ...],
+        out_widths: tuple[int, ...],
+    ) -> None: ...
+
+
+class TorchOps:
+    name = "torch"
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta) -> None:
+        write_kv_ref(k, v, kv_layer, meta.slot_mapping)
+
+    def attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta, scale: float
+    ) -> torch.Tensor:
+        return paged_attention_ref(q, kv_layer, meta, scale)
+
+    def lora(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        flat_layer: torch.Tensor,
+        meta: LoraMeta,
+        modules: tuple[int, ...],
+        out_offsets: tuple[int, ...],
+        out_widths: tuple[int, ...],
+    ) -> None:
+        lora_ref(y, x, flat_layer, meta, modules, out_offsets, out_widths)
+
+
+def make_ops(backend: str, device: torch.device) -> Ops:
+    """'torch', 'triton', or 'auto' (Triton kernels on CUDA when importable, else torch)."""
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return TorchOps()
+    try:
+        from slora.kernels.triton_ops import TritonOps
+    except ImportError as exc:
+        if backend == "triton":
+            raise ValueError(f"kernel_backend='triton' needs the triton package ({exc})") from exc
+        return TorchOps()
+    return TritonOps()
