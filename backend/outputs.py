@@ -19,6 +19,7 @@ class RequestOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    error: str | None = None  # set with finish_reason "error" when the engine failed this request
 
 
 @dataclass(frozen=True)
