@@ -1,0 +1,307 @@
+"""Replay traces against the engine in this process (no server): the in-process side of every comparison.
+
+    python -m perf.bench_engine --model /tmp/slora-perf/model --adapter-root /tmp/slora-perf/adapters/S1 \\
+        --load-format dummy --kernel-backend triton --out results.json \\
+        traces/s1-n5.jsonl traces/s1-n2000.jsonl traces/s1-n2000.jsonl@base traces/s1-n2000.jsonl@single
+
+Each positional argument is TRACE[@MODE], run one after the other on the same engine:
+    lora    requests use the trace's adapters (default)
+    base    the same requests on the base model alone (no adapters)
+    single  the same requests, all on the trace's most requested adapter (the "one merged adapter" baseline:
+            with random weights a merged adapter costs exactly the base model, so `base` is that figure and
+            `single` shows the cost of computing one unmerged adapter)
+
+Requests are added when their arrival time comes, between steps, as a server's engine thread would; their
+latency counts from the scheduled arrival. Before the clock starts, the trace's adapters are read into host
+memory (S-LoRA keeps every adapter in host memory too; the time is reported as `preload_s`), a few requests
+warm up the kernels, and the pool is emptied of adapters so that each run starts cold on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from perf.metrics import RequestRecord, summarize
+from perf.results import append_runs, headline, make_run, trace_info
+from perf.step_profiler import StepProfiler
+from perf.workload import Trace, TraceRequest, load_trace
+from slora.backend.config import EngineConfig, parse_size
+from slora.backend.engine import LLMEngine
+from slora.backend.errors import EngineOverloadedError, SloraError
+
+logger = logging.getLogger(__name__)
+
+MODES = ("lora", "base", "single")
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    time_limit_s: float = 600.0  # requests still running then are aborted and count as unfinished
+    warmup_requests: int = 8
+    warmup_tokens: int = 8
+    preload: bool = True
+    preload_workers: int = 8
+    progress_interval_s: float = 5.0
+    window_fraction: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not self.time_limit_s > 0:
+            raise ValueError(f"time_limit_s must be > 0, got {self.time_limit_s}")
+        for name in ("warmup_requests", "warmup_tokens", "preload_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.window_fraction < 1.0:
+            raise ValueError(f"window_fraction must be in [0, 1), got {self.window_fraction}")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    trace_path: Path
+    mode: str = "lora"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> RunSpec:
+        path, _, mode = text.partition("@")
+        return cls(Path(path), mode or "lora")
+
+    def load(self) -> Trace:
+        trace = load_trace(self.trace_path)
+        if self.mode == "base":
+            return trace.with_adapter(None)
+        if self.mode == "single":
+            return trace.with_adapter(trace.adapters()[0] if trace.adapters() else None)
+        return trace
+
+
+def preload_adapters(engine: LLMEngine, names: list[str], workers: int) -> float:
+    """Read adapters into the host store (in threads: the reads and copies release the GIL); returns seconds."""
+    start = time.perf_counter()
+    if names:
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            list(pool.map(engine.store.get, names))
+    loaded = sum(1 for a in engine.store.list() if a.in_host and a.name in set(names))
+    if loaded < len(names):
+        logger.warning("only %d of %d adapters fit in the host budget (%d bytes); the rest reload from disk",
+                       loaded, len(names), engine.store.budget_bytes)  # fmt: skip
+    return time.perf_counter() - start
+
+
+def warm_up(engine: LLMEngine, trace: Trace, options: ReplayOptions) -> None:
+    """Compile and warm the kernels on a few of the trace's requests (prefill, decode, LoRA); not measured."""
+    requests = trace.requests[: options.warmup_requests]
+    if not requests or options.warmup_tokens == 0:
+        return
+    start = time.perf_counter()
+    sampling = [{**r.sampling(), "max_tokens": min(r.output_len, options.warmup_tokens)} for r in requests]
+    engine.generate([list(r.prompt_ids) for r in requests], [r.adapter for r in requests], sampling)
+    logger.info("warm-up: %d requests in %.1fs", len(requests), time.perf_counter() - start)
+
+
+def evict_all_adapters(engine: LLMEngine) -> None:
+    """Empty the pool of (unpinned) adapters so that the next run starts cold on the GPU."""
+    engine.cache.evict(engine.pool.num_pages)
+    engine.check_idle_integrity()
+
+
+class Replay:
+    """Feeds one trace to the engine in real time and records every request's timings."""
+
+    def __init__(self, engine: LLMEngine, trace: Trace, options: ReplayOptions, profiler: StepProfiler) -> None:
+        self.engine = engine
+        self.options = options
+        self.profiler = profiler
+        self.pending: deque[TraceRequest] = deque(trace.requests)
+        self.records = {
+            f"r{r.index}": RequestRecord(r.index, r.adapter, r.input_len, r.output_len, r.arrival)
+            for r in trace.requests
+        }
+        self.open: set[str] = set()
+        self.steps = 0
+        self.step_time = 0.0
+        self.refusals = 0
+        self.start = 0.0
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    def run(self) -> float:
+        """Replay until every request finished or the time limit; returns the duration (to the last finish)."""
+        self.start = time.perf_counter()
+        last_log = 0.0
+        last_event = 0.0
+        while self.pending or self.open:
+            now = self.now()
+            if now > self.options.time_limit_s:
+                self._abort_all()
+                return now
+            self._add_arrived(now)
+            if self.engine.has_unfinished():
+                last_event = self._step() or last_event
+            elif self.pending:
+                time.sleep(min(max(self.pending[0].arrival - self.now(), 0.0), 0.05))
+            if now - last_log >= self.options.progress_interval_s:
+                self._progress(now)
+                last_log = now
+        self.profiler.finish()
+        return last_event
+
+    def _add_arrived(self, now: float) -> None:
+        while self.pending and self.pending[0].arrival <= now:
+            r = self.pending[0]
+            rid = f"r{r.index}"
+            try:
+                self.engine.add_request(list(r.prompt_ids), r.adapter, r.sampling(), request_id=rid)
+            except EngineOverloadedError:
+                self.refusals += 1
+                return  # queue full: retry after the next step
+            except SloraError as exc:
+                self.records[rid].finish(self.now(), "error", str(exc))
+                logger.warning("request %s refused: %s", rid, exc)
+            else:
+                self.open.add(rid)
+            self.pending.popleft()
+
+    def _step(self) -> float | None:
+        self.profiler.before_step()
+        began = time.perf_counter()
+        outputs = self.engine.step()
+        self.step_time += time.perf_counter() - began
+        self.steps += 1
+        self.profiler.after_step()
+        t = self.now()
+        finished_any = None
+        for out in outputs:
+            record = self.records.get(out.request_id)
+            if record is None:
+                continue
+            record.add_chunk(t, len(out.new_token_ids))
+            if out.finished:
+                record.finish(t, out.finish_reason, out.error)
+                self.open.discard(out.request_id)
+                finished_any = t
+        return finished_any
+
+    def _abort_all(self) -> None:
+        logger.warning("time limit of %.0fs reached: aborting %d running and %d unsent requests",
+                       self.options.time_limit_s, len(self.open), len(self.pending))  # fmt: skip
+        for rid in list(self.open):
+            self.engine.abort(rid)
+        self.open.clear()
+        self.pending.clear()
+        self.profiler.finish()
+
+    def _progress(self, now: float) -> None:
+        done = sum(1 for r in self.records.values() if r.finish_time is not None)
+        tokens = sum(r.num_output for r in self.records.values())
+        stats = self.engine.scheduler
+        logger.info("t=%6.1fs sent %d/%d finished %d running %d waiting %d | %.0f out tok/s, %d steps (%.1f ms/step)",
+                    now, len(self.records) - len(self.pending), len(self.records), done, len(stats.running),
+                    len(stats.waiting), tokens / max(now, 1e-9), self.steps,
+                    1000 * self.step_time / max(self.steps, 1))  # fmt: skip
+
+
+def run_one(
+    engine: LLMEngine,
+    spec: RunSpec,
+    options: ReplayOptions,
+    name: str,
+    profile: tuple[int, int],
+    profile_file: Path | None,
+) -> dict[str, Any]:
+    trace = spec.load()
+    logger.info("run %s: %s (%d requests, mode %s)", name, spec.trace_path, len(trace), spec.mode)
+    preload_s = preload_adapters(engine, trace.adapters(), options.preload_workers) if options.preload else 0.0
+    warm_up(engine, trace, options)
+    evict_all_adapters(engine)
+    before = engine.stats()
+    replay = Replay(engine, trace, options, StepProfiler(profile[0], profile[1], profile_file, name))
+    duration = replay.run()
+    after = engine.stats()
+    metrics = summarize(list(replay.records.values()), duration, options.window_fraction)
+    metrics.update(
+        engine_steps=replay.steps,
+        mean_step_ms=1000 * replay.step_time / max(replay.steps, 1),
+        step_time_share=replay.step_time / duration if duration > 0 else None,
+        overload_refusals=replay.refusals,
+        adapter_loads=after.adapter_loads - before.adapter_loads,
+        adapter_evictions=after.adapter_evictions - before.adapter_evictions,
+        preemptions=after.preemptions - before.preemptions,
+        preload_s=preload_s,
+    )
+    options_info = {**asdict(options), "mode": spec.mode, "engine": _engine_info(engine)}
+    return make_run(name, "engine", trace_info(trace, spec.trace_path), options_info, metrics)
+
+
+def _engine_info(engine: LLMEngine) -> dict[str, Any]:
+    config = {k: v for k, v in asdict(engine.config).items()}
+    return {"config": config, "ops": getattr(engine.model.ops, "name", "?"), "device": str(engine.device),
+            "dtype": str(engine.dtype), "pool_pages": engine.pool.num_pages}  # fmt: skip
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    values: dict[str, Any] = {"model": str(args.model), "load_format": args.load_format, "device": args.device,
+                              "dtype": args.dtype, "kernel_backend": args.kernel_backend}  # fmt: skip
+    if args.adapter_root:
+        values["adapter_root"] = str(args.adapter_root)
+    if args.host_budget:
+        values["host_budget_bytes"] = parse_size(args.host_budget)
+    for item in args.engine_opt:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--engine-opt wants KEY=VALUE, got {item!r}")
+        values[key] = value
+    return EngineConfig.from_dict(values)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="TRACE[@MODE], MODE one of " + ", ".join(MODES))
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--adapter-root", type=Path)
+    parser.add_argument("--load-format", default="dummy", choices=("dummy", "safetensors"))
+    parser.add_argument("--kernel-backend", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--host-budget", help="host memory for adapters, e.g. 64GiB")
+    parser.add_argument("--engine-opt", action="append", default=[], help="any EngineConfig field, KEY=VALUE")
+    parser.add_argument("--name-prefix", default="engine", help="runs are named <prefix>-<trace>-<mode>")
+    parser.add_argument("--time-limit", type=float, default=600.0, help="seconds per run")
+    parser.add_argument("--warmup-requests", type=int, default=8)
+    parser.add_argument("--no-preload", action="store_true", help="load adapters on first use, inside the clock")
+    parser.add_argument("--preload-workers", type=int, default=8)
+    parser.add_argument("--profile", type=int, nargs=2, default=(0, 0), metavar=("START", "COUNT"),
+                        help="profile COUNT steps from step START of each run")  # fmt: skip
+    parser.add_argument("--profile-file", type=Path, help="append the profile tables here")
+    parser.add_argument("--out", type=Path, required=True, help="results JSON (runs are added to it)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    specs = [RunSpec.parse(text) for text in args.runs]
+    options = ReplayOptions(time_limit_s=args.time_limit, warmup_requests=args.warmup_requests,
+                            preload=not args.no_preload, preload_workers=args.preload_workers)  # fmt: skip
+    started = time.perf_counter()
+    engine = LLMEngine(engine_config(args))
+    logger.info("engine ready in %.1fs (ops %s)", time.perf_counter() - started, getattr(engine.model.ops, "name", "?"))
+    for spec in specs:
+        name = f"{args.name_prefix}-{spec.trace_path.stem}-{spec.mode}"
+        run = run_one(engine, spec, options, name, tuple(args.profile), args.profile_file)
+        append_runs(args.out, [run])
+        logger.info("%s", headline(run))
+
+
+if __name__ == "__main__":
+    main()
