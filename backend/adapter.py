@@ -164,9 +164,7 @@ def _read_tensors(name: str, path: Path, spec: ModelSpec, max_rank: int) -> dict
     return tensors
 
 
-def _check_tensor(
-    name: str, weights: Path, key: str, tensor: torch.Tensor, spec: ModelSpec, max_rank: int
-) -> None:
+def _check_tensor(name: str, weights: Path, key: str, tensor: torch.Tensor, spec: ModelSpec, max_rank: int) -> None:
     def refuse(reason: str) -> AdapterError:
         return AdapterError(f"adapter {name!r}: {weights}: tensor {key!r} {reason}")
 
@@ -261,7 +259,7 @@ def _fill_image(
     b_local: list[torch.Tensor],
     spec: ModelSpec,
 ) -> None:
-    keys = {(int(m[1]), m[3], m[4]): k for k in tensors if (m := _KEY.match(k))}
+    keys = {(int(match[1]), match[3], match[4]): k for k in tensors if (match := _KEY.match(k))}
     targeted = [i for i, r in enumerate(ranks) if r]
     for slot, m in enumerate(targeted):
         module = LORA_MODULES[m]

@@ -65,7 +65,7 @@ def convert_default_model(target: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
         model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name)
         # The tensors are dequantized already; detach the GGUF quantizer so that saving is allowed.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]
         model.config.quantization_config = None
         model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))

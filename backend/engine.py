@@ -172,9 +172,7 @@ class LLMEngine:
             request.detokenizer.update(request.token_ids)
             if request.detokenizer.stopped:
                 reason = FinishReason.STOP
-        if reason is None and (
-            request.num_output >= params.max_tokens or len(request.token_ids) >= self.max_model_len
-        ):
+        if reason is None and (request.num_output >= params.max_tokens or len(request.token_ids) >= self.max_model_len):
             reason = FinishReason.LENGTH
         text, span = request.detokenizer.take(final=reason is not None) if request.detokenizer else ("", None)
         if reason is not None:

@@ -16,7 +16,7 @@ from slora.backend.rope import RotaryTable, apply_rotary
 from slora.backend.weights import LayerWeights, ModelWeights
 from slora.kernels.ops import Ops
 
-Q, K, V, O, GATE, UP, DOWN = range(len(LORA_MODULES))
+Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ = range(len(LORA_MODULES))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,7 +71,7 @@ class DecoderModel:
     ) -> torch.Tensor:
         s = self.spec
         qkv = F.linear(x, w.qkv, w.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
-        self._lora(i, qkv, x, batch, pool, (Q, K, V), (0, s.q_size, s.q_size + s.kv_size))
+        self._lora(i, qkv, x, batch, pool, (Q_PROJ, K_PROJ, V_PROJ), (0, s.q_size, s.q_size + s.kv_size))
         q, k, v = qkv.split((s.q_size, s.kv_size, s.kv_size), dim=-1)
         q = apply_rotary(q.view(-1, s.num_heads, s.head_dim), cos, sin)
         k = apply_rotary(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin)
@@ -80,16 +80,16 @@ class DecoderModel:
         self.ops.write_kv(k, v, kv_layer, batch.attn)
         attn = self.ops.attention(q, kv_layer, batch.attn, self.scale).reshape(-1, s.q_size)
         out = F.linear(attn, w.o)  # [num_tokens, hidden]
-        self._lora(i, out, attn, batch, pool, (O,), (0,))
+        self._lora(i, out, attn, batch, pool, (O_PROJ,), (0,))
         return out
 
     def _mlp(self, i: int, w: LayerWeights, x: torch.Tensor, batch: ForwardBatch, pool: PagePool) -> torch.Tensor:
         inter = self.spec.intermediate_size
         gate_up = F.linear(x, w.gate_up)  # [num_tokens, 2 * intermediate]
-        self._lora(i, gate_up, x, batch, pool, (GATE, UP), (0, inter))
+        self._lora(i, gate_up, x, batch, pool, (GATE_PROJ, UP_PROJ), (0, inter))
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         out = F.linear(act, w.down)  # [num_tokens, hidden]
-        self._lora(i, out, act, batch, pool, (DOWN,), (0,))
+        self._lora(i, out, act, batch, pool, (DOWN_PROJ,), (0,))
         return out
 
     def _lora(

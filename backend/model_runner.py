@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from slora.backend.batch import ForwardBatch, ScheduledSeq, build_batch
@@ -16,12 +18,15 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.device = pool.storage.device
+        self.logits_hook: Callable[[torch.Tensor], None] | None = None  # tests read the logits of each step
 
     def run(self, seqs: list[ScheduledSeq]) -> list[tuple[Request, int]]:
         """Compute the scheduled tokens; return (request, next token) for each sequence that samples."""
         batch = build_batch(seqs, self.pool.geometry.block_size, self.device)
         self._wait_for_adapters(batch)
         logits = self.model.forward(batch, self.pool)  # [num_sampled, vocab]
+        if self.logits_hook is not None:
+            self.logits_hook(logits)
         sampled = batch.sampled
         tokens = sample(logits, [s.request.sampling for s in sampled], [s.request.generator for s in sampled])
         return [(s.request, token) for s, token in zip(sampled, tokens)]

@@ -87,9 +87,7 @@ class PagePool:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.geometry = geometry
         self.num_pages = num_pages
-        self.storage = torch.zeros(
-            (geometry.num_layers, num_pages, geometry.page_elems), dtype=dtype, device=device
-        )
+        self.storage = torch.zeros((geometry.num_layers, num_pages, geometry.page_elems), dtype=dtype, device=device)
         # Free pages are handed out lowest index first after a reset, then most recently freed first.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._kind = [PageKind.FREE] * num_pages
@@ -116,6 +114,8 @@ class PagePool:
             raise ValueError(f"cannot allocate {n} pages")
         if n > len(self._free):
             return None
+        if n == 0:
+            return []
         pages = [self._free.pop() for _ in range(n)]
         owned = self._by_owner.setdefault(owner, set())
         for page in pages:

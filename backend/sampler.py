@@ -11,9 +11,7 @@ import torch
 from slora.backend.sampling_params import SamplingParams
 
 
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> list[int]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """logits: [num_seqs, vocab] float32 → one token id per row."""
     tokens = torch.argmax(logits, dim=-1)
     for row, (p, generator) in enumerate(zip(params, generators)):

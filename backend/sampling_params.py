@@ -76,9 +76,7 @@ class SamplingParams:
                         f"sampling parameter {key!r}={value!r} is not supported (only {_NEUTRAL[key]!r})"
                     )
             else:
-                raise InvalidRequestError(
-                    f"unknown sampling parameter {key!r} (supported: {', '.join(sorted(known))})"
-                )
+                raise InvalidRequestError(f"unknown sampling parameter {key!r} (supported: {', '.join(sorted(known))})")
         if kwargs.get("top_k") == 0:
             kwargs["top_k"] = -1
         for key in ("temperature", "top_p"):
@@ -104,7 +102,9 @@ def _check_float(name: str, value: object, minimum: float) -> None:
 def _string_tuple(value: object) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
-        raise InvalidRequestError(f"sampling parameter 'stop' must be a non-empty string or a list of them, got {value!r}")
+        raise InvalidRequestError(
+            f"sampling parameter 'stop' must be a non-empty string or a list of them, got {value!r}"
+        )
     return tuple(items)
 
 

@@ -15,7 +15,7 @@ from slora.backend.adapter import HostAdapter, load_peft_adapter
 from slora.backend.adapter_cache import AdapterCache
 from slora.backend.adapter_store import AdapterStore
 from slora.backend.checkpoint import load_checkpoint, random_weights
-from slora.backend.config import MiB, EngineConfig
+from slora.backend.config import EngineConfig, MiB
 from slora.backend.default_model import resolve_model_path
 from slora.backend.model import DecoderModel
 from slora.backend.model_spec import LORA_MODULES, ModelSpec

@@ -6,9 +6,27 @@ so that it needs no device-to-host synchronization.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+def segment_tiles(starts: list[int], block: int, device: torch.device) -> torch.Tensor:
+    """int32 [num_tiles, 2]: (segment, first row) of every run of up to `block` rows inside one segment.
+
+    Segment g covers rows starts[g]:starts[g+1]; empty segments get no tile. Kernels launch one program per tile,
+    so that no program straddles two segments and none is spent on rows of no segment.
+    """
+    tiles = [(g, row) for g in range(len(starts) - 1) for row in range(starts[g], starts[g + 1], block)]
+    return torch.tensor(tiles, dtype=torch.int32).view(-1, 2).to(device, non_blocking=True)
+
+
+def row_alignment(rows: torch.Tensor, cap: int = 16) -> int:
+    """The largest power of two up to `cap` that divides every offset in `rows` (lets kernels vectorize loads)."""
+    align = cap
+    while align > 1 and bool((rows % align).any()):
+        align //= 2
+    return align
 
 
 @dataclass
@@ -30,6 +48,8 @@ class AttentionMeta:
     seq_lens_host: list[int]
     block_tables_host: list[list[int]]
 
+    _tiles: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
@@ -37,6 +57,12 @@ class AttentionMeta:
     @property
     def decode_only(self) -> bool:
         return self.max_q_len == 1
+
+    def tiles(self, block: int) -> torch.Tensor:
+        """Query tiles of up to `block` tokens of one sequence (see segment_tiles), built once per step."""
+        if block not in self._tiles:
+            self._tiles[block] = segment_tiles(self.q_start_host, block, self.q_start.device)
+        return self._tiles[block]
 
 
 @dataclass
@@ -47,7 +73,9 @@ class LoraMeta:
     seg_start[g]:seg_start[g+1], all using active adapter seg_adapter[g]. Tokens of the base model belong to no
     segment. Module index m follows LORA_MODULES (q, k, v, o, gate, up, down). For active adapter a and module m,
     rows row_start[a, m] .. row_start[a, m] + ranks[a, m] - 1 of a_rows/b_rows give the flat element offsets (in
-    one pool layer) of its lora_A rows ([in_features] each) and lora_Bᵀ rows ([out_features] each).
+    one pool layer) of its lora_A rows ([in_features] each) and lora_Bᵀ rows ([out_features] each). An adapter's
+    modules follow each other in the row table (row_start[a, m + 1] == row_start[a, m] + ranks[a, m]), so the rows
+    of projections fused in one call (q, k, v; gate, up) form one run. Every offset is a multiple of row_align.
     """
 
     token_adapter: torch.Tensor  # int32 [num_tokens]: active adapter index, -1 for none
@@ -64,7 +92,24 @@ class LoraMeta:
     ranks_host: list[list[int]]
     scales_host: list[list[float]]
     row_start_host: list[list[int]]
+    row_align: int = 1
+    _tiles: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_segments(self) -> int:
         return len(self.seg_adapter_host)
+
+    @property
+    def max_segment_len(self) -> int:
+        starts = self.seg_start_host
+        return max((b - a for a, b in zip(starts, starts[1:])), default=0)
+
+    def fused_rank(self, first_module: int, num_modules: int) -> int:
+        """The largest total rank of modules first_module .. first_module + num_modules - 1 over the adapters."""
+        return max((sum(r[first_module : first_module + num_modules]) for r in self.ranks_host), default=0)
+
+    def tiles(self, block: int) -> torch.Tensor:
+        """Token tiles of up to `block` tokens of one segment (see segment_tiles), built once per step."""
+        if block not in self._tiles:
+            self._tiles[block] = segment_tiles(self.seg_start_host, block, self.seg_start.device)
+        return self._tiles[block]

@@ -20,9 +20,7 @@ class Ops(Protocol):
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta) -> None: ...
 
-    def attention(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta, scale: float
-    ) -> torch.Tensor: ...
+    def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta, scale: float) -> torch.Tensor: ...
 
     def lora(
         self,
@@ -42,9 +40,7 @@ class TorchOps:
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta) -> None:
         write_kv_ref(k, v, kv_layer, meta.slot_mapping)
 
-    def attention(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta, scale: float
-    ) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta, scale: float) -> torch.Tensor:
         return paged_attention_ref(q, kv_layer, meta, scale)
 
     def lora(

@@ -33,8 +33,9 @@ MIXED_ADAPTERS = (
     AdapterSpec("r8-mlp", 8, ("gate_proj", "up_proj", "down_proj"), alpha=16),
     AdapterSpec("r5-ko", 5, ("k_proj", "o_proj"), alpha=10),
     AdapterSpec("r16-all", 16, ALL_MODULES, alpha=8, rslora=True),
-    AdapterSpec("r2-down", 2, ("down_proj", "q_proj"), alpha=3, rank_pattern={"down_proj": 7},
-                alpha_pattern={"q_proj": 9}),  # fmt: skip
+    AdapterSpec(
+        "r2-down", 2, ("down_proj", "q_proj"), alpha=3, rank_pattern={"down_proj": 7}, alpha_pattern={"q_proj": 9}
+    ),  # fmt: skip
     AdapterSpec("r12-qkv", 12, ("q_proj", "k_proj", "v_proj"), alpha=24),
 )
 
@@ -75,7 +76,26 @@ def tiny_qwen2_config(**overrides: Any) -> Any:
     return Qwen2Config(**values)
 
 
-def save_random_model(config: Any, path: Path, seed: int = 0) -> Path:
+def tiny_mistral_config(**overrides: Any) -> Any:
+    from transformers import MistralConfig
+
+    values = dict(
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_window=64,
+        tie_word_embeddings=False,
+    )
+    values.update(overrides)
+    return MistralConfig(**values)
+
+
+def save_random_model(config: Any, path: Path, seed: int = 0, max_shard_size: str | None = None) -> Path:
     """A randomly initialized causal LM saved with safetensors; biases made nonzero so they matter."""
     from transformers import AutoModelForCausalLM
 
@@ -85,7 +105,10 @@ def save_random_model(config: Any, path: Path, seed: int = 0) -> Path:
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.normal_(0, 0.5)
-    model.save_pretrained(str(path), safe_serialization=True)
+    if max_shard_size:
+        model.save_pretrained(str(path), safe_serialization=True, max_shard_size=max_shard_size)
+    else:
+        model.save_pretrained(str(path), safe_serialization=True)
     return path
 
 

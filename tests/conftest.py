@@ -1,0 +1,38 @@
+"""Fixtures shared by all test tiers."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from slora.backend.default_model import resolve_model_path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The embedded SmolLM2 checkpoint (converted from GGUF once, cached under $SLORA_CACHE)."""
+    return resolve_model_path("default")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_text_model(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A tiny random Llama with SmolLM2's vocabulary and tokenizer: fast, and text features work."""
+    from tests.factories import save_random_model, tiny_llama_config
+
+    path = tmp_path_factory.mktemp("tiny-text") / "model"
+    save_random_model(tiny_llama_config(vocab_size=49152, bos_token_id=1, eos_token_id=2), path, seed=11)
+    for name in TOKENIZER_FILES:
+        if (default_model_dir / name).is_file():
+            shutil.copy(default_model_dir / name, path / name)
+    return path

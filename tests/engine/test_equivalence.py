@@ -1,0 +1,98 @@
+"""Greedy tokens of every adapter, all served together in one batch, equal HF transformers + PEFT alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from slora.backend.config import EngineConfig
+from slora.backend.engine import LLMEngine
+from slora.backend.sampling_params import SamplingParams
+from tests.engine.conftest import ModelWithAdapters
+from tests.factories import hf_reference
+from tests.reference import compare_greedy, hf_greedy
+
+MAX_NEW = 12
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+
+def _prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def _jobs(model: ModelWithAdapters, prompts: list[list[int]]) -> list[tuple[list[int], str | None]]:
+    """Every adapter and the base model, each on two prompts of different lengths."""
+    names: list[str | None] = [None, *model.adapters]
+    return [(prompts[(i + k) % len(prompts)], name) for i, name in enumerate(names) for k in range(2)]
+
+
+def _check(model: ModelWithAdapters, config: EngineConfig, prompt_lengths: list[int]) -> None:
+    engine = LLMEngine(config)
+    prompts = _prompts(engine.spec.vocab_size, prompt_lengths, seed=7)
+    jobs = _jobs(model, prompts)
+    results = engine.generate([p for p, _ in jobs], [a for _, a in jobs], GREEDY)
+    compared = total = 0
+    references: dict[str | None, object] = {}
+    for (prompt, adapter), result in zip(jobs, results):
+        if adapter not in references:
+            references[adapter] = hf_reference(model.base, model.adapter_root / adapter if adapter else None)
+        ref = hf_greedy(references[adapter], prompt, MAX_NEW)
+        compared += compare_greedy(result.token_ids, ref, tie_margin=1e-4)
+        total += MAX_NEW
+    assert compared >= 0.9 * total, f"only {compared}/{total} tokens were outside near ties"
+    engine.check_idle_integrity()
+
+
+def test_llama_gqa_all_adapters_one_batch(llama: ModelWithAdapters) -> None:
+    config = EngineConfig(model=str(llama.base), adapter_root=str(llama.adapter_root), page_size=4,
+                          pool_bytes=8 << 20)  # fmt: skip
+    _check(llama, config, prompt_lengths=[5, 17, 9, 30])
+
+
+def test_llama_chunked_prefill_mixed_with_decode(llama: ModelWithAdapters) -> None:
+    """A small token budget splits prompts into chunks that share steps with other requests' decodes."""
+    config = EngineConfig(model=str(llama.base), adapter_root=str(llama.adapter_root), page_size=8,
+                          pool_bytes=8 << 20, max_batch_tokens=13)  # fmt: skip
+    _check(llama, config, prompt_lengths=[29, 3, 41, 11])
+
+
+def test_llama3_rope_scaling_tied_embeddings(llama3_scaled: ModelWithAdapters) -> None:
+    config = EngineConfig(model=str(llama3_scaled.base), adapter_root=str(llama3_scaled.adapter_root),
+                          page_size=16, pool_bytes=8 << 20)  # fmt: skip
+    # Prompts longer than original_max_position_embeddings (64) exercise the scaled frequencies.
+    _check(llama3_scaled, config, prompt_lengths=[70, 90, 7])
+
+
+def test_qwen2_qkv_bias(qwen2: ModelWithAdapters) -> None:
+    config = EngineConfig(model=str(qwen2.base), adapter_root=str(qwen2.adapter_root), page_size=8,
+                          pool_bytes=8 << 20)  # fmt: skip
+    _check(qwen2, config, prompt_lengths=[6, 19, 12])
+
+
+def test_mistral_sharded_checkpoint(mistral_sharded: ModelWithAdapters) -> None:
+    assert len(list(mistral_sharded.base.glob("*.safetensors"))) > 1
+    config = EngineConfig(model=str(mistral_sharded.base), adapter_root=str(mistral_sharded.adapter_root),
+                          page_size=8, pool_bytes=8 << 20)  # fmt: skip
+    _check(mistral_sharded, config, prompt_lengths=[8, 21, 15])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_logits_close_to_hf(llama: ModelWithAdapters, dtype: str) -> None:
+    """In 16-bit the engine's first-step logits stay within a tolerance of HF + PEFT in the same dtype."""
+    torch_dtype = getattr(torch, dtype)
+    config = EngineConfig(model=str(llama.base), adapter_root=str(llama.adapter_root), dtype=dtype,
+                          page_size=8, pool_bytes=8 << 20)  # fmt: skip
+    engine = LLMEngine(config)
+    captured: list[torch.Tensor] = []
+    engine.runner.logits_hook = captured.append
+    prompt = _prompts(engine.spec.vocab_size, [13], seed=3)[0]
+    for adapter in (None, "r3-all", "r8-mlp"):
+        captured.clear()
+        engine.generate([prompt], [adapter], SamplingParams(max_tokens=1, temperature=0.0))
+        ref_model = hf_reference(llama.base, llama.adapter_root / adapter if adapter else None, torch_dtype)
+        with torch.inference_mode():
+            ref = ref_model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+        torch.testing.assert_close(captured[0][0], ref, atol=0.05, rtol=0.05)

@@ -1,0 +1,106 @@
+"""Continuous batching under pressure: preemption, adapter eviction, abort, capacity limits, integrity."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from slora.backend.config import EngineConfig
+from slora.backend.engine import LLMEngine
+from slora.backend.errors import CapacityError
+from slora.backend.page_pool import PageKind
+from slora.backend.sampling_params import SamplingParams
+from tests.engine.conftest import ModelWithAdapters
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def _engine(model: ModelWithAdapters, pages: int, **options: object) -> LLMEngine:
+    probe = LLMEngine(EngineConfig(model=str(model.base), page_size=8, pool_bytes=1 << 20))
+    page_bytes = probe.pool.geometry.page_bytes(probe.dtype)
+    config = EngineConfig(model=str(model.base), adapter_root=str(model.adapter_root), page_size=8,
+                          pool_bytes=pages * page_bytes, **options)  # type: ignore[arg-type]  # fmt: skip
+    return LLMEngine(config)
+
+
+def _workload(model: ModelWithAdapters, n: int, seed: int) -> tuple[list[list[int]], list[str | None]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100) for _ in range(rng.randint(3, 14))] for _ in range(n)]
+    adapters = [rng.choice([None, *model.adapters]) for _ in range(n)]
+    return prompts, adapters
+
+
+def _run_checked(engine: LLMEngine, prompts: list[list[int]], adapters: list[str | None]) -> dict[str, list[int]]:
+    """Step to completion, checking the pool and the pins after every step."""
+    ids = [engine.add_request(p, a, GREEDY) for p, a in zip(prompts, adapters)]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    for _ in range(10_000):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        engine.pool.check_integrity()
+        for request in engine.scheduler.running:
+            if request.adapter is not None:
+                assert request.resident is not None and request.resident.refcount > 0
+    else:
+        pytest.fail("the engine did not finish (deadlock?)")
+    engine.check_idle_integrity()
+    assert all(r.refcount == 0 for r in engine.cache.resident())
+    return tokens
+
+
+def test_pool_too_small_preempts_and_still_matches(llama: ModelWithAdapters) -> None:
+    prompts, adapters = _workload(llama, 12, seed=1)
+    roomy = _engine(llama, pages=2000)
+    expected = roomy.generate(prompts, adapters, GREEDY)
+    tight = _engine(llama, pages=80)
+    got = _run_checked(tight, prompts, adapters)
+    assert tight.scheduler.num_preemptions > 0, "the test should force preemption"
+    assert tight.cache.evictions > 0, "the test should force adapter eviction"
+    assert list(got.values()) == [c.token_ids for c in expected]
+
+
+def test_adapter_larger_than_leftover_pages_waits_then_runs(llama: ModelWithAdapters) -> None:
+    engine = _engine(llama, pages=50)
+    big = engine.store.get("r16-all")
+    assert big.num_pages > 25
+    prompts, _ = _workload(llama, 6, seed=2)
+    got = _run_checked(engine, prompts, ["r16-all", "r1-qv", "r16-all", "r12-qkv", None, "r16-all"])
+    assert all(len(t) == GREEDY.max_tokens for t in got.values())
+
+
+def test_abort_frees_pages_of_running_and_waiting(llama: ModelWithAdapters) -> None:
+    engine = _engine(llama, pages=200, max_num_seqs=2)
+    prompts, adapters = _workload(llama, 5, seed=3)
+    ids = [engine.add_request(p, a, GREEDY) for p, a in zip(prompts, ["r3-all"] * 5)]
+    engine.step()
+    engine.step()
+    assert len(engine.scheduler.running) == 2 and engine.pool.count(PageKind.KV) > 0
+    for request_id in ids:
+        out = engine.abort(request_id)
+        assert out is not None and out.finished and out.finish_reason == "abort"
+    assert engine.abort(ids[0]) is None
+    assert not engine.has_unfinished()
+    engine.check_idle_integrity()
+    assert engine.pool.count(PageKind.KV) == 0
+    assert all(r.refcount == 0 for r in engine.cache.resident())
+
+
+def test_request_that_can_never_fit_is_refused(llama: ModelWithAdapters) -> None:
+    engine = _engine(llama, pages=8)
+    with pytest.raises(CapacityError, match="pages"):
+        engine.add_request(list(range(20)), None, SamplingParams(max_tokens=60))
+    assert not engine.has_unfinished()
+
+
+def test_only_prefetch_uses_free_pages(llama: ModelWithAdapters) -> None:
+    """Adapters of waiting requests are copied ahead into free pages, unpinned."""
+    engine = _engine(llama, pages=400, max_num_seqs=1)
+    prompts, _ = _workload(llama, 3, seed=4)
+    for prompt, adapter in zip(prompts, ["r1-qv", "r5-ko", "r8-mlp"]):
+        engine.add_request(prompt, adapter, GREEDY)
+    engine.step()
+    resident = {r.host.name: r.refcount for r in engine.cache.resident()}
+    assert resident == {"r1-qv": 1, "r5-ko": 0, "r8-mlp": 0}
