@@ -1,0 +1,61 @@
+"""bench_engine replays a trace against a tiny random model and writes sane, complete results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from perf import bench_engine
+from perf.results import load_results
+from perf.workload import TraceConfig, generate_trace, save_trace
+
+
+@pytest.fixture(scope="module")
+def trace_file(tiny_adapters: Path) -> Path:
+    config = TraceConfig(num_adapters=6, alpha=0.5, req_rate=40, duration=0.3, input_range=(8, 40),
+                         output_range=(4, 24), vocab_size=1024, adapter_prefix="s2-", seed=3)  # fmt: skip
+    return save_trace(generate_trace(config), tiny_adapters.parent / "trace.jsonl")
+
+
+def _run(model: Path, adapters: Path, out: Path, *runs: str, extra: tuple[str, ...] = ()) -> dict:
+    bench_engine.main(["--model", str(model), "--adapter-root", str(adapters), "--device", "cpu",
+                       "--warmup-requests", "2", "--out", str(out), *extra, *runs])  # fmt: skip
+    return load_results(out)
+
+
+def test_three_modes_complete_every_request(tiny_model: Path, tiny_adapters: Path, trace_file: Path,
+                                            tmp_path: Path) -> None:  # fmt: skip
+    out = tmp_path / "results.json"
+    data = _run(tiny_model, tiny_adapters, out, str(trace_file), f"{trace_file}@base", f"{trace_file}@single",
+                extra=("--profile", "1", "2", "--profile-file", str(tmp_path / "profile.txt")))  # fmt: skip
+    runs = {r["options"]["mode"]: r for r in data["runs"]}
+    assert set(runs) == {"lora", "base", "single"}
+    for run in runs.values():
+        m = run["metrics"]
+        assert run["kind"] == "engine" and run["trace"]["num_requests"] == 12
+        assert m["num_finished"] == 12 and m["num_failed"] == 0 and m["num_short"] == 0
+        assert m["throughput_rps"] > 0 and m["output_tok_s"] > 0 and m["duration_s"] > 0
+        assert 0 < m["ttft_s"]["p50"] <= m["ttft_s"]["p99"] <= m["e2e_s"]["p99"]
+        assert 0 <= m["slo_attainment"] <= 1 and 0 <= m["user_satisfaction"] <= 1
+        assert m["engine_steps"] > 0 and run["env"]["commit"]
+    assert runs["lora"]["trace"]["distinct_adapters"] > 1
+    assert runs["single"]["trace"]["distinct_adapters"] == 1
+    assert runs["base"]["trace"]["distinct_adapters"] == 0 and runs["base"]["metrics"]["adapter_loads"] == 0
+    assert runs["lora"]["metrics"]["adapter_loads"] >= runs["lora"]["trace"]["distinct_adapters"]
+    assert "aten::" in (tmp_path / "profile.txt").read_text()
+    json.dumps(data)  # plain JSON all the way down
+
+
+def test_time_limit_aborts_and_counts_unfinished(tiny_model: Path, tiny_adapters: Path, trace_file: Path,
+                                                 tmp_path: Path) -> None:  # fmt: skip
+    data = _run(tiny_model, tiny_adapters, tmp_path / "r.json", str(trace_file), extra=("--time-limit", "0.05"))
+    m = data["runs"][0]["metrics"]
+    assert m["num_unfinished"] > 0 and m["num_finished"] + m["num_unfinished"] + m["num_failed"] == 12
+    assert m["slo_attainment"] < 1
+
+
+def test_bad_run_spec_is_refused() -> None:
+    with pytest.raises(ValueError, match="mode"):
+        bench_engine.RunSpec.parse("trace.jsonl@merged")
