@@ -17,6 +17,7 @@ import json
 import logging
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from slora.backend.errors import AdapterError, AdapterNotFoundError
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
+ROOT_LISTING_TTL_S = 10.0  # the adapter root is listed at most this often for statistics
 
 AdapterLoader = Callable[[str, Path, int], HostAdapter]
 
@@ -67,6 +69,8 @@ class AdapterStore:
         self.host_bytes = 0
         self.loads = 0
         self.host_evictions = 0
+        self._root_names: frozenset[str] = frozenset()
+        self._root_listed_at = -float("inf")
         if registry_file:
             self.register_file(Path(registry_file))
 
@@ -128,14 +132,32 @@ class AdapterStore:
         return adapter
 
     def list(self) -> list[AdapterInfo]:
+        """Every adapter known by registration or found in the adapter root (listed now), sorted by name."""
+        root_names = self._list_root(max_age_s=0.0)
         with self._lock:
-            names = set(self._registered) | set(self._host)
-            if self.root and self.root.is_dir():
-                names |= {p.name for p in self.root.iterdir() if (p / CONFIG_FILE).is_file() and _NAME.match(p.name)}
+            names = set(self._registered) | set(self._host) | root_names
             return [
                 AdapterInfo(name, str(self._path(name)), name in self._host, self._ranks.get(name))
                 for name in sorted(names)
             ]
+
+    def counts(self) -> tuple[int, int]:
+        """(adapters in host memory, adapters known); the root listing may be up to ROOT_LISTING_TTL_S old."""
+        root_names = self._list_root(max_age_s=ROOT_LISTING_TTL_S)
+        with self._lock:
+            return len(self._host), len(set(self._registered) | set(self._host) | root_names)
+
+    def _list_root(self, max_age_s: float) -> frozenset[str]:
+        now = time.monotonic()
+        if now - self._root_listed_at <= max_age_s:
+            return self._root_names
+        names: frozenset[str] = frozenset()
+        if self.root and self.root.is_dir():
+            names = frozenset(
+                p.name for p in self.root.iterdir() if _NAME.match(p.name) and (p / CONFIG_FILE).is_file()
+            )
+        self._root_names, self._root_listed_at = names, now
+        return names
 
     def _path(self, name: str) -> Path:
         if name in self._registered:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -55,6 +56,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(self.config.seed)
+        self._seed_lock = threading.Lock()  # prepare() runs in callers' threads
         self._buffered: list[RequestOutput] = []
         self.generated_tokens = 0
         self.finished_requests = 0
@@ -89,7 +91,7 @@ class LLMEngine:
         generator.manual_seed(params.seed if params.seed is not None else self._next_seed())
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop) if self.tokenizer else None
         return Request(
-            request_id=request_id or f"req-{next(self._ids)}",
+            request_id=request_id or f"req-{next(self._ids)}",  # itertools.count is atomic under the GIL
             token_ids=prompt_ids,
             num_prompt=len(prompt_ids),
             sampling=params,
@@ -241,14 +243,15 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         running = self.scheduler.running
         waiting = self.scheduler.waiting
+        adapters_host, adapters_known = self.store.counts()
         return EngineStats(
             pages_free=self.pool.count(PageKind.FREE),
             pages_kv=self.pool.count(PageKind.KV),
             pages_adapter=self.pool.count(PageKind.ADAPTER),
             pages_total=self.pool.num_pages,
             adapters_gpu=len(self.cache),
-            adapters_host=sum(1 for a in self.store.list() if a.in_host),
-            adapters_known=len(self.store.list()),
+            adapters_host=adapters_host,
+            adapters_known=adapters_known,
             running=len(running),
             waiting=len(waiting),
             adapter_loads=self.cache.loads,
@@ -278,4 +281,5 @@ class LLMEngine:
         return ids
 
     def _next_seed(self) -> int:
-        return int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+        with self._seed_lock:
+            return int(torch.randint(0, 2**62, (1,), generator=self._seeds))
