@@ -1,0 +1,178 @@
+"""bench_serving's requests, response decoding and replay, against an in-process fake of tritonclient's stream.
+
+The fake server streams one token per response, as the `slora` model does (or one word of text for the
+`ensemble`, echoing the prompt first), so the whole client path runs without Triton.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from perf import bench_serving
+from perf.bench_engine import RunSpec
+from perf.make_model import ids_to_text
+from perf.triton_protocol import ModelIO, StreamState, Target, decode, encode
+from perf.workload import TraceConfig, TraceRequest, generate_trace, save_trace
+
+
+class FakeInput:
+    def __init__(self, name: str, shape: list[int], datatype: str) -> None:
+        self.name, self.shape, self.datatype = name, shape, datatype
+        self.data: np.ndarray | None = None
+
+    def set_data_from_numpy(self, array: np.ndarray) -> None:
+        assert list(array.shape) == self.shape
+        self.data = array
+
+
+class FakeParam:
+    def __init__(self, value: bool) -> None:
+        self.bool_param = value
+
+
+class FakeResponse:
+    def __init__(self, rid: str, final: bool) -> None:
+        self.id = rid
+        self.parameters = {"triton_final_response": FakeParam(final)}
+
+
+class FakeResult:
+    def __init__(self, rid: str, outputs: dict[str, np.ndarray], final: bool) -> None:
+        self._outputs, self._response = outputs, FakeResponse(rid, final)
+
+    def as_numpy(self, name: str) -> np.ndarray | None:
+        return self._outputs.get(name)
+
+    def get_response(self) -> FakeResponse:
+        return self._response
+
+
+class FakeClient:
+    infer_input = FakeInput
+
+    def __init__(self, io: ModelIO, text: bool = False, fail_adapter: str | None = None) -> None:
+        self.io, self.text, self.fail_adapter = io, text, fail_adapter
+        self.seen: list[dict[str, Any]] = []
+
+    async def model_io(self, model: str) -> ModelIO:
+        return self.io
+
+    def stream_infer(self, iterator: Any) -> Any:
+        return self._stream(iterator)
+
+    async def _stream(self, iterator: Any) -> Any:
+        out: asyncio.Queue = asyncio.Queue()
+
+        async def consume() -> None:
+            async for request in iterator:
+                self.seen.append(request)
+                asyncio.get_running_loop().create_task(self._generate(request, out))
+
+        consumer = asyncio.get_running_loop().create_task(consume())
+        try:
+            while True:
+                yield await out.get()
+        finally:
+            consumer.cancel()
+
+    async def _generate(self, request: dict[str, Any], out: asyncio.Queue) -> None:
+        tensors = {t.name: t.data for t in request["inputs"]}
+        sampling = json.loads(tensors["sampling_parameters"][0])
+        adapter = tensors.get("adapter_id", [b""])[0].decode() or (request["parameters"] or {}).get("lora_name")
+        rid = request["request_id"]
+        if adapter and adapter == self.fail_adapter:
+            out.put_nowait((None, RuntimeError(f"adapter {adapter!r} not found")))
+            return
+        prompt = tensors["text_input"][0].decode() if self.text else ""
+        for i in range(sampling["max_tokens"]):
+            await asyncio.sleep(0.001)
+            last = i == sampling["max_tokens"] - 1
+            if self.text:
+                word = (prompt + " " if i == 0 else " ") + f"t{i + 3}"
+                outputs = {"text_output": np.asarray([word.encode()], dtype=np.object_)}
+            else:
+                outputs = {"output_ids": np.asarray([i + 3], dtype=np.int32)}
+            outputs["finish_reason"] = np.asarray([b"length" if last else b""], dtype=np.object_)
+            out.put_nowait((FakeResult(rid, outputs, final=last), None))
+
+
+REQUEST = TraceRequest(7, 0.0, "s1-0003", (5, 6, 7), 4)
+
+
+def test_encode_token_model_with_declared_inputs_only() -> None:
+    io = ModelIO(frozenset({"input_ids", "adapter_id", "sampling_parameters", "stream"}), batched=True)
+    request = encode(REQUEST, "r7", Target.named("slora"), io, FakeInput)
+    tensors = {t.name: t for t in request["inputs"]}
+    assert set(tensors) == {"input_ids", "adapter_id", "sampling_parameters", "stream"}  # no max_tokens input
+    assert tensors["input_ids"].shape == [1, 3] and tensors["input_ids"].datatype == "INT32"
+    assert tensors["adapter_id"].data.tolist() == [[b"s1-0003"]]
+    assert json.loads(tensors["sampling_parameters"].data[0][0]) == {
+        "max_tokens": 4, "temperature": 0.0, "ignore_eos": True,
+    }  # fmt: skip
+    assert request["request_id"] == "r7" and request["parameters"] is None
+
+
+def test_encode_ensemble_sends_text_and_lora_name_parameter() -> None:
+    request = encode(REQUEST, "r7", Target.named("ensemble"), ModelIO(), FakeInput, ids_to_text, max_tokens=1)
+    tensors = {t.name: t for t in request["inputs"]}
+    assert tensors["text_input"].data.tolist() == [b"t5 t6 t7"]
+    assert tensors["stream"].datatype == "BOOL" and tensors["exclude_input_in_output"].data.tolist() == [True]
+    assert request["parameters"] == {"lora_name": "s1-0003"}
+    assert json.loads(tensors["sampling_parameters"].data[0])["max_tokens"] == 1
+    sampling_route = Target("ensemble", "text", "sampling", "lora_name")
+    request = encode(REQUEST, "r7", sampling_route, ModelIO(), FakeInput, ids_to_text)
+    sampling = json.loads({t.name: t for t in request["inputs"]}["sampling_parameters"].data[0])
+    assert sampling["lora_name"] == "s1-0003" and request["parameters"] is None
+
+
+def test_decode_text_strips_echo_and_handles_cumulative_text() -> None:
+    target = Target.named("ensemble")
+    state = StreamState(expected_tokens=3, prompt_text="t5 t6")
+
+    def text(s: str) -> FakeResult:
+        return FakeResult("r", {"text_output": np.asarray([s.encode()], dtype=np.object_)}, final=False)
+
+    assert decode(text("t5 t6 t9"), target, state, lambda s: len(s.split())).num_tokens == 1
+    assert decode(text(" t10"), target, state, lambda s: len(s.split())).num_tokens == 1
+    assert decode(text(" t9 t10 t11"), target, state, lambda s: len(s.split())).num_tokens == 1  # cumulative
+    assert state.tokens == 3 and state.text == " t9 t10 t11"
+
+
+@pytest.mark.parametrize("target_name", ["slora", "ensemble"])
+def test_replay_records_every_token(target_name: str, tmp_path: Path) -> None:
+    config = TraceConfig(num_adapters=4, req_rate=200, duration=0.1, input_range=(4, 8), output_range=(2, 6),
+                         vocab_size=100)  # fmt: skip
+    trace_path = save_trace(generate_trace(config), tmp_path / "t.jsonl")
+    client = FakeClient(ModelIO(), text=target_name == "ensemble")
+    options = bench_serving.ServingOptions(streams=2, warmup_requests=2, progress_interval_s=0.2)
+    text_of, count = bench_serving.load_tokenizer(None)
+    run = asyncio.run(bench_serving.run_one(client, RunSpec(trace_path), Target.named(target_name), options,
+                                            "fake", text_of, count))  # fmt: skip
+    m = run["metrics"]
+    assert run["kind"] == "serving" and m["num_requests"] == 20
+    assert m["num_finished"] == 20 and m["num_short"] == 0 and m["stream_errors"] == 0
+    assert m["ttft_s"]["p50"] > 0 and m["throughput_rps"] > 0
+    adapters = {r.adapter for r in generate_trace(config).requests}
+    assert len(client.seen) == len(adapters) + 2 + 20  # preload one per adapter, warm-up, the trace
+
+
+def test_replay_gives_up_on_requests_that_never_end(tmp_path: Path) -> None:
+    config = TraceConfig(num_adapters=2, req_rate=100, duration=0.1, input_range=(4, 8), output_range=(2, 4),
+                         vocab_size=100)  # fmt: skip
+    trace = generate_trace(config)
+    bad = trace.adapters()[0]
+    client = FakeClient(ModelIO(), fail_adapter=bad)
+    options = bench_serving.ServingOptions(idle_timeout_s=0.5, progress_interval_s=0.2)
+    replay = bench_serving.StreamReplay(client, Target.named("slora"), ModelIO(), list(trace.requests), options,
+                                        None, len)  # fmt: skip
+    asyncio.run(replay.run())
+    failed = [r for r in trace.requests if r.adapter == bad]
+    assert len(replay.stream_errors) == len(failed)
+    assert len(replay.open) == len(failed)  # errors without a request id cannot be attributed
+    assert all(replay.records[f"r{r.index}"].ok for r in trace.requests if r.adapter != bad)
