@@ -54,3 +54,22 @@ def qwen2(tmp_path_factory: pytest.TempPathFactory) -> ModelWithAdapters:
 def mistral_sharded(tmp_path_factory: pytest.TempPathFactory) -> ModelWithAdapters:
     """Mistral (explicit head_dim, sliding window) saved as several safetensors shards with an index."""
     return _build(tmp_path_factory.mktemp("mistral"), tiny_mistral_config(), seed=4, max_shard_size="100KB")
+
+
+def _targets() -> list[tuple[str, str]]:
+    import torch
+
+    targets = [("cpu", "torch")]
+    if torch.cuda.is_available():
+        targets += [("cuda", "torch"), ("cuda", "triton")]
+    return targets
+
+
+TARGETS = _targets()
+
+
+@pytest.fixture(params=TARGETS, ids=lambda t: f"{t[0]}-{t[1]}")
+def target(request: pytest.FixtureRequest) -> dict[str, str]:
+    """Engine options for each place the engine runs here: CPU torch, and on CUDA machines torch and Triton."""
+    device, backend = request.param
+    return {"device": device, "kernel_backend": backend}

@@ -10,6 +10,7 @@ from slora.backend.config import EngineConfig
 from slora.backend.default_model import resolve_model_path
 from slora.backend.engine import LLMEngine
 from slora.backend.sampling_params import SamplingParams
+from tests.engine.conftest import TARGETS
 from tests.factories import AdapterSpec, hf_reference, save_adapter
 from tests.reference import compare_greedy, hf_greedy
 
@@ -39,10 +40,13 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return base, root
 
 
-@pytest.fixture(scope="module")
-def engine(smollm2: tuple[Path, Path]) -> LLMEngine:
+@pytest.fixture(scope="module", params=TARGETS, ids=lambda t: f"{t[0]}-{t[1]}")
+def engine(smollm2: tuple[Path, Path], request: pytest.FixtureRequest) -> LLMEngine:
     _, root = smollm2
-    return LLMEngine(EngineConfig(model="default", adapter_root=str(root), pool_bytes=256 << 20))
+    device, backend = request.param
+    config = EngineConfig(model="default", adapter_root=str(root), pool_bytes=256 << 20, device=device,
+                          dtype="float32", kernel_backend=backend)  # fmt: skip
+    return LLMEngine(config)
 
 
 def test_answers_a_real_question(engine: LLMEngine) -> None:

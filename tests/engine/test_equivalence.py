@@ -46,46 +46,40 @@ def _check(model: ModelWithAdapters, config: EngineConfig, prompt_lengths: list[
     engine.check_idle_integrity()
 
 
-def test_llama_gqa_all_adapters_one_batch(llama: ModelWithAdapters) -> None:
-    config = EngineConfig(model=str(llama.base), adapter_root=str(llama.adapter_root), page_size=4,
-                          pool_bytes=8 << 20)  # fmt: skip
-    _check(llama, config, prompt_lengths=[5, 17, 9, 30])
+def _config(model: ModelWithAdapters, target: dict[str, str], **options: object) -> EngineConfig:
+    return EngineConfig(model=str(model.base), adapter_root=str(model.adapter_root), pool_bytes=8 << 20,
+                        **options, **target)  # type: ignore[arg-type]  # fmt: skip
 
 
-def test_llama_chunked_prefill_mixed_with_decode(llama: ModelWithAdapters) -> None:
+def test_llama_gqa_all_adapters_one_batch(llama: ModelWithAdapters, target: dict[str, str]) -> None:
+    _check(llama, _config(llama, target, page_size=4), prompt_lengths=[5, 17, 9, 30])
+
+
+def test_llama_chunked_prefill_mixed_with_decode(llama: ModelWithAdapters, target: dict[str, str]) -> None:
     """A small token budget splits prompts into chunks that share steps with other requests' decodes."""
-    config = EngineConfig(model=str(llama.base), adapter_root=str(llama.adapter_root), page_size=8,
-                          pool_bytes=8 << 20, max_batch_tokens=13)  # fmt: skip
-    _check(llama, config, prompt_lengths=[29, 3, 41, 11])
+    _check(llama, _config(llama, target, page_size=8, max_batch_tokens=13), prompt_lengths=[29, 3, 41, 11])
 
 
-def test_llama3_rope_scaling_tied_embeddings(llama3_scaled: ModelWithAdapters) -> None:
-    config = EngineConfig(model=str(llama3_scaled.base), adapter_root=str(llama3_scaled.adapter_root),
-                          page_size=16, pool_bytes=8 << 20)  # fmt: skip
+def test_llama3_rope_scaling_tied_embeddings(llama3_scaled: ModelWithAdapters, target: dict[str, str]) -> None:
     # Prompts longer than original_max_position_embeddings (64) exercise the scaled frequencies.
-    _check(llama3_scaled, config, prompt_lengths=[70, 90, 7])
+    _check(llama3_scaled, _config(llama3_scaled, target, page_size=16), prompt_lengths=[70, 90, 7])
 
 
-def test_qwen2_qkv_bias(qwen2: ModelWithAdapters) -> None:
-    config = EngineConfig(model=str(qwen2.base), adapter_root=str(qwen2.adapter_root), page_size=8,
-                          pool_bytes=8 << 20)  # fmt: skip
-    _check(qwen2, config, prompt_lengths=[6, 19, 12])
+def test_qwen2_qkv_bias(qwen2: ModelWithAdapters, target: dict[str, str]) -> None:
+    _check(qwen2, _config(qwen2, target, page_size=8), prompt_lengths=[6, 19, 12])
 
 
-def test_mistral_sharded_checkpoint(mistral_sharded: ModelWithAdapters) -> None:
+def test_mistral_sharded_checkpoint(mistral_sharded: ModelWithAdapters, target: dict[str, str]) -> None:
     assert len(list(mistral_sharded.base.glob("*.safetensors"))) > 1
-    config = EngineConfig(model=str(mistral_sharded.base), adapter_root=str(mistral_sharded.adapter_root),
-                          page_size=8, pool_bytes=8 << 20)  # fmt: skip
-    _check(mistral_sharded, config, prompt_lengths=[8, 21, 15])
+    _check(mistral_sharded, _config(mistral_sharded, target, page_size=8), prompt_lengths=[8, 21, 15])
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_half_precision_logits_close_to_hf(llama: ModelWithAdapters, dtype: str) -> None:
+def test_half_precision_logits_close_to_hf(llama: ModelWithAdapters, dtype: str, target: dict[str, str]) -> None:
     """In 16-bit the engine's first-step logits stay within a tolerance of HF + PEFT in the same dtype."""
     torch_dtype = getattr(torch, dtype)
-    config = EngineConfig(model=str(llama.base), adapter_root=str(llama.adapter_root), dtype=dtype,
-                          page_size=8, pool_bytes=8 << 20)  # fmt: skip
-    engine = LLMEngine(config)
+    device = torch.device(target["device"])
+    engine = LLMEngine(_config(llama, target, dtype=dtype, page_size=8))
     captured: list[torch.Tensor] = []
     engine.runner.logits_hook = captured.append
     prompt = _prompts(engine.spec.vocab_size, [13], seed=3)[0]
@@ -94,5 +88,5 @@ def test_half_precision_logits_close_to_hf(llama: ModelWithAdapters, dtype: str)
         engine.generate([prompt], [adapter], SamplingParams(max_tokens=1, temperature=0.0))
         ref_model = hf_reference(llama.base, llama.adapter_root / adapter if adapter else None, torch_dtype)
         with torch.inference_mode():
-            ref = ref_model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
-        torch.testing.assert_close(captured[0][0], ref, atol=0.05, rtol=0.05)
+            ref = ref_model.to(device)(input_ids=torch.tensor([prompt], device=device)).logits[0, -1].float()
+        torch.testing.assert_close(captured[0][0].cpu(), ref.cpu(), atol=0.05, rtol=0.05)

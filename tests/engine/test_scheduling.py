@@ -16,11 +16,11 @@ from tests.engine.conftest import ModelWithAdapters
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
-def _engine(model: ModelWithAdapters, pages: int, **options: object) -> LLMEngine:
+def _engine(model: ModelWithAdapters, pages: int, target: dict[str, str] | None = None, **options: object) -> LLMEngine:
     probe = LLMEngine(EngineConfig(model=str(model.base), page_size=8, pool_bytes=1 << 20))
     page_bytes = probe.pool.geometry.page_bytes(probe.dtype)
     config = EngineConfig(model=str(model.base), adapter_root=str(model.adapter_root), page_size=8,
-                          pool_bytes=pages * page_bytes, **options)  # type: ignore[arg-type]  # fmt: skip
+                          pool_bytes=pages * page_bytes, **(target or {}), **options)  # type: ignore[arg-type]  # fmt: skip
     return LLMEngine(config)
 
 
@@ -51,11 +51,11 @@ def _run_checked(engine: LLMEngine, prompts: list[list[int]], adapters: list[str
     return tokens
 
 
-def test_pool_too_small_preempts_and_still_matches(llama: ModelWithAdapters) -> None:
+def test_pool_too_small_preempts_and_still_matches(llama: ModelWithAdapters, target: dict[str, str]) -> None:
     prompts, adapters = _workload(llama, 12, seed=1)
-    roomy = _engine(llama, pages=2000)
+    roomy = _engine(llama, pages=2000, target=target)
     expected = roomy.generate(prompts, adapters, GREEDY)
-    tight = _engine(llama, pages=80)
+    tight = _engine(llama, pages=80, target=target)
     got = _run_checked(tight, prompts, adapters)
     assert tight.scheduler.num_preemptions > 0, "the test should force preemption"
     assert tight.cache.evictions > 0, "the test should force adapter eviction"
