@@ -8,7 +8,7 @@ import torch
 
 from slora.backend.adapter_cache import ResidentAdapter
 from slora.backend.request import Request
-from slora.kernels.metadata import AttentionMeta, LoraMeta
+from slora.kernels.metadata import AttentionMeta, LoraMeta, row_alignment
 
 
 @dataclass
@@ -124,6 +124,8 @@ def build_lora_meta(seqs: list[ScheduledSeq], q_start: list[int], device: torch.
             first += rank
         row_start.append(starts)
     scales = [list(a.host.scales) for a in adapters]
+    a_rows = torch.cat([a.a_rows for a in adapters])
+    b_rows = torch.cat([a.b_rows for a in adapters])
     return LoraMeta(
         token_adapter=_tensor(token_adapter, torch.int32, device),
         seg_start=_tensor(seg_start, torch.int32, device),
@@ -131,14 +133,15 @@ def build_lora_meta(seqs: list[ScheduledSeq], q_start: list[int], device: torch.
         ranks=_tensor(ranks, torch.int32, device),
         scales=_tensor(scales, torch.float32, device),
         row_start=_tensor(row_start, torch.int32, device),
-        a_rows=torch.cat([a.a_rows for a in adapters]).to(device, non_blocking=True),
-        b_rows=torch.cat([a.b_rows for a in adapters]).to(device, non_blocking=True),
+        a_rows=a_rows.to(device, non_blocking=True),
+        b_rows=b_rows.to(device, non_blocking=True),
         max_rank=max(max(r) for r in ranks),
         seg_start_host=seg_start,
         seg_adapter_host=seg_adapter,
         ranks_host=ranks,
         scales_host=scales,
         row_start_host=row_start,
+        row_align=row_alignment(torch.cat([a_rows, b_rows])),
     )
 
 

@@ -1,0 +1,21 @@
+"""Small helpers shared by the kernel launchers."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+LOG2E = math.log2(math.e)  # kernels use exp2: exp(x) == exp2(x * LOG2E)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision: exact ("ieee") for float32 inputs, so no silent tf32 rounding; moot for 16-bit."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a small stand-in for the CPU interpreter."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4

@@ -1,0 +1,173 @@
+"""LoRA expand over the unified pool: y[:, offset_m : offset_m + out_m] += (v_m · Bᵀ_m) * scale_m, per token.
+
+The second half of the shrink kernel's work (see lora_shrink.py): v holds split-K partial sums of x·Aᵀ for the
+fused modules of one call. One program takes one tile of up to BLOCK_M tokens of one segment (one adapter) and
+one BLOCK_N slice of the output columns, for every module of the call whose output is that wide: it sums the
+partials, reads the adapter's Bᵀ rows for those columns once for all tokens of the tile, and adds the scaled
+product into y (read-modify-write, each element of y owned by one program, so no atomics).
+
+    v:  [split_k, num_tokens, R] float32      pool layer (flat): rows of lora_Bᵀ, out_m elements each
+    y:  [num_tokens, ≥ Σ out_m]                written only in the rows of adapter tokens and the modules they target
+
+Rank chunks stop at each adapter's own rank; modules an adapter does not target (rank 0) cost nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from slora.kernels.launch import dot_precision
+from slora.kernels.lora_shrink import MODULES, NUM_MODULES
+from slora.kernels.metadata import LoraMeta
+
+
+@dataclass(frozen=True)
+class ExpandConfig:
+    block_m: int  # tokens per tile (the shrink kernel's tiles need not match)
+    block_r: int  # rank rows per chunk
+    block_n: int  # output columns per program
+    num_warps: int
+    num_stages: int
+
+
+DECODE = ExpandConfig(16, 16, 128, 4, 2)
+PREFILL = ExpandConfig(64, 16, 128, 4, 2)
+
+
+def expand_config(max_segment_len: int) -> ExpandConfig:
+    return DECODE if max_segment_len <= DECODE.block_m else PREFILL
+
+
+@triton.jit
+def _lora_expand_kernel(
+    v_ptr,  # float32 [split_k, num_tokens, R]: the shrink kernel's partial sums
+    stride_v_split,
+    stride_v_tok,
+    split_k,
+    pool_ptr,  # one pool layer, flat: Bᵀ rows live at the offsets in b_rows
+    y_ptr,  # [num_tokens, ≥ Σ out_m], unit column stride (updated in place)
+    stride_y,
+    tiles_ptr,  # int32 [num_tiles, 2]: (segment, first token)
+    seg_start_ptr,  # int32 [num_segments + 1]
+    seg_adapter_ptr,  # int32 [num_segments]
+    ranks_ptr,  # int32 [num_adapters, 7]
+    scales_ptr,  # float32 [num_adapters, 7]
+    row_start_ptr,  # int32 [num_adapters, 7]
+    b_rows_ptr,  # int64 [total_rows]: flat pool offset of each lora_Bᵀ row
+    offset0,  # first column in y of each fused module's output, and its width
+    offset1,
+    offset2,
+    width0,
+    width1,
+    width2,
+    FIRST_MODULE: tl.constexpr,
+    NUM_SLICES: tl.constexpr,  # 1 to 3 consecutive modules
+    ROW_ALIGN: tl.constexpr,  # every Bᵀ row offset is a multiple of this
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    segment = tl.load(tiles_ptr + 2 * tile)
+    first = tl.load(tiles_ptr + 2 * tile + 1)
+    end = tl.load(seg_start_ptr + segment + 1)
+    adapter = tl.load(seg_adapter_ptr + segment)
+    table = adapter * MODULES + FIRST_MODULE
+
+    tokens = first + tl.arange(0, BLOCK_M)
+    tok_mask = tokens < end
+    v_rows = v_ptr + tokens.to(tl.int64)[:, None] * stride_v_tok
+    y_rows = y_ptr + tokens.to(tl.int64)[:, None] * stride_y
+    n = n0 + tl.arange(0, BLOCK_N)
+    v_col = 0  # this module's first column in v: the ranks of the modules before it
+    for s in tl.static_range(NUM_SLICES):
+        if s == 0:
+            offset = offset0
+            width = width0
+        elif s == 1:
+            offset = offset1
+            width = width1
+        else:
+            offset = offset2
+            width = width2
+        rank = tl.load(ranks_ptr + table + s)
+        if (rank > 0) & (n0 < width):
+            row0 = tl.load(row_start_ptr + table + s)
+            scale = tl.load(scales_ptr + table + s)
+            n_mask = n < width
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for c in range(0, rank, BLOCK_R):
+                j = c + tl.arange(0, BLOCK_R)
+                j_mask = j < rank
+                v_mask = tok_mask[:, None] & j_mask[None, :]
+                vt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                for split in range(split_k):
+                    vt += tl.load(v_rows + split * stride_v_split + (v_col + j)[None, :], mask=v_mask, other=0.0)
+                rows = tl.load(b_rows_ptr + row0 + j, mask=j_mask, other=0)
+                rows = tl.multiple_of(rows, ROW_ALIGN)
+                bt = tl.load(pool_ptr + rows[:, None] + n[None, :], mask=j_mask[:, None] & n_mask[None, :], other=0.0)
+                acc = tl.dot(vt.to(bt.dtype), bt, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+            y_mask = tok_mask[:, None] & n_mask[None, :]
+            yt = tl.load(y_rows + offset + n[None, :], mask=y_mask, other=0.0)
+            out = yt.to(tl.float32) + acc * scale
+            tl.store(y_rows + offset + n[None, :], out.to(yt.dtype), mask=y_mask)
+        v_col += rank
+
+
+def lora_expand(
+    y: torch.Tensor,
+    v: torch.Tensor,
+    flat_layer: torch.Tensor,
+    meta: LoraMeta,
+    first_module: int,
+    out_offsets: tuple[int, ...],
+    out_widths: tuple[int, ...],
+) -> None:
+    """Add (v·Bᵀ)·scale of modules first_module .. + len(out_widths) - 1 into y's columns (see top)."""
+    num_slices = len(out_widths)
+    _check(y, v, flat_layer, meta, first_module, out_offsets, out_widths)
+    cfg = expand_config(meta.max_segment_len)
+    tiles = meta.tiles(cfg.block_m)
+    num_tiles = int(tiles.shape[0])
+    if num_tiles == 0:
+        return
+    offsets = tuple(out_offsets) + (0,) * (3 - num_slices)
+    widths = tuple(out_widths) + (0,) * (3 - num_slices)
+    grid = (num_tiles, triton.cdiv(max(out_widths), cfg.block_n))
+    _lora_expand_kernel[grid](
+        v, v.stride(0), v.stride(1), v.shape[0], flat_layer, y, y.stride(0),
+        tiles, meta.seg_start, meta.seg_adapter, meta.ranks, meta.scales, meta.row_start, meta.b_rows,
+        *offsets, *widths,
+        FIRST_MODULE=first_module, NUM_SLICES=num_slices, ROW_ALIGN=meta.row_align,
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n,
+        DOT_PRECISION=dot_precision(y.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def _check(
+    y: torch.Tensor,
+    v: torch.Tensor,
+    flat_layer: torch.Tensor,
+    meta: LoraMeta,
+    first_module: int,
+    out_offsets: tuple[int, ...],
+    out_widths: tuple[int, ...],
+) -> None:
+    if not 1 <= len(out_widths) <= 3 or len(out_offsets) != len(out_widths):
+        raise ValueError(f"expected 1 to 3 fused modules, got offsets {out_offsets} and widths {out_widths}")
+    if first_module < 0 or first_module + len(out_widths) > NUM_MODULES:
+        raise ValueError(f"modules {first_module}..{first_module + len(out_widths) - 1} are not LoRA modules")
+    if y.dim() != 2 or y.stride(1) != 1:
+        raise ValueError(f"y must be [num_tokens, out] with unit column stride, got {tuple(y.shape)}")
+    if max(o + w for o, w in zip(out_offsets, out_widths)) > y.shape[1]:
+        raise ValueError(f"module outputs {out_offsets} + {out_widths} do not fit y's {y.shape[1]} columns")
+    if v.dtype != torch.float32 or v.dim() != 3 or v.shape[1] != y.shape[0] or v.stride(2) != 1:
+        raise ValueError(f"v must be float32 [split_k, {y.shape[0]}, R], got {v.dtype} {tuple(v.shape)}")
+    if flat_layer.dim() != 1 or not flat_layer.is_contiguous() or flat_layer.dtype != y.dtype:
+        raise ValueError("flat_layer must be one contiguous pool layer of y's dtype")

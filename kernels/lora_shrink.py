@@ -1,0 +1,147 @@
+"""LoRA shrink over the unified pool: v = x · Aᵀ for every token, with each token's own adapter and rank.
+
+Punica's SGMV / S-LoRA's MBGMM for segments of many tokens, and BGMV / MBGMV for decode, in one kernel whose
+tile sizes come from a config table. Tokens are grouped by adapter into segments (LoraMeta); one program takes
+one tile of up to BLOCK_M tokens of one segment, one or more rank chunks of BLOCK_R, and one slice of the input
+dimension (split-K). The projections of one call (q, k, v or gate, up) share the input, so their A rows are one
+run in the row table and are computed together: x is read once for all of them.
+
+    x: [num_tokens, in]            pool layer (flat): rows of lora_A, in elements each, anywhere in the pool
+    v: [split_k, num_tokens, R]    float32; for a token of adapter a, columns 0 .. rank_a - 1 hold its partial
+                                   sums (q ranks first, then k, then v); the other columns are never written
+
+Work follows each adapter's own rank: rank chunks past it are skipped and rows past it inside the last chunk are
+masked (never loaded). Tokens of no adapter belong to no tile. The expand kernel sums the split_k partials.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from slora.kernels.launch import dot_precision
+from slora.kernels.metadata import LoraMeta
+
+NUM_MODULES = 7  # q, k, v, o, gate, up, down: the columns of LoraMeta's tables
+MODULES = tl.constexpr(NUM_MODULES)  # the same, readable inside kernels
+
+
+@dataclass(frozen=True)
+class ShrinkConfig:
+    block_m: int  # tokens per tile
+    block_r: int  # rank rows per chunk
+    block_k: int  # input features per inner step
+    target_programs: int  # split K until about this many programs run (decode has few tiles)
+    rank_parallel: bool  # one program per rank chunk (prefill) instead of one looping over them (decode)
+    num_warps: int
+    num_stages: int
+
+
+# Picked by the longest segment of the step: decode steps have one or a few tokens per adapter.
+DECODE = ShrinkConfig(16, 16, 256, 1024, False, 4, 2)
+PREFILL = ShrinkConfig(64, 16, 64, 512, True, 4, 3)
+
+
+def shrink_config(max_segment_len: int) -> ShrinkConfig:
+    return DECODE if max_segment_len <= DECODE.block_m else PREFILL
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    x_ptr,  # [num_tokens, in_features], unit column stride
+    stride_x,  # row stride of x
+    pool_ptr,  # one pool layer, flat: A rows live at the offsets in a_rows
+    v_ptr,  # float32 [split_k, num_tokens, R] partial sums (written)
+    stride_v_split,
+    stride_v_tok,
+    tiles_ptr,  # int32 [num_tiles, 2]: (segment, first token)
+    seg_start_ptr,  # int32 [num_segments + 1]
+    seg_adapter_ptr,  # int32 [num_segments]: active adapter of each segment
+    ranks_ptr,  # int32 [num_adapters, 7]
+    row_start_ptr,  # int32 [num_adapters, 7]: first entry of each (adapter, module) in a_rows
+    a_rows_ptr,  # int64 [total_rows]: flat pool offset of each lora_A row
+    in_features,
+    k_per_split,  # input features per split (a multiple of BLOCK_K)
+    FIRST_MODULE: tl.constexpr,  # first module of the call (0 for q, k, v)
+    NUM_SLICES: tl.constexpr,  # consecutive modules fused in the call (3 for q, k, v)
+    ROW_ALIGN: tl.constexpr,  # every A row offset is a multiple of this
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no tf32 rounding)
+):
+    tile = tl.program_id(0)
+    split = tl.program_id(2)
+    segment = tl.load(tiles_ptr + 2 * tile)
+    first = tl.load(tiles_ptr + 2 * tile + 1)
+    end = tl.load(seg_start_ptr + segment + 1)
+    adapter = tl.load(seg_adapter_ptr + segment)
+    table = adapter * MODULES + FIRST_MODULE
+    rank = tl.load(ranks_ptr + table)
+    for s in tl.static_range(1, NUM_SLICES):
+        rank += tl.load(ranks_ptr + table + s)
+    row0 = tl.load(row_start_ptr + table)
+
+    tokens = first + tl.arange(0, BLOCK_M)
+    tok_mask = tokens < end
+    x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x
+    k_lo = split * k_per_split
+    v_base = v_ptr + split.to(tl.int64) * stride_v_split + tokens.to(tl.int64)[:, None] * stride_v_tok
+    # Rank chunks of this program: all of them (decode) or one per program along grid axis 1 (prefill).
+    for c in range(tl.program_id(1) * BLOCK_R, rank, tl.num_programs(1) * BLOCK_R):
+        j = c + tl.arange(0, BLOCK_R)
+        j_mask = j < rank
+        rows = tl.load(a_rows_ptr + row0 + j, mask=j_mask, other=0)
+        rows = tl.multiple_of(rows, ROW_ALIGN)
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for kk in range(0, k_per_split, BLOCK_K):
+            k = k_lo + kk + tl.arange(0, BLOCK_K)
+            k_mask = k < in_features
+            xt = tl.load(x_rows + k[None, :], mask=tok_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(pool_ptr + rows[:, None] + k[None, :], mask=j_mask[:, None] & k_mask[None, :], other=0.0)
+            acc = tl.dot(xt, tl.trans(at), acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_R]
+        tl.store(v_base + j[None, :], acc, mask=tok_mask[:, None] & j_mask[None, :])
+
+
+def lora_shrink(
+    x: torch.Tensor, flat_layer: torch.Tensor, meta: LoraMeta, first_module: int, num_slices: int
+) -> torch.Tensor:
+    """Partial sums v [split_k, num_tokens, R] of x·Aᵀ for modules first_module .. + num_slices - 1 (see top)."""
+    _check(x, flat_layer, meta, first_module, num_slices)
+    cfg = shrink_config(meta.max_segment_len)
+    fused_rank = meta.fused_rank(first_module, num_slices)
+    tiles = meta.tiles(cfg.block_m)
+    num_tiles = int(tiles.shape[0])
+    rank_programs = triton.cdiv(fused_rank, cfg.block_r) if cfg.rank_parallel else 1
+    in_features = int(x.shape[1])
+    k_blocks = triton.cdiv(in_features, cfg.block_k)
+    split_k = max(1, min(k_blocks, cfg.target_programs // max(1, num_tiles * rank_programs)))
+    k_per_split = triton.cdiv(k_blocks, split_k) * cfg.block_k
+    split_k = triton.cdiv(in_features, k_per_split)
+    v = torch.empty((split_k, x.shape[0], max(fused_rank, 1)), dtype=torch.float32, device=x.device)
+    if num_tiles == 0 or fused_rank == 0:
+        return v
+    grid = (num_tiles, rank_programs, split_k)
+    _lora_shrink_kernel[grid](
+        x, x.stride(0), flat_layer, v, v.stride(0), v.stride(1),
+        tiles, meta.seg_start, meta.seg_adapter, meta.ranks, meta.row_start, meta.a_rows,
+        in_features, k_per_split,
+        FIRST_MODULE=first_module, NUM_SLICES=num_slices, ROW_ALIGN=meta.row_align,
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
+        DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return v
+
+
+def _check(x: torch.Tensor, flat_layer: torch.Tensor, meta: LoraMeta, first_module: int, num_slices: int) -> None:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be [num_tokens, in_features] with unit column stride, got {tuple(x.shape)}")
+    if flat_layer.dim() != 1 or not flat_layer.is_contiguous() or flat_layer.dtype != x.dtype:
+        raise ValueError("flat_layer must be one contiguous pool layer of x's dtype")
+    if num_slices < 1 or first_module < 0 or first_module + num_slices > NUM_MODULES:
+        raise ValueError(f"modules {first_module}..{first_module + num_slices - 1} are not LoRA modules")
+    if meta.a_rows.dtype != torch.int64 or meta.ranks.shape[1:] != (NUM_MODULES,):
+        raise ValueError("LoraMeta must have int64 row offsets and [num_adapters, 7] rank tables")
