@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from perf.metrics import RequestRecord, summarize
+from perf.metrics import RequestRecord, per_request, summarize
 from perf.results import append_runs, headline, make_run, trace_info
 from perf.workload import Trace, TraceRequest, load_trace
 
@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> None:
         metrics = summarize(records, duration)
         metrics.update(adapter_loads=switcher.loads, adapter_switches=switcher.switches)
         info = {**asdict(options), "device": str(device), "dtype": str(dtype), "bounded_prefix": len(trace)}
-        run = make_run(f"{args.name_prefix}-{path.stem}", "peft", trace_info(trace, path), info, metrics)
+        run = make_run(f"{args.name_prefix}-{path.stem}", "peft", trace_info(trace, path), info, metrics,
+                       group=args.name_prefix, per_request=per_request(records))  # fmt: skip
         append_runs(args.out, [run])
         logger.info("%s", headline(run))
         if switcher.model is not None:  # unload the adapters: the next trace starts from the bare model

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from perf.metrics import RequestRecord, summarize
+from perf.metrics import RequestRecord, per_request, summarize
 from perf.results import append_runs, headline, make_run, trace_info
 from perf.step_profiler import StepProfiler
 from perf.workload import Trace, TraceRequest, load_trace
@@ -216,8 +216,9 @@ def run_one(
     spec: RunSpec,
     options: ReplayOptions,
     name: str,
-    profile: tuple[int, int],
-    profile_file: Path | None,
+    profile: tuple[int, int] = (0, 0),
+    profile_file: Path | None = None,
+    group: str = "engine",
 ) -> dict[str, Any]:
     trace = spec.load()
     logger.info("run %s: %s (%d requests, mode %s)", name, spec.trace_path, len(trace), spec.mode)
@@ -240,7 +241,9 @@ def run_one(
         preload_s=preload_s,
     )
     options_info = {**asdict(options), "mode": spec.mode, "engine": _engine_info(engine)}
-    return make_run(name, "engine", trace_info(trace, spec.trace_path), options_info, metrics)
+    records = list(replay.records.values())
+    return make_run(name, "engine", trace_info(trace, spec.trace_path), options_info, metrics,
+                    group=group, per_request=per_request(records))  # fmt: skip
 
 
 def _engine_info(engine: LLMEngine) -> dict[str, Any]:
@@ -298,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("engine ready in %.1fs (ops %s)", time.perf_counter() - started, getattr(engine.model.ops, "name", "?"))
     for spec in specs:
         name = f"{args.name_prefix}-{spec.trace_path.stem}-{spec.mode}"
-        run = run_one(engine, spec, options, name, tuple(args.profile), args.profile_file)
+        run = run_one(engine, spec, options, name, tuple(args.profile), args.profile_file, args.name_prefix)
         append_runs(args.out, [run])
         logger.info("%s", headline(run))
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from perf.bench_engine import MODES, RunSpec
-from perf.metrics import RequestRecord, summarize
+from perf.metrics import RequestRecord, per_request, summarize
 from perf.results import append_runs, headline, make_run, trace_info
 from perf.triton_protocol import ModelIO, StreamState, Target, decode, encode
 from perf.workload import Trace, TraceRequest
@@ -267,6 +267,7 @@ async def run_one(
     name: str,
     text_of: TextOf | None,
     count_tokens: Callable[[str], int],
+    group: str = "serving",
 ) -> dict[str, Any]:
     trace = spec.load()
     io = await client.model_io(target.model)
@@ -289,7 +290,8 @@ async def run_one(
         client_cpu_share=(time.process_time() - cpu0) / duration if duration > 0 else None,
     )
     info = {**asdict(options), "mode": spec.mode, "target": asdict(target), "model_io": _io_info(io)}
-    return make_run(name, "serving", trace_info(trace, spec.trace_path), info, metrics)
+    return make_run(name, "serving", trace_info(trace, spec.trace_path), info, metrics,
+                    group=group, per_request=per_request(list(replay.records.values())))  # fmt: skip
 
 
 def _io_info(io: ModelIO) -> dict[str, Any]:
@@ -323,7 +325,8 @@ async def amain(args: argparse.Namespace) -> None:
         for text in args.runs:
             spec = RunSpec.parse(text)
             name = f"{args.name_prefix}-{target.model}-{spec.trace_path.stem}-{spec.mode}"
-            run = await run_one(client, spec, target, options, name, text_of, count_tokens)
+            group = f"{args.name_prefix}-{target.model}"
+            run = await run_one(client, spec, target, options, name, text_of, count_tokens, group)
             append_runs(args.out, [run])
             logger.info("%s", headline(run))
     finally:

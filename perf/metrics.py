@@ -144,3 +144,19 @@ def _window(records: list[RequestRecord], fraction: float) -> dict[str, Any]:
         "window_rps": finished / (end - start),
         "window_output_tok_s": tokens / (end - start),
     }
+
+
+def per_request(records: list[RequestRecord]) -> dict[str, list[Any]]:
+    """Compact per-request columns (for CDF plots and later analysis); None where a request did not finish."""
+
+    def rounded(value: float | None) -> float | None:
+        return None if value is None else round(value, 5)
+
+    ordered = sorted(records, key=lambda r: r.index)
+    return {
+        "index": [r.index for r in ordered],
+        "arrival": [rounded(r.arrival) for r in ordered],
+        "ttft": [rounded(r.ttft) for r in ordered],
+        "e2e": [rounded(r.e2e) if r.ok else None for r in ordered],
+        "num_output": [r.num_output for r in ordered],
+    }

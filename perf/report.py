@@ -1,0 +1,187 @@
+"""A markdown report of a results file: every run, and each target of issue 5 checked against measured runs.
+
+    python -m perf.report results.json --out report.md
+
+Targets (perf/RESULTS.md) and which runs each compares, all taken from the same results file:
+    s1-2000       S1, n=2000, adapters on: throughput >= 24 req/s                   (engine and serving runs)
+    n2000-vs-n5   throughput at n=2000 >= 0.95 x at n=5                              (same group and setting)
+    lora-vs-base  adapters on >= 0.90 x base model alone, on the same trace file     (same group)
+    vs-peft       ours >= 30 x HF PEFT on the same trace file                        (each PEFT run)
+    served        through Triton >= 0.90 x in-process, same trace file and mode      (each serving run)
+Nothing is computed from numbers that were not measured: a target with no pair of runs is listed as not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from perf.results import load_results
+
+logger = logging.getLogger(__name__)
+
+Run = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Check:
+    target: str
+    subject: str
+    reference: str
+    value: float
+    goal: float
+    unit: str  # "req/s" or "x"
+
+    @property
+    def passed(self) -> bool:
+        return self.value >= self.goal
+
+
+def _n(run: Run) -> int:
+    return int(run["trace"]["config"]["num_adapters"])
+
+
+def _setting(run: Run) -> str:
+    return str(run["trace"]["config"]["adapter_prefix"]).rstrip("-")
+
+
+def _mode(run: Run) -> str:
+    return str(run["options"].get("mode", "lora"))
+
+
+def _trace(run: Run) -> str:
+    return Path(run["trace"].get("path") or "?").stem
+
+
+def _rps(run: Run) -> float:
+    return float(run["metrics"]["throughput_rps"])
+
+
+def _group(run: Run) -> str:
+    return str(run.get("group", run["kind"]))
+
+
+def _ratio(target: str, subject: Run, reference: Run, goal: float) -> Check | None:
+    if _rps(reference) <= 0:
+        return None
+    return Check(target, subject["name"], reference["name"], _rps(subject) / _rps(reference), goal, "x")
+
+
+def check_s1_2000(runs: list[Run]) -> Iterator[Check]:
+    for run in runs:
+        if run["kind"] in ("engine", "serving") and _setting(run) == "s1" and _n(run) == 2000 and _mode(run) == "lora":
+            yield Check("s1-2000", run["name"], "-", _rps(run), 24.0, "req/s")
+
+
+def check_scaling(runs: list[Run]) -> Iterator[Check]:
+    lora = [r for r in runs if r["kind"] != "peft" and _mode(r) == "lora"]
+    for big in (r for r in lora if _n(r) == 2000):
+        for small in lora:
+            if _n(small) == 5 and _group(small) == _group(big) and _setting(small) == _setting(big):
+                if (check := _ratio("n2000-vs-n5", big, small, 0.95)) is not None:
+                    yield check
+
+
+def _pairs(runs: list[Run], subject: Callable[[Run], bool], reference: Callable[[Run, Run], bool]) -> Iterator:
+    for s in runs:
+        if subject(s):
+            for r in runs:
+                if r is not s and reference(s, r):
+                    yield s, r
+
+
+def check_lora_vs_base(runs: list[Run]) -> Iterator[Check]:
+    def is_lora(r: Run) -> bool:
+        return r["kind"] != "peft" and _mode(r) in ("lora", "single") and _n(r) > 0
+
+    def same_base(s: Run, r: Run) -> bool:
+        return _mode(r) == "base" and _group(r) == _group(s) and _trace(r) == _trace(s)
+
+    for s, r in _pairs(runs, is_lora, same_base):
+        if (check := _ratio("lora-vs-base", s, r, 0.90)) is not None:
+            yield check
+
+
+def check_vs_peft(runs: list[Run]) -> Iterator[Check]:
+    def ours(r: Run) -> bool:
+        return r["kind"] in ("engine", "serving") and _mode(r) == "lora"
+
+    def same_peft(s: Run, r: Run) -> bool:
+        return r["kind"] == "peft" and _trace(r) == _trace(s)
+
+    for s, r in _pairs(runs, ours, same_peft):
+        if (check := _ratio("vs-peft", s, r, 30.0)) is not None:
+            yield check
+
+
+def check_served(runs: list[Run]) -> Iterator[Check]:
+    def same_engine(s: Run, r: Run) -> bool:
+        return r["kind"] == "engine" and _trace(r) == _trace(s) and _mode(r) == _mode(s)
+
+    for s, r in _pairs(runs, lambda r: r["kind"] == "serving", same_engine):
+        if (check := _ratio("served", s, r, 0.90)) is not None:
+            yield check
+
+
+CHECKS = (check_s1_2000, check_scaling, check_lora_vs_base, check_vs_peft, check_served)
+TARGETS = ("s1-2000", "n2000-vs-n5", "lora-vs-base", "vs-peft", "served")
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def runs_table(runs: list[Run]) -> list[str]:
+    lines = [
+        "| run | kind | n | mode | done | req/s | window req/s | out tok/s | TTFT p50 / p99 (s) | "
+        "E2E p50 / p99 (s) | SLO | satisfaction |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        m = run["metrics"]
+        lines.append(
+            f"| {run['name']} | {run['kind']} | {_n(run)} | {_mode(run)} | {m['num_finished']}/{m['num_requests']} "
+            f"| {_fmt(m['throughput_rps'])} | {_fmt(m.get('window_rps'))} | {_fmt(m['output_tok_s'], 0)} "
+            f"| {_fmt(m['ttft_s']['p50'])} / {_fmt(m['ttft_s']['p99'])} | {_fmt(m['e2e_s']['p50'])} / "
+            f"{_fmt(m['e2e_s']['p99'])} | {_fmt(m['slo_attainment'], 3)} | {_fmt(m['user_satisfaction'], 3)} |"
+        )
+    return lines
+
+
+def checks_table(checks: list[Check]) -> list[str]:
+    lines = ["| target | run | compared with | measured | goal | met |", "|---|---|---|---|---|---|"]
+    for c in checks:
+        lines.append(f"| {c.target} | {c.subject} | {c.reference} | {c.value:.3f} {c.unit} | "
+                     f">= {c.goal:g} {c.unit} | {'yes' if c.passed else 'NO'} |")  # fmt: skip
+    missing = [t for t in TARGETS if not any(c.target == t for c in checks)]
+    for target in missing:
+        lines.append(f"| {target} | not run | | | | |")
+    return lines
+
+
+def report(results: Path) -> str:
+    runs = load_results(results)["runs"]
+    checks = [c for check in CHECKS for c in check(runs)]
+    envs = sorted({(r["env"].get("commit"), r["env"].get("device")) for r in runs})
+    header = [f"# Results of {results.name}", ""] + [f"- commit `{c}` on {d}" for c, d in envs]
+    return "\n".join([*header, "", "## Targets", "", *checks_table(checks), "", "## Runs", "", *runs_table(runs)])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--out", type=Path, help="write the markdown here (it is logged too)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    text = report(args.results)
+    if args.out:
+        args.out.write_text(text + "\n")
+    logger.info("%s", text)
+
+
+if __name__ == "__main__":
+    main()

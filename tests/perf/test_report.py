@@ -1,0 +1,59 @@
+"""The report pairs runs for each target from measured numbers only; plots are written when matplotlib exists."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from perf.report import report
+from perf.results import append_runs, load_results, make_run
+
+
+def _run(name: str, kind: str, n: int, mode: str, rps: float, trace: str, group: str) -> dict:
+    config = {"num_adapters": n, "adapter_prefix": "s1-"}
+    metrics = {"throughput_rps": rps, "window_rps": None, "output_tok_s": rps * 260, "num_finished": 10,
+               "num_requests": 10, "ttft_s": {"p50": 0.1, "p99": 0.5}, "e2e_s": {"p50": 3.0, "p99": 9.0},
+               "slo_attainment": 1.0, "user_satisfaction": 0.99}  # fmt: skip
+    per_request = {"ttft": [0.1, 0.2, None], "index": [0, 1, 2]}
+    return make_run(name, kind, {"path": f"/x/{trace}.jsonl", "config": config}, {"mode": mode}, metrics,
+                    group=group, per_request=per_request)  # fmt: skip
+
+
+@pytest.fixture
+def results(tmp_path: Path) -> Path:
+    path = tmp_path / "results.json"
+    append_runs(path, [
+        _run("e-n5", "engine", 5, "lora", 30.0, "s1-n5", "engine"),
+        _run("e-n2000", "engine", 2000, "lora", 27.0, "s1-n2000", "engine"),
+        _run("e-base", "engine", 2000, "base", 31.0, "s1-n2000", "engine"),
+        _run("s-n2000", "serving", 2000, "lora", 26.0, "s1-n2000", "serving-slora"),
+        _run("p-n5", "peft", 5, "lora", 0.5, "s1-n5", "peft"),
+    ])  # fmt: skip
+    append_runs(path, [_run("e-n5", "engine", 5, "lora", 29.0, "s1-n5", "engine")])  # replaces the first
+    return path
+
+
+def test_targets_are_paired_and_judged(results: Path) -> None:
+    assert len(load_results(results)["runs"]) == 5
+    text = report(results)
+    assert "| s1-2000 | e-n2000 | - | 27.000 req/s | >= 24 req/s | yes |" in text
+    assert "| n2000-vs-n5 | e-n2000 | e-n5 | 0.931 x | >= 0.95 x | NO |" in text
+    assert "| lora-vs-base | e-n2000 | e-base | 0.871 x | >= 0.9 x | NO |" in text
+    assert "| vs-peft | e-n5 | p-n5 | 58.000 x | >= 30 x | yes |" in text
+    assert "| served | s-n2000 | e-n2000 | 0.963 x | >= 0.9 x | yes |" in text
+
+
+def test_missing_targets_say_not_run(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    append_runs(path, [_run("e-n5", "engine", 5, "lora", 30.0, "s1-n5", "engine")])
+    assert "| vs-peft | not run |" in report(path)
+
+
+def test_plots_are_written(results: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from perf.plot import plot_all
+
+    written = plot_all(results, tmp_path / "plots")
+    assert [p.name for p in written] == ["throughput.png", "scaling.png", "latency.png"]
+    assert all(p.stat().st_size > 1000 for p in written)
