@@ -90,9 +90,14 @@ def load_peft_adapter(
     per_module = _collect(name, path, tensors, config, spec)
     ranks = tuple(max((r for r, _ in per_module[m].values()), default=0) for m in LORA_MODULES)
     scales = tuple(_reference_scale(per_module[m]) for m in LORA_MODULES)
-    a_local, b_local, num_pages = _layout(ranks, spec, geometry)
+    groups = _layout(ranks, spec, geometry)
+    num_pages = sum(g.num_pages for g in groups)
     image = torch.zeros((spec.num_layers, num_pages, geometry.page_elems), dtype=dtype)
-    _fill_image(image, tensors, per_module, ranks, scales, a_local, b_local, spec)
+    try:
+        _fill_image(image, groups, tensors, per_module, scales)
+    except AdapterError as exc:
+        raise AdapterError(f"adapter {name!r}: {path / WEIGHTS_FILE}: {exc}") from exc
+    a_local, b_local = _row_offsets(groups, ranks, geometry.page_elems)
     if pin_memory:
         image = image.pin_memory()
     return HostAdapter(
@@ -101,8 +106,8 @@ def load_peft_adapter(
         ranks=ranks,
         scales=scales,
         image=image,
-        a_local=torch.cat(a_local) if a_local else torch.zeros(0, dtype=torch.int64),
-        b_local=torch.cat(b_local) if b_local else torch.zeros(0, dtype=torch.int64),
+        a_local=a_local,
+        b_local=b_local,
         generation=generation,
     )
 
@@ -185,8 +190,6 @@ def _check_tensor(name: str, weights: Path, key: str, tensor: torch.Tensor, spec
         raise refuse(f"has shape {tuple(tensor.shape)}, but the base model's {module} needs {expected}")
     if not 1 <= rank <= max_rank:
         raise refuse(f"has rank {rank}; ranks 1 to {max_rank} are supported")
-    if not torch.isfinite(tensor).all():
-        raise refuse("holds NaN or infinite values")
 
 
 def _collect(
@@ -225,52 +228,84 @@ def _reference_scale(layers: dict[int, tuple[int, float]]) -> float:
     return layers[min(layers)][1] if layers else 0.0
 
 
-def _layout(
-    ranks: tuple[int, ...], spec: ModelSpec, geometry: PoolGeometry
-) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
-    """Local offsets of every A row and Bᵀ row, grouped by row width so rows never straddle pages."""
-    rows_by_width: dict[int, list[tuple[int, str, int]]] = {}
+@dataclass(frozen=True)
+class _RowGroup:
+    """Rows of one width, packed page after page: blocks of (module index, side 'A'/'B', rank) in order."""
+
+    width: int
+    per_page: int
+    first_page: int
+    blocks: tuple[tuple[int, str, int], ...]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(rank for _, _, rank in self.blocks)
+
+    @property
+    def num_pages(self) -> int:
+        return -(-self.num_rows // self.per_page)
+
+    def offsets(self, row: int, count: int, page_elems: int) -> torch.Tensor:
+        """Local element offsets of rows row .. row+count-1 of this group."""
+        index = torch.arange(row, row + count, dtype=torch.int64)
+        return (self.first_page + index // self.per_page) * page_elems + (index % self.per_page) * self.width
+
+
+def _layout(ranks: tuple[int, ...], spec: ModelSpec, geometry: PoolGeometry) -> list[_RowGroup]:
+    """Group rows by width (so none straddles a page): per module, its A rows then its Bᵀ rows."""
+    blocks: dict[int, list[tuple[int, str, int]]] = {}
     for m, (module, rank) in enumerate(zip(LORA_MODULES, ranks)):
-        in_features, out_features = spec.module_shape(module)
-        for j in range(rank):
-            rows_by_width.setdefault(in_features, []).append((m, "A", j))
-            rows_by_width.setdefault(out_features, []).append((m, "B", j))
-    offsets: dict[tuple[int, str, int], int] = {}
-    first_page = 0
-    for width, rows in sorted(rows_by_width.items()):
-        per_page = geometry.rows_per_page(width)
-        for i, row in enumerate(rows):
-            offsets[row] = (first_page + i // per_page) * geometry.page_elems + (i % per_page) * width
-        first_page += -(-len(rows) // per_page)
-    a_local = [torch.tensor([offsets[(m, "A", j)] for j in range(r)], dtype=torch.int64)
-               for m, r in enumerate(ranks) if r]  # fmt: skip
-    b_local = [torch.tensor([offsets[(m, "B", j)] for j in range(r)], dtype=torch.int64)
-               for m, r in enumerate(ranks) if r]  # fmt: skip
-    return a_local, b_local, first_page
+        if rank:
+            in_features, out_features = spec.module_shape(module)
+            blocks.setdefault(in_features, []).append((m, "A", rank))
+            blocks.setdefault(out_features, []).append((m, "B", rank))
+    groups, first_page = [], 0
+    for width, group_blocks in sorted(blocks.items()):
+        group = _RowGroup(width, geometry.rows_per_page(width), first_page, tuple(group_blocks))
+        groups.append(group)
+        first_page += group.num_pages
+    return groups
+
+
+def _row_offsets(groups: list[_RowGroup], ranks: tuple[int, ...], page_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """a_local, b_local: offsets of every A row and Bᵀ row, modules in LORA_MODULES order."""
+    found: dict[tuple[int, str], torch.Tensor] = {}
+    for group in groups:
+        row = 0
+        for m, side, rank in group.blocks:
+            found[(m, side)] = group.offsets(row, rank, page_elems)
+            row += rank
+    empty = torch.zeros(0, dtype=torch.int64)
+    a_local = torch.cat([empty] + [found[(m, "A")] for m, r in enumerate(ranks) if r])
+    b_local = torch.cat([empty] + [found[(m, "B")] for m, r in enumerate(ranks) if r])
+    return a_local, b_local
 
 
 def _fill_image(
     image: torch.Tensor,
+    groups: list[_RowGroup],
     tensors: dict[str, torch.Tensor],
     per_module: dict[str, dict[int, tuple[int, float]]],
-    ranks: tuple[int, ...],
     scales: tuple[float, ...],
-    a_local: list[torch.Tensor],
-    b_local: list[torch.Tensor],
-    spec: ModelSpec,
 ) -> None:
+    """Write each group's rows for all layers at once: [layers, rows, width] → its pages of `image`."""
     keys = {(int(match[1]), match[3], match[4]): k for k in tensors if (match := _KEY.match(k))}
-    targeted = [i for i, r in enumerate(ranks) if r]
-    for slot, m in enumerate(targeted):
-        module = LORA_MODULES[m]
-        in_features, out_features = spec.module_shape(module)
-        for layer, (rank, scale) in per_module[module].items():
-            a = tensors[keys[(layer, module, "A")]].to(torch.float32)  # [rank, in]
-            b = tensors[keys[(layer, module, "B")]].to(torch.float32)  # [out, rank]
-            if scale != scales[m]:
-                b = b * (scale / scales[m])
-            flat = image[layer].view(-1)
-            a_rows = a_local[slot][:rank, None] + torch.arange(in_features)
-            b_rows = b_local[slot][:rank, None] + torch.arange(out_features)
-            flat[a_rows] = a.to(image.dtype)
-            flat[b_rows] = b.t().to(image.dtype)
+    num_layers, _, page_elems = image.shape
+    for group in groups:
+        rows = torch.zeros((num_layers, group.num_pages * group.per_page, group.width), dtype=image.dtype)
+        row = 0
+        for m, side, rank in group.blocks:
+            module = LORA_MODULES[m]
+            for layer, (layer_rank, scale) in per_module[module].items():
+                key = keys[(layer, module, side)]
+                weight = tensors[key]
+                # A float64 sum is NaN or infinite exactly when some element is (it cannot overflow).
+                if not torch.isfinite(weight.sum(dtype=torch.float64)):
+                    raise AdapterError(f"tensor {key!r} holds NaN or infinite values")
+                if side == "B":
+                    weight = weight.t().to(torch.float32) * (scale / scales[m])  # Bᵀ [rank, out]; layer scale folded
+                rows[layer, row : row + layer_rank] = weight
+            row += rank
+        span = group.per_page * group.width
+        pages = slice(group.first_page, group.first_page + group.num_pages)
+        image[:, pages, :span] = rows.view(num_layers, group.num_pages, span)

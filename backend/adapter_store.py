@@ -20,6 +20,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,6 +131,26 @@ class AdapterStore:
                 self._drop(name)
                 self._insert(adapter)
         return adapter
+
+    def preload(self, workers: int = 8) -> int:
+        """Load every known adapter into host memory (threads; stops adding beyond the budget). Returns count."""
+        names = [info.name for info in self.list() if not info.in_host]
+        loaded = 0
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            for name, error in zip(names, pool.map(self._try_get, names)):
+                if error:
+                    logger.warning("preload: adapter %r skipped: %s", name, error)
+                else:
+                    loaded += 1
+        logger.info("preloaded %d adapters into host memory (%d bytes)", loaded, self.host_bytes)
+        return loaded
+
+    def _try_get(self, name: str) -> str | None:
+        try:
+            self.get(name)
+        except AdapterError as exc:
+            return str(exc)
+        return None
 
     def list(self) -> list[AdapterInfo]:
         """Every adapter known by registration or found in the adapter root (listed now), sorted by name."""

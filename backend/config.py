@@ -36,6 +36,7 @@ class EngineConfig:
     adapter_root: str | None = None  # adapters found by name: <adapter_root>/<name>/adapter_config.json
     adapter_registry: str | None = None  # multi_lora.json: {"name": "path", ...}
     host_budget_bytes: int = 8 * GiB  # host memory for adapters, LRU beyond it
+    preload_adapters: bool = False  # load every known adapter into host memory at start (as S-LoRA assumes)
     max_lora_rank: int = 256
     prefetch_adapters: int = 8  # adapters of queued requests loaded ahead into free pages
     kernel_backend: str = "auto"  # auto | torch | triton

@@ -60,6 +60,8 @@ class LLMEngine:
         self._buffered: list[RequestOutput] = []
         self.generated_tokens = 0
         self.finished_requests = 0
+        if self.config.preload_adapters:
+            self.store.preload()
 
     # ---- requests -------------------------------------------------------------------------------------------
 

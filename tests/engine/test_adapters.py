@@ -138,7 +138,10 @@ def _rewrite_tensors(path: Path, change) -> None:  # type: ignore[no-untyped-def
         ),  # fmt: skip
         (lambda t: t.update({k: v[:, :10] for k, v in t.items() if "lora_A" in k}), "has shape"),
         (lambda t: t.update({k: torch.zeros(64, 2) for k, v in t.items() if "v_proj.lora_B" in k}), "has shape"),
-        (lambda t: t.update({k: v.clone().fill_(float("nan")) for k, v in t.items() if "lora_B" in k}), "NaN"),
+        (
+            lambda t: t.update({k: v.clone().fill_(float("nan")) for k, v in t.items() if "lora_B" in k}),
+            "NaN or infinite",
+        ),
         (lambda t: [t.pop(k) for k in list(t) if "q_proj.lora_B" in k], "without its lora_B"),
         (lambda t: t.update({k.replace("layers.0", "layers.9"): v.clone() for k, v in list(t.items())}), "layer 9"),
     ],
@@ -217,3 +220,15 @@ def test_registry_register_and_unregister(
     store.unregister("alias")
     with pytest.raises(AdapterNotFoundError):
         store.get("alias")
+
+
+def test_preload_fills_host_memory_and_skips_bad_ones(
+    llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    shutil.copytree(llama.adapter_root, root)
+    _edit_config(root / "r5-ko", peft_type="IA3")
+    store = _store(llama, spec, geometry, budget=1 << 30, root=root)
+    assert store.preload(workers=3) == len(llama.adapters) - 1
+    in_host = {a.name for a in store.list() if a.in_host}
+    assert in_host == set(llama.adapters) - {"r5-ko"}
