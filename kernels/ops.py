@@ -1,7 +1,7 @@
-"""The attention and LoRA operations the model calls, behind one interface with two implementations.
+"""The attention and LoRA operations the model calls, behind one interface with several implementations.
 
 `TorchOps` is the plain-torch reference (any device). Triton-language kernels implement the same three methods
-in kernels/triton_ops.py; `make_ops` picks one.
+in kernels/triton_ops.py, and S-LoRA's padded-bmm LoRA baseline in kernels/lora_padded.py; `make_ops` picks one.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 
 from slora.kernels.attention_ref import paged_attention_ref, write_kv_ref
+from slora.kernels.lora_padded import PaddedBmmOps
 from slora.kernels.lora_ref import lora_ref
 from slora.kernels.metadata import AttentionMeta, LoraMeta
 
@@ -57,7 +58,9 @@ class TorchOps:
 
 
 def make_ops(backend: str, device: torch.device) -> Ops:
-    """'torch', 'triton', or 'auto' (Triton kernels on CUDA when importable, else torch)."""
+    """'torch', 'triton', 'bmm' (S-LoRA's padded baseline), or 'auto' (Triton on CUDA when importable, else torch)."""
+    if backend == "bmm":
+        return PaddedBmmOps()
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return TorchOps()
     try:

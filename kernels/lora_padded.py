@@ -1,0 +1,87 @@
+"""S-LoRA's "bmm" baseline: pad every active adapter to the step's largest rank, then batched matmuls in torch.
+
+For each module, the adapters' A rows and Bᵀ rows are gathered from the pool into dense stacks padded with zero
+rows up to the largest rank R of any adapter of the step, and every adapter token multiplies its own adapter's
+stack (gathered per token, as a batched matmul does):
+
+    v_t = x_t · A_pad[a(t)]ᵀ    ([1, R])        y_t += v_t · Bᵀ_pad[a(t)] · scale[a(t)]
+
+FLOPs and bytes grow with R for every adapter, whatever its own rank: this is what the Triton kernels must beat.
+It is exact (zero rows add nothing), so it also serves as a second reference. Its attention is the torch one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slora.kernels.attention_ref import paged_attention_ref, write_kv_ref
+from slora.kernels.metadata import AttentionMeta, LoraMeta
+
+GATHER_BYTES = 256 << 20  # at most this much of per-token padded weights is materialized at once
+
+
+def padded_rows(
+    flat_layer: torch.Tensor, rows: torch.Tensor, meta: LoraMeta, module: int, width: int, max_rank: int
+) -> torch.Tensor:
+    """[num_adapters, max_rank, width]: each adapter's rows of `module`, zero past its own rank."""
+    j = torch.arange(max_rank, device=rows.device)
+    index = meta.row_start[:, module, None].long() + j  # [num_adapters, max_rank]
+    valid = j < meta.ranks[:, module, None]
+    offsets = rows[index.clamp(max=rows.numel() - 1)]  # [num_adapters, max_rank]
+    stack = flat_layer[offsets[..., None] + torch.arange(width, device=rows.device)]
+    return stack * valid[..., None].to(stack.dtype)
+
+
+def lora_padded_bmm(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    flat_layer: torch.Tensor,
+    meta: LoraMeta,
+    modules: tuple[int, ...],
+    out_offsets: tuple[int, ...],
+    out_widths: tuple[int, ...],
+) -> None:
+    """Add each token's LoRA delta for `modules` into `y` in place (same contract as lora_ref)."""
+    if meta.num_segments == 0:
+        return
+    first, last = meta.seg_start_host[0], meta.seg_start_host[-1]  # adapter tokens come after the base tokens
+    adapter = meta.token_adapter[first:last].long()  # [n]
+    in_features = x.shape[1]
+    for m, offset, width in zip(modules, out_offsets, out_widths):
+        max_rank = max(r[m] for r in meta.ranks_host)
+        if max_rank == 0:
+            continue
+        a_pad = padded_rows(flat_layer, meta.a_rows, meta, m, in_features, max_rank)  # [adapters, R, in]
+        b_pad = padded_rows(flat_layer, meta.b_rows, meta, m, width, max_rank)  # [adapters, R, out]
+        scale = meta.scales[:, m].to(y.dtype)
+        chunk = max(1, GATHER_BYTES // (max_rank * (in_features + width) * y.element_size()))
+        for start in range(first, last, chunk):
+            end = min(last, start + chunk)
+            a = adapter[start - first : end - first]
+            v = torch.bmm(x[start:end, None, :], a_pad[a].transpose(1, 2))  # [n, 1, R]
+            delta = torch.bmm(v, b_pad[a])[:, 0] * scale[a, None]  # [n, out]
+            y[start:end, offset : offset + width] += delta
+
+
+class PaddedBmmOps:
+    """The Ops interface with the padded-bmm LoRA baseline and the torch attention reference."""
+
+    name = "bmm"
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta) -> None:
+        write_kv_ref(k, v, kv_layer, meta.slot_mapping)
+
+    def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta, scale: float) -> torch.Tensor:
+        return paged_attention_ref(q, kv_layer, meta, scale)
+
+    def lora(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        flat_layer: torch.Tensor,
+        meta: LoraMeta,
+        modules: tuple[int, ...],
+        out_offsets: tuple[int, ...],
+        out_widths: tuple[int, ...],
+    ) -> None:
+        lora_padded_bmm(y, x, flat_layer, meta, modules, out_offsets, out_widths)

@@ -1,0 +1,44 @@
+"""Kernel tests run the real kernels on CUDA, and Triton's interpreter on CPU (numpy semantics, slow: small cases).
+
+triton.jit reads TRITON_INTERPRET when a kernel is defined, so it is set here, before any test module imports
+slora.kernels.*; a CUDA machine runs the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _patch_interpreter_bf16_dot() -> None:
+    """Make the interpreter's tl.dot read bfloat16 operands as numbers.
+
+    The interpreter keeps bfloat16 values as their raw uint16 bits, and its dot multiplies those bits as integers
+    (triton 3.9), so any bf16 tl.dot returns garbage on CPU. A bfloat16 is the top half of a float32: widen the
+    bits and multiply in float32, as the GPU's tensor cores do (exact products, float32 accumulation).
+    """
+    try:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+    except ImportError:
+        return
+    create_dot = InterpreterBuilder.create_dot
+
+    def widen(handle: TensorHandle) -> TensorHandle:
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        return TensorHandle((handle.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # type: ignore[no-untyped-def]
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    InterpreterBuilder.create_dot = dot  # type: ignore[method-assign]
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter_bf16_dot()

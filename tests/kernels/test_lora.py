@@ -1,0 +1,216 @@
+"""Heterogeneous LoRA (Triton shrink + expand, and the padded-bmm baseline) against the plain-torch reference.
+
+Every case runs the four LoRA calls of one decoder layer (q/k/v fused, o, gate/up fused, down) on a step that
+mixes adapters of different ranks and targets with base-model tokens, over a pool whose pages are scrambled.
+Rows of base tokens, and columns of modules a token's adapter does not target, must come back bit-identical.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from slora.backend.page_pool import PageKind, PoolGeometry  # noqa: E402
+from slora.kernels.lora_padded import lora_padded_bmm  # noqa: E402
+from slora.kernels.lora_ref import lora_ref  # noqa: E402
+from slora.kernels.metadata import LoraMeta  # noqa: E402
+from slora.kernels.triton_ops import TritonOps, consecutive_runs  # noqa: E402
+from tests.kernels.builders import (  # noqa: E402
+    DEVICE,
+    DOWN,
+    FULL_SHAPES,
+    GATE,
+    TINY,
+    UP,
+    K,
+    O,
+    Q,
+    Shape,
+    V,
+    adapter_pages,
+    assert_close,
+    gpu_only,
+    lora_step,
+    make_adapter,
+    make_resident,
+    module_widths,
+    scrambled_pool,
+)
+
+ALL = (1, 1, 1, 1, 1, 1, 1)
+
+# (ranks per module) of the small CPU adapters: ranks 1 to 128, partial targets, a gap inside the fused q/k/v.
+TINY_ADAPTERS = (
+    (1, 0, 1, 0, 0, 0, 0),
+    tuple(3 * t for t in ALL),
+    (0, 0, 0, 0, 8, 8, 8),
+    (0, 16, 0, 16, 0, 0, 0),
+    tuple(64 * t for t in ALL),
+    (128, 3, 1, 0, 16, 8, 64),
+)
+
+# Steps on TINY_ADAPTERS as (adapter index or None for the base model, tokens) per request.
+TINY_STEPS = {
+    "decode": [(0, 1), (None, 1), (1, 1), (5, 1), (1, 1), (2, 1), (3, 1), (None, 1), (4, 1), (1, 1)],
+    "prefill": [(None, 5), (4, 70), (0, 7), (5, 3)],
+    "mixed": [(2, 20), (0, 1), (None, 3), (5, 1), (3, 1), (4, 17)],
+}
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class LayerCase:
+    shape: Shape
+    dtype: torch.dtype
+    flat_layer: torch.Tensor
+    meta: LoraMeta
+    num_tokens: int
+
+
+def layer_calls(shape: Shape) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]]:
+    """(modules, out_offsets, out_widths, in_features) of the four LoRA calls of model.py's layer."""
+    w = module_widths(shape)
+    q, kv, inter, hidden = w[Q][1], w[K][1], shape.intermediate, shape.hidden
+    return [
+        ((Q, K, V), (0, q, q + kv), (q, kv, kv), hidden),
+        ((O,), (0,), (hidden,), w[O][0]),
+        ((GATE, UP), (0, inter), (inter, inter), hidden),
+        ((DOWN,), (0,), (hidden,), inter),
+    ]
+
+
+def build_case(
+    shape: Shape,
+    dtype: torch.dtype,
+    adapter_ranks: list[tuple[int, ...]],
+    step: list[tuple[int | None, int]],
+    seed: int,
+    block_size: int = 16,
+    low_pages: int = 0,
+) -> LayerCase:
+    geometry = PoolGeometry(num_layers=1, block_size=block_size, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim)
+    hosts = [make_adapter(f"a{i}", r, shape, geometry, dtype, seed + i) for i, r in enumerate(adapter_ranks)]
+    pool = scrambled_pool(geometry, low_pages + adapter_pages(hosts) + 7, dtype, seed)
+    if low_pages:  # keep the low pages busy, so that adapters live at high pool offsets
+        pool.alloc(low_pages, PageKind.KV, "low")
+    residents = make_resident(pool, hosts)
+    meta, _ = lora_step([None if a is None else residents[a] for a, _ in step], [n for _, n in step])
+    return LayerCase(shape, dtype, pool.flat_layer(0), meta, sum(n for _, n in step))
+
+
+def untouched(case: LayerCase, modules: tuple[int, ...], offsets: tuple[int, ...], widths: tuple[int, ...]):  # type: ignore[no-untyped-def]
+    """Bool [num_tokens, columns]: where y must keep its value (base tokens, modules the adapter lacks)."""
+    keep = torch.ones((case.num_tokens, sum(widths)), dtype=torch.bool)
+    meta = case.meta
+    for g, a in enumerate(meta.seg_adapter_host):
+        start, end = meta.seg_start_host[g], meta.seg_start_host[g + 1]
+        for m, offset, width in zip(modules, offsets, widths):
+            if meta.ranks_host[a][m]:
+                keep[start:end, offset : offset + width] = False
+    return keep.to(DEVICE)
+
+
+def check_layer(case: LayerCase, impl: str, seed: int) -> None:
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    ops = TritonOps()
+    for modules, offsets, widths, in_features in layer_calls(case.shape):
+        x = torch.randn((case.num_tokens, in_features), generator=gen, device=DEVICE).to(case.dtype)
+        y0 = torch.randn((case.num_tokens, sum(widths)), generator=gen, device=DEVICE).to(case.dtype)
+        expected = y0.clone()
+        lora_ref(expected, x, case.flat_layer, case.meta, modules, offsets, widths)
+        actual = y0.clone()
+        if impl == "triton":
+            ops.lora(actual, x, case.flat_layer, case.meta, modules, offsets, widths)
+        else:
+            lora_padded_bmm(actual, x, case.flat_layer, case.meta, modules, offsets, widths)
+        magnitude = float((expected.float() - y0.float()).abs().max())
+        assert magnitude > 0, f"modules {modules}: the step adds no LoRA delta (a broken test case)"
+        assert_close(actual, expected, case.dtype, magnitude)
+        keep = untouched(case, modules, offsets, widths)
+        assert torch.equal(actual[keep], y0[keep]), f"modules {modules}: y changed where no adapter applies"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("step", sorted(TINY_STEPS))
+def test_lora_matches_reference(step: str, dtype: torch.dtype) -> None:
+    case = build_case(TINY, dtype, list(TINY_ADAPTERS), TINY_STEPS[step], seed=3)
+    check_layer(case, "triton", seed=4)
+
+
+@pytest.mark.parametrize("step", sorted(TINY_STEPS))
+def test_padded_bmm_matches_reference(step: str) -> None:
+    case = build_case(TINY, torch.float32, list(TINY_ADAPTERS), TINY_STEPS[step], seed=5)
+    check_layer(case, "bmm", seed=6)
+
+
+def test_step_without_lora_modules_leaves_y() -> None:
+    """Adapters that target none of the called modules: nothing is launched and y is unchanged."""
+    case = build_case(TINY, torch.float32, [(0, 0, 0, 0, 8, 8, 8)], [(0, 2), (None, 1)], seed=7)
+    x = torch.randn((3, TINY.hidden), device=DEVICE)
+    y = torch.randn((3, TINY.hidden), device=DEVICE)
+    before = y.clone()
+    TritonOps().lora(y, x, case.flat_layer, case.meta, (O,), (0,), (TINY.hidden,))
+    assert torch.equal(y, before)
+
+
+def test_consecutive_runs() -> None:
+    runs = list(consecutive_runs((0, 1, 2, 4, 5, 6), (0, 8, 12, 16, 20, 30), (8, 4, 4, 4, 10, 2)))
+    assert runs == [(0, (0, 8, 12), (8, 4, 4)), (4, (16, 20, 30), (4, 10, 2))]
+    assert list(consecutive_runs((0, 2), (0, 5), (5, 5))) == [(0, (0,), (5,)), (2, (5,), (5,))]
+
+
+# Full shapes on the GPU: up to 64 adapters with ranks {1, 3, 8, 16, 64, 128} mixed in one batch.
+RANKS = (1, 3, 8, 16, 64, 128)
+
+
+def gpu_adapters(count: int) -> list[tuple[int, ...]]:
+    targets = [ALL, (1, 0, 1, 0, 0, 0, 0), (0, 0, 0, 0, 1, 1, 1), (1, 1, 1, 1, 0, 0, 0), (0, 1, 0, 1, 1, 0, 1)]
+    ranks = itertools.cycle(RANKS)
+    return [tuple(next(ranks) * t for t in targets[i % len(targets)]) for i in range(count)]
+
+
+def gpu_step(kind: str, count: int) -> list[tuple[int | None, int]]:
+    decodes: list[tuple[int | None, int]] = [(i % count, 1) for i in range(64)] + [(None, 1)] * 4
+    if kind == "decode":
+        return decodes
+    return [(0, 300), (None, 40), (count - 1, 77)] + decodes[:16]
+
+
+GPU_CASES = [(s, torch.bfloat16) for s in FULL_SHAPES] + [
+    (FULL_SHAPES[2], torch.float16),
+    (FULL_SHAPES[2], torch.float32),
+]
+
+
+@gpu_only
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@pytest.mark.parametrize("count", [1, 8, 64])
+@pytest.mark.parametrize(("shape", "dtype"), GPU_CASES, ids=[f"{s}-{d}" for s, d in GPU_CASES])
+def test_lora_full_shapes(shape: Shape, dtype: torch.dtype, count: int, kind: str) -> None:
+    case = build_case(shape, dtype, gpu_adapters(count), gpu_step(kind, count), seed=count)
+    check_layer(case, "triton", seed=count + 1)
+
+
+@gpu_only
+@pytest.mark.parametrize("shape", FULL_SHAPES, ids=str)
+def test_padded_bmm_full_shapes(shape: Shape) -> None:
+    case = build_case(shape, torch.bfloat16, gpu_adapters(8), gpu_step("decode", 8), seed=11)
+    check_layer(case, "bmm", seed=12)
+
+
+@gpu_only
+def test_lora_rows_beyond_int32_offsets() -> None:
+    """A pool layer of more than 2**31 elements, adapters at its top: row offsets need 64-bit arithmetic."""
+    shape = FULL_SHAPES[2]
+    page_elems = 16 * 2 * shape.kv_heads * shape.head_dim
+    case = build_case(
+        shape, torch.bfloat16, gpu_adapters(8), gpu_step("mixed", 8), 9, low_pages=(1 << 31) // page_elems
+    )
+    assert int(case.meta.a_rows.min()) >= 1 << 31
+    check_layer(case, "triton", seed=10)
