@@ -1,0 +1,150 @@
+"""The responder thread of the `slora` model: engine outputs → Triton responses, and client cancellation → abort.
+
+The engine thread only queues outputs here (its callbacks must be quick). This thread owns every in-flight
+request's response sender, so no sender is ever used by two threads. Each request ends with exactly one
+response flagged FINAL: its last tokens, or an error (engine failure, abort, cancellation).
+
+Cancellation: a client that cancels its gRPC stream or drops its HTTP SSE connection marks the request
+cancelled in the server. In-flight requests are checked every `check_s` (each check is a cheap message to the
+server); a cancelled one is aborted in the engine, which frees its pages at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from slora.backend.engine_loop import EngineLoop, OutputCallback
+from slora.backend.outputs import RequestOutput
+from slora.backend.response_stream import Reply, ResponseStream
+from slora.backend.triton_metrics import NullMetrics
+
+logger = logging.getLogger(__name__)
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+@dataclass
+class _InFlight:
+    request_id: str
+    request: Any  # pb_utils.InferenceRequest, kept alive until the final response
+    sender: Any  # its response sender
+    stream: ResponseStream
+    checked_at: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+
+
+class Responder:
+    def __init__(self, loop: EngineLoop, metrics: NullMetrics, check_s: float = 0.2) -> None:
+        self._loop = loop
+        self._metrics = metrics
+        self._check_s = check_s
+        self._lock = threading.Lock()
+        self._in_flight: dict[str, _InFlight] = {}
+        self._inbox: queue.SimpleQueue[tuple[_InFlight, RequestOutput, float] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="slora-responder", daemon=True)
+        self._thread.start()
+
+    def track(self, request_id: str, request: Any, sender: Any, stream: ResponseStream) -> OutputCallback:
+        """Register a request before it is submitted; returns the callback to give the engine loop."""
+        entry = _InFlight(request_id, request, sender, stream)
+        with self._lock:
+            self._in_flight[request_id] = entry
+        return lambda output: self._inbox.put((entry, output, time.monotonic()))
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request whose submission failed (its error response is sent by the caller)."""
+        with self._lock:
+            self._in_flight.pop(request_id, None)
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._in_flight)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Send what is queued, then stop (after the engine loop has stopped and aborted what was left)."""
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    # ---- the responder thread ---------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        swept_at = time.monotonic()
+        while True:
+            item: tuple[_InFlight, RequestOutput, float] | None | bool
+            try:
+                item = self._inbox.get(timeout=self._check_s)
+            except queue.Empty:
+                item = False  # no output for a while: time to sweep
+            if item is None:
+                return
+            if isinstance(item, tuple):
+                self._deliver(*item)
+            if time.monotonic() - swept_at >= self._check_s:
+                self._sweep()
+                swept_at = time.monotonic()
+
+    def _deliver(self, entry: _InFlight, output: RequestOutput, at: float) -> None:
+        try:
+            if output.finish_reason == "error":
+                self._send_error(entry, f"request failed: {output.error}", pb_utils.TritonError.INTERNAL)
+            elif output.finish_reason == "abort":
+                self._send_abort(entry)
+            else:
+                reply = entry.stream.add(output, at)
+                self._observe(entry.stream)
+                if reply is not None:
+                    self._send(entry, reply)
+        except Exception:
+            logger.exception("sending a response of request %s failed", entry.request_id)
+        if output.finished:
+            self._metrics.count_finished(output.finish_reason or "error")
+            self.forget(entry.request_id)
+        elif at - entry.checked_at >= self._check_s:
+            self._check(entry)
+
+    def _send(self, entry: _InFlight, reply: Reply) -> None:
+        tensors = [pb_utils.Tensor(name, array) for name, array in reply.arrays.items()]
+        entry.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if reply.final else 0)
+
+    def _send_error(self, entry: _InFlight, message: str, code: Any) -> None:
+        error = pb_utils.TritonError(message, code)
+        entry.sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+
+    def _send_abort(self, entry: _InFlight) -> None:
+        if entry.cancelled:
+            self._send_error(entry, "request cancelled by the client", pb_utils.TritonError.CANCELLED)
+        else:
+            self._send_error(entry, "request aborted: the model is shutting down", pb_utils.TritonError.UNAVAILABLE)
+
+    def _observe(self, stream: ResponseStream) -> None:
+        for kind, seconds in stream.latencies:
+            self._metrics.observe(kind, seconds)
+        stream.latencies.clear()
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            stale = [e for e in self._in_flight.values() if now - e.checked_at >= self._check_s]
+        for entry in stale:
+            self._check(entry)
+
+    def _check(self, entry: _InFlight) -> None:
+        entry.checked_at = time.monotonic()
+        if entry.cancelled:
+            return
+        try:
+            cancelled = entry.sender.is_cancelled()
+        except Exception:
+            logger.exception("checking request %s for cancellation failed", entry.request_id)
+            return
+        if cancelled:
+            logger.info("request %s was cancelled by the client; aborting it", entry.request_id)
+            entry.cancelled = True
+            self._loop.abort(entry.request_id)

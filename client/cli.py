@@ -1,0 +1,132 @@
+"""`slora-client`: talk to a running slora-serve.
+
+slora-client generate "Tell me a joke" --adapter demo-qv-r4 --max-tokens 64 --temperature 0
+slora-client generate "Hi" --protocol http            # HTTP generate_stream instead of gRPC streaming
+slora-client adapters list | adapters load NAME [--path DIR] | adapters unload NAME
+slora-client health
+slora-client metrics [--all]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from slora.client.admin import adapter_command, health, metrics
+from slora.client.generate import Chunk, GenerateRequest, ServerError, grpc_generate, http_generate
+
+logger = logging.getLogger("slora.client")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slora-client", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default="localhost:8001", help="gRPC endpoint (host:port)")
+    parser.add_argument("--http-url", default="localhost:8000", help="HTTP endpoint (host:port)")
+    parser.add_argument("--metrics-url", default="localhost:8002", help="metrics endpoint (host:port)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="generate text, printing it as it arrives")
+    generate.add_argument("prompt")
+    generate.add_argument("--model", default="ensemble", help="the text model (default: ensemble)")
+    generate.add_argument("--adapter", help="adapter name (default: the base model)")
+    generate.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    generate.add_argument("--no-stream", action="store_true", help="one response at the end")
+    generate.add_argument("--chat-template", action="store_true", help="wrap the prompt in the chat template")
+    generate.add_argument("--max-tokens", type=int)
+    generate.add_argument("--temperature", type=float)
+    generate.add_argument("--top-p", type=float)
+    generate.add_argument("--top-k", type=int)
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--stop", action="append", help="stop string (repeatable)")
+    generate.add_argument("--ignore-eos", action="store_true")
+
+    adapters = commands.add_parser("adapters", help="list, load or unload adapters")
+    action = adapters.add_subparsers(dest="action", required=True)
+    action.add_parser("list", help="every known adapter with its tier (gpu/host/disk) and rank")
+    load = action.add_parser("load", help="register NAME (with --path) or read it from the adapter root")
+    load.add_argument("name")
+    load.add_argument("--path", help="adapter folder on the server's disk")
+    unload = action.add_parser("unload", help="unregister NAME")
+    unload.add_argument("name")
+
+    commands.add_parser("health", help="server liveness/readiness and each model's readiness")
+    metrics_parser = commands.add_parser("metrics", help="the slora_ metrics of the server")
+    metrics_parser.add_argument("--all", action="store_true", help="every metric, not just slora_")
+    return parser
+
+
+def sampling_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+    values = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.ignore_eos:
+        values["ignore_eos"] = True
+    return values
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    request = GenerateRequest(
+        prompt=args.prompt,
+        model=args.model,
+        adapter=args.adapter,
+        sampling=sampling_from_args(args),
+        stream=not args.no_stream,
+        parameters={"apply_chat_template": True} if args.chat_template else {},
+    )
+    chunks: Iterator[Chunk] = (
+        grpc_generate(args.url, request) if args.protocol == "grpc" else http_generate(args.http_url, request)
+    )
+    reason = ""
+    for chunk in chunks:
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        reason = chunk.finish_reason or reason
+    sys.stdout.write("\n")
+    logger.info("finish reason: %s", reason or "?")
+    return 0
+
+
+def run_adapters(args: argparse.Namespace) -> int:
+    rows = adapter_command(args.http_url, args.action, getattr(args, "name", None), getattr(args, "path", None))
+    width = max((len(r["name"]) for r in rows), default=4)
+    sys.stdout.write(f"{'name':<{width}}  state  rank  path\n")
+    for row in rows:
+        rank = "-" if row.get("rank") is None else str(row["rank"])
+        sys.stdout.write(f"{row['name']:<{width}}  {row['state']:<5}  {rank:>4}  {row['path']}\n")
+    return 0
+
+
+def run_health(args: argparse.Namespace) -> int:
+    status = health(args.http_url)
+    sys.stdout.write(f"live: {status.live}\nready: {status.ready}\n")
+    for model, ready in status.models.items():
+        sys.stdout.write(f"model {model}: {'ready' if ready else 'NOT ready'}\n")
+    return 0 if status.ready else 1
+
+
+def run_metrics(args: argparse.Namespace) -> int:
+    sys.stdout.write("\n".join(metrics(args.metrics_url, args.all)) + "\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    args = build_parser().parse_args(argv)
+    handlers = {"generate": run_generate, "adapters": run_adapters, "health": run_health, "metrics": run_metrics}
+    try:
+        return handlers[args.command](args)
+    except ServerError as exc:
+        logger.error("error: %s", exc)
+        return 1
+    except KeyboardInterrupt:
+        logger.error("interrupted")
+        return 130
+    except OSError as exc:
+        logger.error("cannot reach the server: %s", exc)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""Triton entry point of `slora` (the engine model); the code lives in the slora package.
+
+The Python backend's stub does not process .pth files of the folders on PYTHONPATH, so an editable install of
+slora (a .pth import hook) is invisible to it: re-add those folders as site dirs. slora-serve lists them in
+SLORA_SITE_DIRS; in a container with a regular install this finds nothing to do.
+"""
+
+import os
+import site
+import sys
+
+for _dir in [d for d in os.environ.get("SLORA_SITE_DIRS", "").split(os.pathsep) if d] + [
+    d for d in list(sys.path) if d.endswith(("site-packages", "dist-packages"))
+]:
+    site.addsitedir(_dir)
+
+from slora.backend.triton_glue import TritonPythonModel  # noqa: E402,F401
