@@ -5,7 +5,12 @@ Two targets, both decoupled (streaming) models of model_repository/:
     tokens  the `slora` model:  input_ids INT32 [-1], max_tokens INT32 [1], adapter_id BYTES [1],
             sampling_parameters BYTES [1] (JSON), stream BOOL [1]  ->  output_ids INT32, finish_reason BYTES
     text    the `ensemble` (Triton vLLM backend I/O): text_input BYTES [1], stream BOOL [1],
-            sampling_parameters BYTES [1] (JSON), exclude_input_in_output BOOL [1]  ->  text_output BYTES
+            sampling_parameters BYTES [1] (JSON), exclude_input_in_output BOOL [1],
+            return_num_output_tokens BOOL [1]  ->  text_output BYTES, num_output_tokens UINT32 (this response's)
+
+Tokens of a text response are counted from num_output_tokens where the server sends it (exact), else by
+tokenizing the text (exact for perf/make_model.py's word-level tokenizer, except for special tokens that the
+server's detokenizer skips).
 
 The adapter goes where `adapter_via` says: an input (`adapter_id`), a request parameter (`lora_name` or
 `adapter_id`), or a field of sampling_parameters. Inputs the served model does not declare are left out (its
@@ -48,7 +53,7 @@ class Target:
         """The two models of our repository with their usual adapter routing."""
         presets = {
             "slora": cls("slora", "tokens", "input", "adapter_id"),
-            "ensemble": cls("ensemble", "text", "parameter", "lora_name"),
+            "ensemble": cls("ensemble", "text", "sampling", "lora_name"),  # as Triton's vLLM backend takes it
         }
         if name not in presets:
             raise ValueError(f"unknown target {name!r} (known: {', '.join(presets)})")
@@ -97,8 +102,9 @@ def encode(
         if text_of is None:
             raise ValueError("the text target needs a tokenizer to render prompts")
         tensors["text_input"] = np.asarray([text_of(list(request.prompt_ids)).encode()], dtype=np.object_)
-        if io.declares("exclude_input_in_output"):
-            tensors["exclude_input_in_output"] = np.asarray([True])
+        for flag in ("exclude_input_in_output", "return_num_output_tokens", "return_finish_reason"):
+            if io.inputs is not None and flag in io.inputs:
+                tensors[flag] = np.asarray([True])
     if request.adapter is not None:
         if target.adapter_via == "input":
             tensors[target.adapter_key] = np.asarray([request.adapter.encode()], dtype=np.object_)
@@ -160,6 +166,9 @@ def decode(result: Any, target: Target, state: StreamState, count_tokens: Callab
 
 
 def _text_tokens(result: Any, state: StreamState, count_tokens: Callable[[str], int]) -> int:
+    counted = result.as_numpy("num_output_tokens")
+    if counted is not None and counted.size:
+        return int(counted.reshape(-1).sum())
     text = _string(result.as_numpy("text_output"))
     if not text:
         return 0

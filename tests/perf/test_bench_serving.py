@@ -84,7 +84,7 @@ class FakeClient:
     async def _generate(self, request: dict[str, Any], out: asyncio.Queue) -> None:
         tensors = {t.name: t.data for t in request["inputs"]}
         sampling = json.loads(tensors["sampling_parameters"][0])
-        adapter = tensors.get("adapter_id", [b""])[0].decode() or (request["parameters"] or {}).get("lora_name")
+        adapter = tensors.get("adapter_id", [b""])[0].decode() or sampling.get("lora_name")
         rid = request["request_id"]
         if adapter and adapter == self.fail_adapter:
             out.put_nowait((None, RuntimeError(f"adapter {adapter!r} not found")))
@@ -118,17 +118,20 @@ def test_encode_token_model_with_declared_inputs_only() -> None:
     assert request["request_id"] == "r7" and request["parameters"] is None
 
 
-def test_encode_ensemble_sends_text_and_lora_name_parameter() -> None:
-    request = encode(REQUEST, "r7", Target.named("ensemble"), ModelIO(), FakeInput, ids_to_text, max_tokens=1)
+def test_encode_ensemble_sends_text_and_lora_name() -> None:
+    io = ModelIO(frozenset({"text_input", "stream", "sampling_parameters", "exclude_input_in_output",
+                            "return_num_output_tokens"}))  # fmt: skip
+    request = encode(REQUEST, "r7", Target.named("ensemble"), io, FakeInput, ids_to_text, max_tokens=1)
     tensors = {t.name: t for t in request["inputs"]}
     assert tensors["text_input"].data.tolist() == [b"t5 t6 t7"]
     assert tensors["stream"].datatype == "BOOL" and tensors["exclude_input_in_output"].data.tolist() == [True]
+    assert tensors["return_num_output_tokens"].data.tolist() == [True]
+    sampling = json.loads(tensors["sampling_parameters"].data[0])
+    assert sampling["max_tokens"] == 1 and sampling["lora_name"] == "s1-0003" and request["parameters"] is None
+    parameter_route = Target("ensemble", "text", "parameter", "lora_name")
+    request = encode(REQUEST, "r7", parameter_route, ModelIO(), FakeInput, ids_to_text)
     assert request["parameters"] == {"lora_name": "s1-0003"}
-    assert json.loads(tensors["sampling_parameters"].data[0])["max_tokens"] == 1
-    sampling_route = Target("ensemble", "text", "sampling", "lora_name")
-    request = encode(REQUEST, "r7", sampling_route, ModelIO(), FakeInput, ids_to_text)
-    sampling = json.loads({t.name: t for t in request["inputs"]}["sampling_parameters"].data[0])
-    assert sampling["lora_name"] == "s1-0003" and request["parameters"] is None
+    assert "exclude_input_in_output" not in {t.name for t in request["inputs"]}  # not declared: not sent
 
 
 def test_decode_text_strips_echo_and_handles_cumulative_text() -> None:
@@ -142,6 +145,9 @@ def test_decode_text_strips_echo_and_handles_cumulative_text() -> None:
     assert decode(text(" t10"), target, state, lambda s: len(s.split())).num_tokens == 1
     assert decode(text(" t9 t10 t11"), target, state, lambda s: len(s.split())).num_tokens == 1  # cumulative
     assert state.tokens == 3 and state.text == " t9 t10 t11"
+    counted = FakeResult("r", {"text_output": np.asarray([b" x"], dtype=np.object_),
+                               "num_output_tokens": np.asarray([2], dtype=np.uint32)}, final=False)  # fmt: skip
+    assert decode(counted, target, state, lambda s: 99).num_tokens == 2
 
 
 @pytest.mark.parametrize("target_name", ["slora", "ensemble"])

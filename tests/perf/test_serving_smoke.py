@@ -1,0 +1,84 @@
+"""bench_serving against the real server: slora-serve on a tiny random model (CPU), both the token model and the
+ensemble. Skipped where the model repository or a Triton server is not available."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from perf import bench_serving
+from perf.results import load_results
+from perf.workload import TraceConfig, generate_trace, save_trace
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.server
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _server_available() -> str | None:
+    if not (REPO / "model_repository" / "slora" / "config.pbtxt").is_file():
+        return "model_repository/slora is missing"
+    try:
+        from slora.backend.server_locator import locate_server  # noqa: F401
+    except ImportError as exc:
+        return f"the launcher is not available ({exc})"
+    return None
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, tiny_adapters: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    reason = _server_available()
+    if reason:
+        pytest.skip(reason)
+    http, grpc, metrics = _free_ports(3)
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    command = [sys.executable, "-m", "slora.backend.launcher", "--model", str(tiny_model), "--adapter-dir",
+               str(tiny_adapters), "--device", "cpu", "--engine-option", "load_format=dummy",
+               "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+               "--ready-timeout", "120"]  # fmt: skip
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        yield grpc
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.parametrize("target", ["slora", "ensemble"])
+def test_replay_through_triton(server: int, target: str, tiny_model: Path, tmp_path: Path) -> None:
+    config = TraceConfig(num_adapters=4, req_rate=40, duration=0.25, input_range=(8, 24), output_range=(4, 16),
+                         vocab_size=1024, adapter_prefix="s1-", seed=11)  # fmt: skip
+    trace = save_trace(generate_trace(config), tmp_path / "trace.jsonl")
+    out = tmp_path / "r.json"
+    args = ["--url", f"localhost:{server}", "--target", target, "--ready-timeout", "120", "--warmup-requests", "2",
+            "--time-limit", "60", "--out", str(out), str(trace), f"{trace}@base"]  # fmt: skip
+    if target == "ensemble":
+        args += ["--tokenizer", str(tiny_model)]
+    bench_serving.main(args)
+    runs = load_results(out)["runs"]
+    assert [r["options"]["mode"] for r in runs] == ["lora", "base"]
+    for run in runs:
+        m = run["metrics"]
+        assert m["num_finished"] == 10 and m["stream_errors"] == 0, m.get("first_errors")
+        assert m["num_short"] == 0 and sum(run["per_request"]["num_output"]) == run["trace"]["total_output_tokens"]
+        assert m["ttft_s"]["p50"] > 0 and m["throughput_rps"] > 0
