@@ -70,6 +70,9 @@ TARGETS = _targets()
 
 @pytest.fixture(params=TARGETS, ids=lambda t: f"{t[0]}-{t[1]}")
 def target(request: pytest.FixtureRequest) -> dict[str, str]:
-    """Engine options for each place the engine runs here: CPU torch, and on CUDA machines torch and Triton."""
+    """Engine options for each place the engine runs here: CPU torch, and on CUDA machines torch and Triton.
+
+    float32, so that greedy tokens can be compared exactly (outside near ties) with HF in float32.
+    """
     device, backend = request.param
-    return {"device": device, "kernel_backend": backend}
+    return {"device": device, "kernel_backend": backend, "dtype": "float32"}

@@ -47,8 +47,8 @@ def _check(model: ModelWithAdapters, config: EngineConfig, prompt_lengths: list[
 
 
 def _config(model: ModelWithAdapters, target: dict[str, str], **options: object) -> EngineConfig:
-    return EngineConfig(model=str(model.base), adapter_root=str(model.adapter_root), pool_bytes=8 << 20,
-                        **options, **target)  # type: ignore[arg-type]  # fmt: skip
+    values = {"model": str(model.base), "adapter_root": str(model.adapter_root), "pool_bytes": 8 << 20}
+    return EngineConfig(**{**values, **target, **options})  # type: ignore[arg-type]
 
 
 def test_llama_gqa_all_adapters_one_batch(llama: ModelWithAdapters, target: dict[str, str]) -> None:
