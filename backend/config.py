@@ -39,7 +39,7 @@ class EngineConfig:
     preload_adapters: bool = False  # load every known adapter into host memory at start (as S-LoRA assumes)
     max_lora_rank: int = 256
     prefetch_adapters: int = 8  # adapters of queued requests loaded ahead into free pages
-    kernel_backend: str = "auto"  # auto | torch | triton
+    kernel_backend: str = "auto"  # auto | torch | triton | bmm (S-LoRA's padded-rank baseline)
     cuda_graphs: bool = False  # capture decode steps (needs the triton kernel backend)
     seed: int = 0  # for requests that give no seed
 
@@ -58,7 +58,7 @@ class EngineConfig:
             raise ValueError(f"prefetch_adapters must be >= 0, got {self.prefetch_adapters}")
         _choice(self, "dtype", ("auto", *_DTYPES))
         _choice(self, "load_format", ("safetensors", "dummy"))
-        _choice(self, "kernel_backend", ("auto", "torch", "triton"))
+        _choice(self, "kernel_backend", ("auto", "torch", "triton", "bmm"))
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 

@@ -60,6 +60,13 @@ def test_llama_chunked_prefill_mixed_with_decode(llama: ModelWithAdapters, targe
     _check(llama, _config(llama, target, page_size=8, max_batch_tokens=13), prompt_lengths=[29, 3, 41, 11])
 
 
+@pytest.mark.parametrize("backend", ["triton", "bmm"])
+def test_llama_other_kernel_backends_on_cpu(llama: ModelWithAdapters, backend: str) -> None:
+    """The Triton kernels (interpreted on CPU) and the padded-BMM baseline serve the same mixed batch."""
+    target = {"device": "cpu", "kernel_backend": backend, "dtype": "float32"}
+    _check(llama, _config(llama, target, page_size=8, max_batch_tokens=24), prompt_lengths=[5, 17, 9])
+
+
 def test_llama3_rope_scaling_tied_embeddings(llama3_scaled: ModelWithAdapters, target: dict[str, str]) -> None:
     # Prompts longer than original_max_position_embeddings (64) exercise the scaled frequencies.
     _check(llama3_scaled, _config(llama3_scaled, target, page_size=16), prompt_lengths=[70, 90, 7])
