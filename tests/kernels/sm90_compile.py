@@ -1,0 +1,191 @@
+"""Compile every kernel launch of real-shaped steps for the H100/H200 (sm_90), on a machine with no GPU.
+
+The interpreter checks what kernels compute, not whether Triton can compile them (tile shapes tl.dot accepts,
+globals, types) nor how much shared memory they take. Here the launchers run for real on full shapes, but each
+launch is captured instead of run, then compiled ahead of time for sm_90 with the arguments' types and the
+divisibility Triton's launcher would specialize on. Needs Triton's NVIDIA backend (ptxas ships in its wheel).
+
+Run as `python -m tests.kernels.sm90_compile SCENARIO`, in a process without TRITON_INTERPRET: under the
+interpreter triton.language's own helpers are interpreted functions, which the compiler cannot use.
+Exit status: 0 compiled, 1 a kernel failed, 3 this machine cannot compile for NVIDIA GPUs at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+from slora.kernels import decode_reduce, kv_write, lora_expand, lora_shrink, paged_attention, paged_decode
+from slora.kernels.triton_ops import TritonOps
+from tests.kernels.builders import Shape, attention_step
+from tests.kernels.test_attention import Heads, make_pool
+from tests.kernels.test_lora import build_case, layer_calls
+
+logger = logging.getLogger(__name__)
+
+
+KERNELS = {
+    lora_shrink: "_lora_shrink_kernel",
+    lora_expand: "_lora_expand_kernel",
+    kv_write: "_kv_write_kernel",
+    paged_attention: "_paged_attention_kernel",
+    paged_decode: "_paged_decode_kernel",
+    decode_reduce: "_decode_reduce_kernel",
+}
+MAX_SHARED = 227 * 1024  # bytes of shared memory one block may use on sm_90
+POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32"}
+POINTER[torch.int64] = "*i64"
+
+LLAMA_7B = Shape(4096, 11008, 32, 32, 128)
+
+
+class Launch:
+    """One captured `kernel[grid](*args, **kwargs)` call."""
+
+    def __init__(self, kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.fn = JITFunction(kernel.fn)
+        self.options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        self.constexprs = kwargs
+        self.args = args
+
+    def signature(self) -> tuple[dict[str, str], dict[tuple[int, ...], list[list[Any]]]]:
+        runtime = [name for name in self.fn.arg_names if name not in self.constexprs]
+        values = dict(zip(runtime, self.args))
+        signature, attrs = {}, {}
+        for i, name in enumerate(self.fn.arg_names):
+            if name in self.constexprs:
+                signature[name] = "constexpr"
+                continue
+            value = values[name]
+            if isinstance(value, torch.Tensor):
+                signature[name] = POINTER[value.dtype]
+                aligned = value.data_ptr() % 16 == 0
+            elif isinstance(value, int):
+                signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+                aligned = value % 16 == 0
+            else:
+                signature[name], aligned = "fp32", False
+            if aligned:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        return signature, attrs
+
+    def key(self) -> str:
+        return f"{self.fn.fn.__name__} {self.signature()} {sorted(self.constexprs.items())} {self.options}"
+
+
+def capture(run: Callable[[], object]) -> list[Launch]:
+    """Run `run` with every kernel replaced by a recorder of its launches."""
+    launches: list[Launch] = []
+
+    class Recorder:
+        def __init__(self, kernel: Any) -> None:
+            self.kernel = kernel
+
+        def __getitem__(self, grid: object) -> Callable[..., None]:
+            return lambda *args, **kwargs: launches.append(Launch(self.kernel, args, kwargs))
+
+    originals = {module: getattr(module, name) for module, name in KERNELS.items()}
+    for module, name in KERNELS.items():
+        setattr(module, name, Recorder(originals[module]))
+    try:
+        run()
+    finally:
+        for module, name in KERNELS.items():
+            setattr(module, name, originals[module])
+    return launches
+
+
+def lora_layer(shape: Shape, dtype: torch.dtype, step: list[tuple[int | None, int]]) -> Callable[[], None]:
+    ranks = [(16, 8, 8, 16, 0, 0, 0), (64, 64, 64, 64, 64, 64, 64), (1, 0, 1, 0, 3, 3, 3)]
+    case = build_case(shape, dtype, ranks, step, seed=1)
+
+    def run() -> None:
+        for modules, offsets, widths, in_features in layer_calls(shape):
+            x = torch.zeros((case.num_tokens, in_features), dtype=dtype)
+            y = torch.zeros((case.num_tokens, sum(widths)), dtype=dtype)
+            TritonOps().lora(y, x, case.flat_layer, case.meta, modules, offsets, widths)
+
+    return run
+
+
+def attention(heads: Heads, block_size: int, dtype: torch.dtype, step: list[tuple[int, int]]) -> Callable[[], None]:
+    pool = make_pool(heads, block_size, dtype, sum(n for _, n in step) + block_size * len(step), seed=0)
+    batch = attention_step(pool, [q for q, _ in step], [n for _, n in step])
+    q = torch.zeros((batch.num_tokens, heads.heads, heads.head_dim), dtype=dtype)
+    k = torch.zeros((batch.num_tokens, heads.kv_heads, heads.head_dim), dtype=dtype)
+
+    def run() -> None:
+        ops = TritonOps()
+        ops.write_kv(k, k, pool.kv_layer(0), batch.attn)
+        ops.attention(q, pool.kv_layer(0), batch.attn, heads.head_dim**-0.5)
+
+    return run
+
+
+DECODE = [(0, 1), (1, 1), (2, 1), (None, 1), (1, 1)]
+PREFILL = [(1, 100), (None, 3), (0, 1)]
+SCENARIOS = {
+    "lora-decode-bf16": lambda: lora_layer(LLAMA_7B, torch.bfloat16, DECODE),
+    "lora-prefill-bf16": lambda: lora_layer(LLAMA_7B, torch.bfloat16, PREFILL),
+    "lora-decode-fp32": lambda: lora_layer(Shape(576, 1536, 9, 3, 64), torch.float32, DECODE),
+    "attention-decode-split-bf16": lambda: attention(Heads(32, 8, 128), 16, torch.bfloat16, [(1, 4000)]),
+    "attention-mixed-bf16": lambda: attention(Heads(32, 32, 128), 32, torch.bfloat16, [(100, 300), (1, 50)]),
+    "attention-decode-fp32": lambda: attention(Heads(9, 3, 64), 4, torch.float32, [(1, 30), (1, 7)]),
+}
+
+
+def compile_sm90(launch: Launch) -> Any:
+    signature, attrs = launch.signature()
+    source = ASTSource(launch.fn, signature, launch.constexprs, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch.options)
+
+
+@triton.jit
+def _probe(x_ptr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    tl.store(x_ptr + tl.arange(0, BLOCK), tl.arange(0, BLOCK))
+
+
+def can_compile() -> bool:
+    try:
+        source = ASTSource(JITFunction(_probe.fn), {"x_ptr": "*i32", "BLOCK": "constexpr"}, {"BLOCK": 16})
+        triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    except Exception as exc:  # noqa: BLE001 - any failure here means no NVIDIA toolchain, not a kernel bug
+        logger.warning("cannot compile for sm_90 here: %s", exc)
+        return False
+    return True
+
+
+def main(scenario: str) -> int:
+    if not can_compile():
+        return 3
+    unique = {launch.key(): launch for launch in capture(SCENARIOS[scenario]())}
+    if not unique:
+        logger.error("%s launched no kernel", scenario)
+        return 1
+    failed = 0
+    for key, launch in unique.items():
+        try:
+            shared = compile_sm90(launch).metadata.shared
+        except Exception:
+            logger.exception("%s does not compile", key)
+            failed += 1
+            continue
+        if shared > MAX_SHARED:
+            logger.error("%s needs %d bytes of shared memory (at most %d)", key, shared, MAX_SHARED)
+            failed += 1
+    logger.info("%s: %d kernel variants, %d failed", scenario, len(unique), failed)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    sys.exit(main(sys.argv[1]))
