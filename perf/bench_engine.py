@@ -15,6 +15,10 @@ Requests are added when their arrival time comes, between steps, as a server's e
 latency counts from the scheduled arrival. Before the clock starts, the trace's adapters are read into host
 memory (S-LoRA keeps every adapter in host memory too; the time is reported as `preload_s`), a few requests
 warm up the kernels, and the pool is emptied of adapters so that each run starts cold on the GPU.
+
+`--profile START COUNT` adds, after the measured runs, one unmeasured pass over the last run's trace that uses
+adapters (its first 256 requests, all at once, so the batch is full) that profiles steps START .. START+COUNT-1
+with torch.profiler into `--profile-file`: where the time of a step goes, without disturbing any measured run.
 """
 
 from __future__ import annotations
@@ -117,10 +121,9 @@ def evict_all_adapters(engine: LLMEngine) -> None:
 class Replay:
     """Feeds one trace to the engine in real time and records every request's timings."""
 
-    def __init__(self, engine: LLMEngine, trace: Trace, options: ReplayOptions, profiler: StepProfiler) -> None:
+    def __init__(self, engine: LLMEngine, trace: Trace, options: ReplayOptions) -> None:
         self.engine = engine
         self.options = options
-        self.profiler = profiler
         self.pending: deque[TraceRequest] = deque(trace.requests)
         self.records = {
             f"r{r.index}": RequestRecord(r.index, r.adapter, r.input_len, r.output_len, r.arrival)
@@ -153,7 +156,6 @@ class Replay:
             if now - last_log >= self.options.progress_interval_s:
                 self._progress(now)
                 last_log = now
-        self.profiler.finish()
         return last_event
 
     def _add_arrived(self, now: float) -> None:
@@ -173,12 +175,10 @@ class Replay:
             self.pending.popleft()
 
     def _step(self) -> float | None:
-        self.profiler.before_step()
         began = time.perf_counter()
         outputs = self.engine.step()
         self.step_time += time.perf_counter() - began
         self.steps += 1
-        self.profiler.after_step()
         t = self.now()
         finished_any = None
         for out in outputs:
@@ -199,7 +199,6 @@ class Replay:
             self.engine.abort(rid)
         self.open.clear()
         self.pending.clear()
-        self.profiler.finish()
 
     def _progress(self, now: float) -> None:
         done = sum(1 for r in self.records.values() if r.finish_time is not None)
@@ -212,13 +211,7 @@ class Replay:
 
 
 def run_one(
-    engine: LLMEngine,
-    spec: RunSpec,
-    options: ReplayOptions,
-    name: str,
-    profile: tuple[int, int] = (0, 0),
-    profile_file: Path | None = None,
-    group: str = "engine",
+    engine: LLMEngine, spec: RunSpec, options: ReplayOptions, name: str, group: str = "engine"
 ) -> dict[str, Any]:
     trace = spec.load()
     logger.info("run %s: %s (%d requests, mode %s)", name, spec.trace_path, len(trace), spec.mode)
@@ -226,7 +219,7 @@ def run_one(
     warm_up(engine, trace, options)
     evict_all_adapters(engine)
     before = engine.stats()
-    replay = Replay(engine, trace, options, StepProfiler(profile[0], profile[1], profile_file, name))
+    replay = Replay(engine, trace, options)
     duration = replay.run()
     after = engine.stats()
     metrics = summarize(list(replay.records.values()), duration, options.window_fraction)
@@ -284,7 +277,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-preload", action="store_true", help="load adapters on first use, inside the clock")
     parser.add_argument("--preload-workers", type=int, default=8)
     parser.add_argument("--profile", type=int, nargs=2, default=(0, 0), metavar=("START", "COUNT"),
-                        help="profile COUNT steps from step START of each run")  # fmt: skip
+                        help="after the runs, profile COUNT steps from step START of an unmeasured pass")  # fmt: skip
     parser.add_argument("--profile-file", type=Path, help="append the profile tables here")
     parser.add_argument("--out", type=Path, required=True, help="results JSON (runs are added to it)")
     return parser.parse_args(argv)
@@ -301,9 +294,29 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("engine ready in %.1fs (ops %s)", time.perf_counter() - started, getattr(engine.model.ops, "name", "?"))
     for spec in specs:
         name = f"{args.name_prefix}-{spec.trace_path.stem}-{spec.mode}"
-        run = run_one(engine, spec, options, name, tuple(args.profile), args.profile_file, args.name_prefix)
+        run = run_one(engine, spec, options, name, args.name_prefix)
         append_runs(args.out, [run])
         logger.info("%s", headline(run))
+    if args.profile[1] > 0:
+        lora = [spec for spec in specs if spec.mode != "base"]
+        profile_pass(engine, (lora or specs)[-1], args.profile[0], args.profile[1], args.profile_file)
+
+
+def profile_pass(engine: LLMEngine, spec: RunSpec, start: int, count: int, out_file: Path | None) -> None:
+    """Unmeasured: the trace's first 256 requests at once; profile steps start .. start+count-1, then abort."""
+    trace = spec.load()
+    profiler = StepProfiler(start, count, out_file, f"of {spec.trace_path.name}@{spec.mode} on {engine.model.ops.name}")
+    ids = [engine.add_request(list(r.prompt_ids), r.adapter, r.sampling()) for r in trace.requests[:256]]
+    for _ in range(start + count):
+        if not engine.has_unfinished():
+            break
+        profiler.before_step()
+        engine.step()
+        profiler.after_step()
+    profiler.finish()
+    for rid in ids:
+        engine.abort(rid)
+    evict_all_adapters(engine)
 
 
 if __name__ == "__main__":

@@ -118,6 +118,7 @@ class StreamReplay:
         self.states: dict[str, StreamState] = {}
         self.open: set[str] = set()
         self.stream_errors: list[str] = []
+        self.unattributed_errors = 0  # tritonclient's aio stream drops the request id of an error response
         self.start = 0.0
         self._last_response = 0.0
         self._all_sent = asyncio.Event()
@@ -161,7 +162,7 @@ class StreamReplay:
                 encode(r, rid, self.target, self.io, self.client.infer_input, self.text_of, self.max_tokens)
             )
         self._all_sent.set()
-        if not self.open:
+        if len(self.open) <= self.unattributed_errors:
             self._done.set()
 
     async def _receive(self, queue: asyncio.Queue) -> None:
@@ -178,8 +179,8 @@ class StreamReplay:
                 self._on_error(result, error)
             else:
                 self._on_result(result)
-            if self._all_sent.is_set() and not self.open:
-                self._done.set()
+            if self._all_sent.is_set() and len(self.open) <= self.unattributed_errors:
+                self._done.set()  # every open request is finished or (as far as we can tell) failed
 
     def _on_result(self, result: Any) -> None:
         rid = result.get_response().id
@@ -203,6 +204,8 @@ class StreamReplay:
         if rid in self.open:
             self.records[rid].finish(self.now(), "error", message)
             self.open.discard(rid)
+        else:
+            self.unattributed_errors += 1
 
     async def _watch(self) -> None:
         """Progress lines; ends the replay at the time limit or when the server has gone quiet."""

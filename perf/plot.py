@@ -1,6 +1,6 @@
 """PNG plots of a results file (needs matplotlib; nothing else in perf/ does).
 
-    python -m perf.plot results.json --out-dir plots/
+    python -m perf.plot results.json [more-results.json ...] --out-dir plots/
 
 throughput.png   requests/s of every run, by kind (engine, serving, peft), with the 24 req/s target
 scaling.png      requests/s against the number of adapters, one line per kind, setting and mode
@@ -15,7 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from perf.results import load_results
+from perf.results import load_runs
 
 logger = logging.getLogger(__name__)
 
@@ -87,13 +87,13 @@ def _save(fig: Any, out: Path) -> Path:
     return out
 
 
-def plot_all(results: Path, out_dir: Path) -> list[Path]:
+def plot_all(results: list[Path], out_dir: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
-    runs = load_results(results)["runs"]
+    runs = load_runs(results)
     if not runs:
-        logger.warning("%s holds no runs: nothing to plot", results)
+        logger.warning("%s hold no runs: nothing to plot", results)
         return []
     written = [
         plot_throughput(runs, out_dir / "throughput.png"),
@@ -106,7 +106,7 @@ def plot_all(results: Path, out_dir: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", type=Path)
+    parser.add_argument("results", type=Path, nargs="+")
     parser.add_argument("--out-dir", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -1,6 +1,6 @@
 """A markdown report of a results file: every run, and each target of issue 5 checked against measured runs.
 
-    python -m perf.report results.json --out report.md
+    python -m perf.report results.json [more-results.json ...] --out report.md
 
 Targets (perf/RESULTS.md) and which runs each compares, all taken from the same results file:
     s1-2000       S1, n=2000, adapters on: throughput >= 24 req/s                   (engine and serving runs)
@@ -9,6 +9,8 @@ Targets (perf/RESULTS.md) and which runs each compares, all taken from the same 
     vs-peft       ours >= 30 x HF PEFT on the same trace file                        (each PEFT run)
     served        through Triton >= 0.90 x in-process, same trace file and mode      (each serving run)
 Nothing is computed from numbers that were not measured: a target with no pair of runs is listed as not run.
+Runs of several files (several GPU calls) can be compared; the report lists each file's commit and device, and a
+pair is only as good as the two runs being on the same commit and GPU.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from perf.results import load_results
+from perf.results import load_runs
 
 logger = logging.getLogger(__name__)
 
@@ -163,21 +165,22 @@ def checks_table(checks: list[Check]) -> list[str]:
     return lines
 
 
-def report(results: Path) -> str:
-    runs = load_results(results)["runs"]
+def report(*results: Path) -> str:
+    runs = load_runs(list(results))
     checks = [c for check in CHECKS for c in check(runs)]
-    envs = sorted({(r["env"].get("commit"), r["env"].get("device")) for r in runs})
-    header = [f"# Results of {results.name}", ""] + [f"- commit `{c}` on {d}" for c, d in envs]
+    envs = sorted({(r["env"].get("commit"), r["env"].get("device"), r["env"].get("date_utc", "")[:10]) for r in runs})
+    header = [f"# Results of {', '.join(p.name for p in results)}", ""]
+    header += [f"- commit `{c}` on {d}, {day}" for c, d, day in envs]
     return "\n".join([*header, "", "## Targets", "", *checks_table(checks), "", "## Runs", "", *runs_table(runs)])
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", type=Path)
+    parser.add_argument("results", type=Path, nargs="+")
     parser.add_argument("--out", type=Path, help="write the markdown here (it is logged too)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    text = report(args.results)
+    text = report(*args.results)
     if args.out:
         args.out.write_text(text + "\n")
     logger.info("%s", text)

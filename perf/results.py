@@ -72,6 +72,19 @@ def load_results(path: Path) -> dict[str, Any]:
     return data
 
 
+def load_runs(paths: list[Path]) -> list[dict[str, Any]]:
+    """The runs of several results files (e.g. of several GPU calls), in order; repeated names get '#2', '#3'."""
+    runs: list[dict[str, Any]] = []
+    seen: dict[str, int] = {}
+    for path in paths:
+        for run in load_results(path)["runs"]:
+            seen[run["name"]] = seen.get(run["name"], 0) + 1
+            if seen[run["name"]] > 1:
+                run = {**run, "name": f"{run['name']}#{seen[run['name']]}"}
+            runs.append(run)
+    return runs
+
+
 def headline(run: dict[str, Any]) -> str:
     """One log line per run: the figures RESULTS.md asks for."""
     m = run["metrics"]

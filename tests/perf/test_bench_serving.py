@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -174,10 +175,12 @@ def test_replay_gives_up_on_requests_that_never_end(tmp_path: Path) -> None:
     trace = generate_trace(config)
     bad = trace.adapters()[0]
     client = FakeClient(ModelIO(), fail_adapter=bad)
-    options = bench_serving.ServingOptions(idle_timeout_s=0.5, progress_interval_s=0.2)
+    options = bench_serving.ServingOptions(idle_timeout_s=30, progress_interval_s=0.2)  # ends without waiting
     replay = bench_serving.StreamReplay(client, Target.named("slora"), ModelIO(), list(trace.requests), options,
                                         None, len)  # fmt: skip
+    began = time.perf_counter()
     asyncio.run(replay.run())
+    assert time.perf_counter() - began < 10
     failed = [r for r in trace.requests if r.adapter == bad]
     assert len(replay.stream_errors) == len(failed)
     assert len(replay.open) == len(failed)  # errors without a request id cannot be attributed

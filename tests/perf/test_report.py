@@ -54,6 +54,13 @@ def test_plots_are_written(results: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from perf.plot import plot_all
 
-    written = plot_all(results, tmp_path / "plots")
+    written = plot_all([results], tmp_path / "plots")
     assert [p.name for p in written] == ["throughput.png", "scaling.png", "latency.png"]
     assert all(p.stat().st_size > 1000 for p in written)
+
+
+def test_runs_of_several_files_are_compared(results: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other.json"
+    append_runs(other, [_run("p-n5", "peft", 5, "lora", 1.0, "s1-n5", "peft")])
+    text = report(results, other)
+    assert "| vs-peft | e-n5 | p-n5#2 | 29.000 x | >= 30 x | NO |" in text

@@ -1,0 +1,225 @@
+#!/usr/bin/env bash
+# Issue 5's benchmarks on one GPU host, inside its limits (10 minutes a command), writing under $OUT.
+#
+#   SLORA_COMMIT=$(git rev-parse HEAD) bash perf/run_gpu.sh [SUITE ...]        (default suite: all)
+#
+# Suites (each fits one 10-minute call by itself; estimated H200 wall time in brackets, see perf/RESULTS.md):
+#   all         engine S1 n=5, n=2000, n=2000 base model; PEFT S1 n=5 (bounded); served `slora` S1 n=2000  [~8 min]
+#   engine-s1   engine S1 n=5, 100, 1000, 2000, n=2000 base model, n=2000 single adapter                [~6 min]
+#   engine-s2   engine S2 n=5, 100, 1000, 2000, n=2000 base model                                       [~6 min]
+#   bmm         padded-BMM LoRA (kernel_backend=bmm) and triton side by side, S1 n=5 and n=2000          [~6 min]
+#   serving-s1  engine S1 n=5, n=2000; served `slora` n=5, n=2000; served `ensemble` n=2000               [~8 min]
+#   peft        engine S1 n=5, n=100; PEFT S1 n=5, n=100 (bounded prefixes)                               [~6 min]
+# Several suites in one call run one after the other under one time budget (BUDGET_S); later ones are skipped
+# when the time is gone, and the results of every finished run are kept.
+#
+# Outputs (8 files at most come back): $OUT/results.json (every run), report.md (targets checked, runs
+# table), run.log (everything the steps logged), server.log, profile.txt, throughput.png, scaling.png,
+# latency.png. Model, adapters and traces go to $WORK (local disk), reused while the machine stays warm.
+#
+# Knobs (environment): BUDGET_S (570), RATE (40 req/s) and DURATION (12 s) of the traces, SEED (42),
+# RUN_LIMIT (120 s per run), KERNEL (triton; the engine's kernel_backend), ENGINE_OPTS ("key=value ..." for
+# EngineConfig), PEFT_REQUESTS (100) and PEFT_LIMIT (60 s), PROFILE ("300 3": after each engine step's runs,
+# an unmeasured pass profiles 3 steps from step 300; "" disables), SHAPE (llama2-7b | tiny), DEVICE (cuda | cpu),
+# N_BIG (2000),
+# LENGTHS ("8 512": input and output length range), PY (python3), OUT, WORK, PORT_BASE (8000).
+# CPU rehearsal of the whole script (about 2 minutes on 2 cores):
+#   GPU_ENV=none PY=python SHAPE=tiny DEVICE=cpu N_BIG=40 RATE=20 DURATION=1 LENGTHS="8 48" PROFILE="5 2" \
+#   PEFT_REQUESTS=10 PEFT_LIMIT=20 OUT=/tmp/perf-out WORK=/tmp/perf-work bash perf/run_gpu.sh all
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+GPU_ENV=${GPU_ENV:-.whl/gpu-env.sh}  # the GPU host's wheels and server bundle; GPU_ENV=none skips it
+if [[ -f $GPU_ENV ]]; then
+  # shellcheck disable=SC1090
+  source "$GPU_ENV"
+fi
+set -uo pipefail  # no -e: one failed step must not lose the others' results
+START=$(date +%s)
+BUDGET_S=${BUDGET_S:-570}
+OUT=${OUT:-$PWD/out/perf}
+WORK=${WORK:-/tmp/slora-perf}
+PY=${PY:-python3}
+RATE=${RATE:-40}
+DURATION=${DURATION:-12}
+SEED=${SEED:-42}
+RUN_LIMIT=${RUN_LIMIT:-120}
+KERNEL=${KERNEL:-triton}
+ENGINE_OPTS=${ENGINE_OPTS:-}
+PEFT_REQUESTS=${PEFT_REQUESTS:-100}
+PEFT_LIMIT=${PEFT_LIMIT:-60}
+PROFILE=${PROFILE-300 3}
+SHAPE=${SHAPE:-llama2-7b}
+DEVICE=${DEVICE:-cuda}
+N_BIG=${N_BIG:-2000}
+LENGTHS=${LENGTHS:-8 512}
+PORT_BASE=${PORT_BASE:-8000}
+HOST_BUDGET=${HOST_BUDGET:-48GiB}
+export SLORA_COMMIT=${SLORA_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+export PYTHONUNBUFFERED=1
+
+MODEL=$WORK/model
+RESULTS=$OUT/results.json
+LOG=$OUT/run.log
+SERVER_PID=""
+mkdir -p "$OUT" "$WORK/traces"
+
+log() { echo "$(date +%T) run_gpu: $*" | tee -a "$LOG" >&2; }
+elapsed() { echo $(( $(date +%s) - START )); }
+remaining() { echo $(( BUDGET_S - $(elapsed) )); }
+
+# Run a Python step with what is left of the budget (less a margin for the report); logs go to run.log.
+step() {
+  local left=$(( $(remaining) - 25 ))
+  if (( left < 30 )); then log "SKIPPED (budget spent): $*"; return 1; fi
+  log "step: $* (up to ${left}s)"
+  timeout --signal=INT --kill-after=15 "$left" "$PY" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  (( rc )) && log "step exited with $rc: $1 $2"
+  return "$rc"
+}
+
+run_limit() { local left=$(( $(remaining) - 40 )); echo $(( left < RUN_LIMIT ? left : RUN_LIMIT )); }
+
+engine_args() {
+  local args=(--model "$MODEL" --load-format dummy --device "$DEVICE" --host-budget "$HOST_BUDGET")
+  for opt in $ENGINE_OPTS; do args+=(--engine-opt "$opt"); done
+  echo "${args[@]}"
+}
+
+setup() {
+  log "suites: $* | commit $SLORA_COMMIT | budget ${BUDGET_S}s | traces rate $RATE/s x ${DURATION}s, lengths [$LENGTHS)"
+  if [[ $DEVICE == cuda* ]]; then
+    nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv >>"$LOG" 2>&1
+  fi
+  "$PY" -c "import slora.backend.engine" 2>/dev/null \
+    || "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 \
+    || log "pip install -e . failed"
+  [[ -f $MODEL/config.json ]] || step -m perf.make_model --shape "$SHAPE" --out "$MODEL"
+}
+
+vocab() { "$PY" -c "import json; print(json.load(open('$MODEL/config.json'))['vocab_size'])"; }
+
+adapters() {  # adapters SETTING: n=N_BIG adapter directories, built once per warm machine
+  local setting=$1 root=$WORK/adapters/$1
+  if ! grep -q "\"n\": $N_BIG," "$root/.weights/$setting.json" 2>/dev/null; then
+    step -m perf.make_adapters --model "$MODEL" --setting "$setting" -n "$N_BIG" --out "$root"
+  fi
+  echo "$root"
+}
+
+trace() {  # trace PREFIX N: the trace file (same seed: same arrivals and lengths for every N and prefix)
+  local file=$WORK/traces/$1-n$2.jsonl
+  if [[ ! -f $file ]]; then
+    # shellcheck disable=SC2086
+    step -m perf.workload -n "$2" --prefix "$1-" --rate "$RATE" --duration "$DURATION" --seed "$SEED" \
+      --vocab-size "$(vocab)" --input-range $LENGTHS --output-range $LENGTHS --out "$file" >/dev/null
+  fi
+  echo "$file"
+}
+
+engine() {  # engine BACKEND SETTING RUN...  (RUN = TRACE[@MODE]; one engine for all of them)
+  local backend=$1 setting=$2; shift 2
+  local root profile=()
+  root=$(adapters "$setting")
+  # shellcheck disable=SC2206
+  [[ -n $PROFILE ]] && profile=(--profile $PROFILE --profile-file "$OUT/profile.txt")
+  # shellcheck disable=SC2046
+  step -m perf.bench_engine $(engine_args) --adapter-root "$root" --kernel-backend "$backend" \
+    --name-prefix "engine-$backend" --time-limit "$(run_limit)" "${profile[@]}" --out "$RESULTS" "$@"
+}
+
+backend_available() {
+  "$PY" -c "from slora.backend.config import EngineConfig; EngineConfig(kernel_backend='$1')" 2>>"$LOG"
+}
+
+start_server() {  # start_server SETTING: slora-serve in the background, its log in server.log
+  local root opts=()
+  root=$(adapters "$1")
+  for opt in load_format=dummy host_budget_bytes=$HOST_BUDGET $ENGINE_OPTS; do opts+=(--engine-option "$opt"); done
+  log "starting slora-serve (adapters $root)"
+  "$PY" -m slora.backend.launcher --model "$MODEL" --adapter-dir "$root" --device "$DEVICE" \
+    --kernel-backend "$KERNEL" "${opts[@]}" --http-port "$PORT_BASE" --grpc-port $((PORT_BASE + 1)) \
+    --metrics-port $((PORT_BASE + 2)) >>"$OUT/server.log" 2>&1 &
+  SERVER_PID=$!
+}
+
+stop_server() {
+  [[ -z $SERVER_PID ]] && return 0
+  log "stopping slora-serve (pid $SERVER_PID)"
+  kill -INT "$SERVER_PID" 2>/dev/null
+  for _ in $(seq 30); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
+  kill -KILL "$SERVER_PID" 2>/dev/null
+  wait "$SERVER_PID" 2>/dev/null
+  SERVER_PID=""
+}
+
+serving() {  # serving TARGET RUN...  (against the running server)
+  local target=$1; shift
+  local extra=()
+  [[ $target == ensemble ]] && extra=(--tokenizer "$MODEL")
+  step -m perf.bench_serving --url "localhost:$((PORT_BASE + 1))" --target "$target" "${extra[@]}" \
+    --ready-timeout "$(( $(remaining) - 60 ))" --time-limit "$(run_limit)" --out "$RESULTS" "$@"
+}
+
+peft() {  # peft TRACE...
+  local root
+  root=$(adapters S1)
+  step -m perf.baseline_peft --model "$MODEL" --adapter-root "$root" --device "$DEVICE" \
+    --max-requests "$PEFT_REQUESTS" --time-limit "$PEFT_LIMIT" --out "$RESULTS" "$@"
+}
+
+suite() {
+  local s1_5 s1_100 s1_1000 s1_big s2_5 s2_100 s2_1000 s2_big
+  s1_5=$(trace s1 5); s1_big=$(trace s1 "$N_BIG")
+  case $1 in
+    all)
+      engine "$KERNEL" S1 "$s1_5" "$s1_big" "$s1_big@base"
+      peft "$s1_5"
+      start_server S1
+      serving slora "$s1_big"
+      stop_server ;;
+    engine-s1)
+      s1_100=$(trace s1 100); s1_1000=$(trace s1 1000)
+      engine "$KERNEL" S1 "$s1_5" "$s1_100" "$s1_1000" "$s1_big" "$s1_big@base" "$s1_big@single" ;;
+    engine-s2)
+      s2_5=$(trace s2 5); s2_100=$(trace s2 100); s2_1000=$(trace s2 1000); s2_big=$(trace s2 "$N_BIG")
+      engine "$KERNEL" S2 "$s2_5" "$s2_100" "$s2_1000" "$s2_big" "$s2_big@base" ;;
+    bmm)
+      if backend_available bmm; then
+        engine bmm S1 "$s1_5" "$s1_big"
+      else
+        log "SKIPPED bmm: this engine has no kernel_backend=bmm yet"
+      fi
+      engine "$KERNEL" S1 "$s1_5" "$s1_big" ;;
+    serving-s1)
+      engine "$KERNEL" S1 "$s1_5" "$s1_big"
+      start_server S1
+      serving slora "$s1_5" "$s1_big"
+      serving ensemble "$s1_big"
+      stop_server ;;
+    peft)
+      s1_100=$(trace s1 100)
+      engine "$KERNEL" S1 "$s1_5" "$s1_100"
+      peft "$s1_5" "$s1_100" ;;
+    *)
+      log "unknown suite $1 (all, engine-s1, engine-s2, bmm, serving-s1, peft)"; return 2 ;;
+  esac
+}
+
+finish() {
+  stop_server
+  if [[ -f $RESULTS ]]; then
+    "$PY" -m perf.report "$RESULTS" --out "$OUT/report.md" >>"$LOG" 2>&1 || log "report failed"
+    "$PY" -m perf.plot "$RESULTS" --out-dir "$OUT" >>"$LOG" 2>&1 || log "plots failed (matplotlib?)"
+  fi
+  log "done in $(elapsed)s; outputs in $OUT: $(find "$OUT" -maxdepth 1 -type f -printf "%f " )"
+}
+trap finish EXIT
+
+SUITES=("$@")
+(( ${#SUITES[@]} )) || SUITES=(all)
+setup "${SUITES[@]}"
+for s in "${SUITES[@]}"; do
+  log "=== suite $s ($(remaining)s left)"
+  suite "$s"
+done
