@@ -3,7 +3,9 @@
 #
 #   SLORA_COMMIT=$(git rev-parse HEAD) bash perf/run_gpu.sh [SUITE ...]        (default suite: all)
 #
-# Suites (each fits one 10-minute call by itself; estimated H200 wall time in brackets, see perf/RESULTS.md):
+# Suites (each meant to fit one 10-minute call; in brackets a planning estimate for the H200, not a measurement:
+# dominated by building 7B random weights once per engine/server process and by how fast the engine drains the
+# traces; the budget check skips what no longer fits):
 #   all         engine S1 n=5, n=2000, n=2000 base model; PEFT S1 n=5 (bounded); served `slora` S1 n=2000  [~8 min]
 #   engine-s1   engine S1 n=5, 100, 1000, 2000, n=2000 base model, n=2000 single adapter                [~6 min]
 #   engine-s2   engine S2 n=5, 100, 1000, 2000, n=2000 base model                                       [~6 min]
@@ -19,13 +21,13 @@
 #
 # Knobs (environment): BUDGET_S (570), RATE (40 req/s) and DURATION (12 s) of the traces, SEED (42),
 # RUN_LIMIT (120 s per run), KERNEL (triton; the engine's kernel_backend), ENGINE_OPTS ("key=value ..." for
-# EngineConfig), PEFT_REQUESTS (100) and PEFT_LIMIT (60 s), PROFILE ("300 3": after each engine step's runs,
-# an unmeasured pass profiles 3 steps from step 300; "" disables), SHAPE (llama2-7b | tiny), DEVICE (cuda | cpu),
-# N_BIG (2000),
-# LENGTHS ("8 512": input and output length range), PY (python3), OUT, WORK, PORT_BASE (8000).
-# CPU rehearsal of the whole script (about 2 minutes on 2 cores):
-#   GPU_ENV=none PY=python SHAPE=tiny DEVICE=cpu N_BIG=40 RATE=20 DURATION=1 LENGTHS="8 48" PROFILE="5 2" \
-#   PEFT_REQUESTS=10 PEFT_LIMIT=20 OUT=/tmp/perf-out WORK=/tmp/perf-work bash perf/run_gpu.sh all
+# EngineConfig), PEFT_REQUESTS (100) and PEFT_LIMIT (60 s), PROFILE ("100 3": after each engine step's runs,
+# an unmeasured pass profiles 3 steps from step 100; "" disables), HOST_BUDGET (48GiB of host memory for
+# adapters), SHAPE (llama2-7b | tiny), DEVICE (cuda | cpu), N_BIG (2000), LENGTHS ("8 512": input and output
+# length range), PY (python3), OUT, WORK, PORT_BASE (8000), GPU_ENV (.whl/gpu-env.sh; "none" skips it).
+# CPU rehearsal of the whole script (about 1-2 minutes on 2 cores; the torch kernels, as Triton needs a GPU):
+#   GPU_ENV=none PY=python KERNEL=torch SHAPE=tiny DEVICE=cpu N_BIG=40 RATE=20 DURATION=1 LENGTHS="8 48" \
+#   PROFILE="5 2" PEFT_REQUESTS=10 PEFT_LIMIT=20 OUT=/tmp/perf-out WORK=/tmp/perf-work bash perf/run_gpu.sh all
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 GPU_ENV=${GPU_ENV:-.whl/gpu-env.sh}  # the GPU host's wheels and server bundle; GPU_ENV=none skips it
@@ -47,7 +49,7 @@ KERNEL=${KERNEL:-triton}
 ENGINE_OPTS=${ENGINE_OPTS:-}
 PEFT_REQUESTS=${PEFT_REQUESTS:-100}
 PEFT_LIMIT=${PEFT_LIMIT:-60}
-PROFILE=${PROFILE-300 3}
+PROFILE=${PROFILE-100 3}
 SHAPE=${SHAPE:-llama2-7b}
 DEVICE=${DEVICE:-cuda}
 N_BIG=${N_BIG:-2000}
