@@ -8,13 +8,16 @@ Rows of base tokens, and columns of modules a token's adapter does not target, m
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from slora.backend.adapter import load_peft_adapter  # noqa: E402
 from slora.backend.page_pool import PageKind, PoolGeometry  # noqa: E402
 from slora.kernels.lora_padded import lora_padded_bmm  # noqa: E402
 from slora.kernels.lora_ref import lora_ref  # noqa: E402
@@ -38,6 +41,7 @@ from tests.kernels.builders import (  # noqa: E402
     lora_step,
     make_adapter,
     make_resident,
+    model_spec,
     module_widths,
     scrambled_pool,
 )
@@ -214,3 +218,54 @@ def test_lora_rows_beyond_int32_offsets() -> None:
     )
     assert int(case.meta.a_rows.min()) >= 1 << 31
     check_layer(case, "triton", seed=10)
+
+
+def test_lora_64_adapters_decode() -> None:
+    """64 adapters of ranks 1 to 128 with assorted targets, one decode token each, plus base tokens."""
+    case = build_case(TINY, torch.bfloat16, gpu_adapters(64), gpu_step("decode", 64), seed=13)
+    check_layer(case, "triton", seed=14)
+
+
+def test_lora_smollm2_shape() -> None:
+    """A real model's widths (SmolLM2-135M: hidden 576, intermediate 1536, 9 heads, 3 kv heads of 64)."""
+    step = [(0, 20), (None, 3), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]
+    case = build_case(FULL_SHAPES[0], torch.bfloat16, gpu_adapters(6), step, seed=15)
+    check_layer(case, "triton", seed=16)
+
+
+def save_peft_adapter(path: Path, shape: Shape, ranks: dict[str, int], seed: int) -> Path:
+    """A PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) for a one-layer model."""
+    from safetensors.torch import save_file
+
+    spec = model_spec(shape)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module, rank in ranks.items():
+        parent = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+        in_features, out_features = spec.module_shape(module)
+        key = f"base_model.model.model.layers.0.{parent}.{module}"
+        tensors[f"{key}.lora_A.weight"] = torch.randn((rank, in_features), generator=gen) * 0.1
+        tensors[f"{key}.lora_B.weight"] = torch.randn((out_features, rank), generator=gen) * 0.1
+    path.mkdir(parents=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": max(ranks.values()), "lora_alpha": 8, "target_modules": list(ranks)}
+    config["rank_pattern"] = {m: r for m, r in ranks.items() if r != config["r"]}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_lora_adapters_from_peft_loader(tmp_path: Path) -> None:
+    """Adapters read by the engine's PEFT loader (its own page layout), made resident in a scrambled pool."""
+    geometry = PoolGeometry(num_layers=1, block_size=4, num_kv_heads=TINY.kv_heads, head_dim=TINY.head_dim)
+    specs = [{"q_proj": 4, "v_proj": 4, "down_proj": 2}, {"k_proj": 9, "gate_proj": 9, "up_proj": 9, "o_proj": 1}]
+    hosts = [
+        load_peft_adapter(
+            f"p{i}", save_peft_adapter(tmp_path / f"p{i}", TINY, s, i), model_spec(TINY), geometry, torch.bfloat16
+        )
+        for i, s in enumerate(specs)
+    ]
+    pool = scrambled_pool(geometry, adapter_pages(hosts) + 5, torch.bfloat16, seed=17)
+    residents = make_resident(pool, hosts)
+    meta, _ = lora_step([residents[1], None, residents[0], residents[1]], [1, 2, 19, 1])
+    case = LayerCase(TINY, torch.bfloat16, pool.flat_layer(0), meta, 23)
+    check_layer(case, "triton", seed=18)
