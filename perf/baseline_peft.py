@@ -111,6 +111,7 @@ class AdapterSwitcher:
     def _load(self, name: str) -> None:
         from peft import PeftModel
 
+        assert self.root is not None  # checked in activate
         path = str(self.root / name)
         if self.model is None:
             self.model = PeftModel.from_pretrained(self.base, path, adapter_name=name).eval()

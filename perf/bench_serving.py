@@ -314,7 +314,14 @@ def load_tokenizer(path: Path | None) -> tuple[TextOf, Callable[[str], int]]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    return (lambda ids: tokenizer.decode(ids)), (lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+
+    def text_of(ids: list[int]) -> str:
+        return str(tokenizer.decode(ids))
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    return text_of, count
 
 
 async def amain(args: argparse.Namespace) -> None:
