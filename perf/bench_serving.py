@@ -5,10 +5,11 @@
 
 TRACE[@MODE] as in bench_engine (lora | base | single); the same metrics and results file, kind "serving".
 Requests are sent when their arrival time comes, over `--streams` bidirectional gRPC streams (round robin), and
-every streamed response is timestamped on arrival. Before the clock starts, one 1-token request per adapter of
-the trace makes the server read every adapter into host memory (as bench_engine preloads them), and a few short
-requests warm the kernels. The client's own CPU use is reported (`client_cpu_share`): near 1.0, the Python
-client, not the server, may be the bottleneck; then use more `--streams`... or fewer tokens per response.
+every streamed response is timestamped on arrival. Before the clock starts, the trace's adapters are loaded into
+the server's host memory with `adapter_command` load requests (as bench_engine preloads them; see
+preload_adapters for the fallback), and a few short requests warm the kernels. The client's own CPU use is
+reported (`client_cpu_share`): near 1.0, the Python client rather than the server may be the bottleneck; then
+try more `--streams`.
 
 Targets (see perf/triton_protocol.py): `slora` (token ids in and out) and `ensemble` (text, vLLM-backend I/O;
 prompt token ids are rendered with the model's tokenizer, exact with perf/make_model.py's word-level one).
@@ -25,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from perf import serving_admin
 from perf.bench_engine import MODES, RunSpec
 from perf.metrics import RequestRecord, per_request, summarize
 from perf.results import append_runs, headline, make_run, trace_info
@@ -45,6 +47,7 @@ class ServingOptions:
     warmup_requests: int = 8
     preload: bool = True
     preload_concurrency: int = 64
+    admin_model: str = "slora"  # the model that takes adapter commands (preload into host memory, list)
     progress_interval_s: float = 5.0
     window_fraction: float = 0.25
 
@@ -231,18 +234,29 @@ class StreamReplay:
 
 
 async def preload_adapters(
-    client: Any, target: Target, io: ModelIO, trace: Trace, concurrency: int, text_of: TextOf | None
-) -> float:
-    """One 1-token request per adapter of the trace, so that the server reads them all into host memory."""
+    client: Any, target: Target, io: ModelIO, trace: Trace, options: ServingOptions, text_of: TextOf | None
+) -> tuple[float, str]:
+    """Get the trace's adapters into the server's host memory; returns (seconds, how).
+
+    With `adapter_command` load requests to the admin model they go to host memory only, as bench_engine's
+    preload does. Where the server takes no adapter commands, one 1-token request per adapter does it, which also
+    makes them resident on the GPU (a warmer start than the in-process runs get; recorded as `preload_via`).
+    """
+    names = trace.adapters()
+    start = time.perf_counter()
+    if not names:
+        return 0.0, "none"
+    admin_io = await client.model_io(options.admin_model)
+    if admin_io.inputs is not None and "adapter_command" in admin_io.inputs:
+        if await serving_admin.load_into_host(client, options.admin_model, names):
+            return time.perf_counter() - start, "adapter_command"
     firsts: dict[str, TraceRequest] = {}
     for r in trace.requests:
-        if r.adapter is not None:
-            firsts.setdefault(r.adapter, r)
-    start = time.perf_counter()
-    if firsts:
-        options = ServingOptions(streams=min(concurrency, len(firsts)), progress_interval_s=30.0)
-        await _run_unmeasured(client, target, io, list(firsts.values()), options, 1, text_of)
-    return time.perf_counter() - start
+        if r.adapter is not None and r.adapter not in firsts:  # a short prompt: only the adapter matters
+            firsts[r.adapter] = TraceRequest(r.index, 0.0, r.adapter, r.prompt_ids[:8], 1)
+    streams = ServingOptions(streams=min(options.preload_concurrency, len(firsts)), progress_interval_s=30.0)
+    await _run_unmeasured(client, target, io, list(firsts.values()), streams, 1, text_of)
+    return time.perf_counter() - start, "requests"
 
 
 async def _run_unmeasured(
@@ -276,18 +290,21 @@ async def run_one(
     io = await client.model_io(target.model)
     logger.info("run %s: %s (%d requests, mode %s) -> model %r %s", name, spec.trace_path, len(trace), spec.mode,
                 target.model, io)  # fmt: skip
-    preload_s = 0.0
+    preload_s, preload_via = 0.0, "off"
     if options.preload:
-        preload_s = await preload_adapters(client, target, io, trace, options.preload_concurrency, text_of)
+        preload_s, preload_via = await preload_adapters(client, target, io, trace, options, text_of)
     warm = list(trace.requests[: options.warmup_requests])
     if warm:
         await _run_unmeasured(client, target, io, warm, ServingOptions(streams=1), 8, text_of)
+    on_gpu = await serving_admin.count_on_gpu(client, options.admin_model) if preload_via != "requests" else None
     cpu0 = time.process_time()
     replay = StreamReplay(client, target, io, list(trace.requests), options, text_of, count_tokens)
     duration = await replay.run()
     metrics = summarize(list(replay.records.values()), duration, options.window_fraction)
     metrics.update(
         preload_s=preload_s,
+        preload_via=preload_via,
+        adapters_on_gpu_at_start=on_gpu,
         stream_errors=len(replay.stream_errors),
         first_errors=replay.stream_errors[:3],
         client_cpu_share=(time.process_time() - cpu0) / duration if duration > 0 else None,

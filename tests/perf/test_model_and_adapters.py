@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -62,5 +63,6 @@ def test_peft_loads_a_generated_adapter(tiny_model: Path, tiny_adapters: Path) -
     model = PeftModel.from_pretrained(base, str(tiny_adapters / "s2-0001"), adapter_name="s2-0001")
     model.load_adapter(str(tiny_adapters / "sall-0000"), adapter_name="sall-0000")
     model.set_adapter("sall-0000")
-    lora_b = model.base_model.model.model.layers[0].mlp.down_proj.lora_B["sall-0000"].weight
+    inner: Any = model.base_model.model
+    lora_b = inner.model.layers[0].mlp.down_proj.lora_B["sall-0000"].weight
     assert lora_b.shape == (64, 64) and lora_b.abs().sum() > 0

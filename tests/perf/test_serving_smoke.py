@@ -82,3 +82,7 @@ def test_replay_through_triton(server: int, target: str, tiny_model: Path, tmp_p
         assert m["num_finished"] == 10 and m["stream_errors"] == 0, m.get("first_errors")
         assert m["num_short"] == 0 and sum(run["per_request"]["num_output"]) == run["trace"]["total_output_tokens"]
         assert m["ttft_s"]["p50"] > 0 and m["throughput_rps"] > 0
+    lora = runs[0]["metrics"]
+    assert lora["preload_via"] == "adapter_command"  # host memory only, as in-process
+    # The server cannot be asked to empty its pool: adapters of earlier runs stay resident, and this is recorded.
+    assert isinstance(lora["adapters_on_gpu_at_start"], int)
