@@ -59,6 +59,13 @@ def locate_server(workspace: Path) -> TritonInstall:
     backend_dir = root / "backends"
     if stub_python_version(python_backend / STUB) != python_version():
         backend_dir = _overlay_backends(root / "backends", workspace / "backends")
+        if root != _wheel_root():
+            logger.warning(
+                "using the nvidia-pytriton wheel's Python %s stub with the Python backend of %s: both must "
+                "come from the same Triton release (the wheel's is 2.51 = 24.10)",
+                python_version(),
+                root,
+            )
     wheel = _wheel_root()
     wheel_libs = wheel.parent.parent / "nvidia_pytriton.libs" if wheel is not None else None
     env = _environment(wheel_libs if wheel_libs is not None and wheel_libs.is_dir() else None)

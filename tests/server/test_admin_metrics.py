@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -11,8 +12,9 @@ from slora.backend.sampling_params import SamplingParams
 from slora.client import cli
 from slora.client.admin import adapter_command
 from slora.client.generate import ServerError
+from slora.client.perf_input import input_rows
 from tests.server.conftest import MAX_NUM_SEQS, REGISTRY_ADAPTER, Server
-from tests.server.triton_calls import run_one, scrape, token_inputs, wait_for_metric
+from tests.server.triton_calls import run_one, run_streams, scrape, text_inputs, token_inputs, wait_for_metric
 
 pytestmark = pytest.mark.server
 
@@ -102,3 +104,23 @@ def test_client_cli(server: Server, reference: Any, capsys: pytest.CaptureFixtur
     assert cli.main([*urls, "metrics"]) == 0
     assert 'slora_pool_pages{kind="kv"}' in capsys.readouterr().out
     assert cli.main([*urls, "generate", "Hi", "--adapter", "nope"]) == 1
+
+
+def test_perf_analyzer_input_rows_are_valid_requests(server: Server) -> None:
+    """The rows of perf/perf_analyzer.sh's input file, replayed as requests: every adapter id is served."""
+    adapters = [*server.demo_adapters, REGISTRY_ADAPTER]
+    for target in ("slora", "ensemble"):
+        rows = input_rows(target, adapters, rows=6, prompt_tokens=8, max_tokens=3, vocab=30000, seed=1)
+        assert {row["adapter_id"][0] for row in rows} <= {"", *adapters}
+        requests = {}
+        for i, row in enumerate(rows):
+            sampling = json.loads(row["sampling_parameters"][0])
+            adapter = row["adapter_id"][0] or None
+            if target == "slora":
+                requests[f"p{i}"] = token_inputs(row["input_ids"]["content"], row["max_tokens"][0], adapter,
+                                                 stream=True, sampling=sampling)  # fmt: skip
+            else:
+                requests[f"p{i}"] = text_inputs(row["text_input"][0], True, {**sampling, "max_tokens": 3}, adapter,
+                                                exclude_input=True)  # fmt: skip
+        results = run_streams(server.grpc_url, target, requests)
+        assert all(r.error is None and r.final and r.responses == 3 for r in results.values()), results

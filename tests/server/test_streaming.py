@@ -66,14 +66,9 @@ def test_ensemble_stream_deltas_concatenate_to_the_engine_text(server: Server, r
     adapters = _adapters(server)
     cases = [(p, adapters[i % len(adapters)]) for i, p in enumerate(PROMPTS)]
     sampling = {"temperature": 0, "max_tokens": 16}
-    streamed = run_streams(
-        server.grpc_url, "ensemble", {f"s{i}": text_inputs(p, True, sampling, a) for i, (p, a) in enumerate(cases)}
-    )
-    whole = run_streams(
-        server.grpc_url,
-        "ensemble",
-        {f"w{i}": text_inputs(p, False, sampling, a, exclude_input=True) for i, (p, a) in enumerate(cases)},
-    )
+    requests = {f"s{i}": text_inputs(p, True, sampling, a) for i, (p, a) in enumerate(cases)}
+    requests.update({f"w{i}": text_inputs(p, False, sampling, a, exclude_input=True) for i, (p, a) in enumerate(cases)})
+    streamed = whole = run_streams(server.grpc_url, "ensemble", requests)  # 12 at once: 6 streamed, 6 whole
     expected = _reference(reference, [p for p, _ in cases], [a for _, a in cases], max_tokens=16)
     assert any(ord(c) > 0x7FF for c in expected[2].text + expected[3].text), "no multi-byte text was generated"
     for i, completion in enumerate(expected):
