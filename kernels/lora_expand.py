@@ -34,7 +34,7 @@ class ExpandConfig:
     num_stages: int
 
 
-DECODE = ExpandConfig(16, 16, 128, 4, 2)
+DECODE = ExpandConfig(16, 16, 256, 4, 2)
 PREFILL = ExpandConfig(64, 16, 128, 4, 2)
 
 
@@ -47,13 +47,11 @@ def _lora_expand_kernel(
     v_ptr,  # float32 [split_k, num_tokens, R]: the shrink kernel's partial sums
     stride_v_split,
     stride_v_tok,
-    split_k,
+    split_k,  # partials to sum (<= SPLIT_K)
     pool_ptr,  # one pool layer, flat: Bᵀ rows live at the offsets in b_rows
     y_ptr,  # [num_tokens, ≥ Σ out_m], unit column stride (updated in place)
     stride_y,
-    tiles_ptr,  # int32 [num_tiles, 2]: (segment, first token)
-    seg_start_ptr,  # int32 [num_segments + 1]
-    seg_adapter_ptr,  # int32 [num_segments]
+    tiles_ptr,  # int32 [num_tiles, 4]: (segment, first token, segment end, adapter)
     ranks_ptr,  # int32 [num_adapters, 7]
     scales_ptr,  # float32 [num_adapters, 7]
     row_start_ptr,  # int32 [num_adapters, 7]
@@ -66,6 +64,7 @@ def _lora_expand_kernel(
     width2,
     FIRST_MODULE: tl.constexpr,
     NUM_SLICES: tl.constexpr,  # 1 to 3 consecutive modules
+    SPLIT_K: tl.constexpr,  # split_k rounded up to a power of two
     ROW_ALIGN: tl.constexpr,  # every Bᵀ row offset is a multiple of this
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -74,15 +73,16 @@ def _lora_expand_kernel(
 ):
     tile = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
-    segment = tl.load(tiles_ptr + 2 * tile)
-    first = tl.load(tiles_ptr + 2 * tile + 1)
-    end = tl.load(seg_start_ptr + segment + 1)
-    adapter = tl.load(seg_adapter_ptr + segment)
+    first = tl.load(tiles_ptr + 4 * tile + 1)
+    end = tl.load(tiles_ptr + 4 * tile + 2)
+    adapter = tl.load(tiles_ptr + 4 * tile + 3)
     table = adapter * MODULES + FIRST_MODULE
 
     tokens = first + tl.arange(0, BLOCK_M)
     tok_mask = tokens < end
-    v_rows = v_ptr + tokens.to(tl.int64)[:, None] * stride_v_tok
+    splits = tl.arange(0, SPLIT_K)
+    # v_rows: [SPLIT_K, BLOCK_M, 1] pointers; every split's partial of a chunk is read in one load, then summed
+    v_rows = v_ptr + splits[:, None, None] * stride_v_split + tokens.to(tl.int64)[None, :, None] * stride_v_tok
     y_rows = y_ptr + tokens.to(tl.int64)[:, None] * stride_y
     n = n0 + tl.arange(0, BLOCK_N)
     v_col = 0  # this module's first column in v: the ranks of the modules before it
@@ -105,10 +105,8 @@ def _lora_expand_kernel(
             for c in range(0, rank, BLOCK_R):
                 j = c + tl.arange(0, BLOCK_R)
                 j_mask = j < rank
-                v_mask = tok_mask[:, None] & j_mask[None, :]
-                vt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                for split in range(split_k):
-                    vt += tl.load(v_rows + split * stride_v_split + (v_col + j)[None, :], mask=v_mask, other=0.0)
+                v_mask = (splits < split_k)[:, None, None] & (tok_mask[:, None] & j_mask[None, :])[None, :, :]
+                vt = tl.sum(tl.load(v_rows + (v_col + j)[None, None, :], mask=v_mask, other=0.0), axis=0)
                 rows = tl.load(b_rows_ptr + row0 + j, mask=j_mask, other=0)
                 rows = tl.multiple_of(rows, ROW_ALIGN)
                 bt = tl.load(pool_ptr + rows[:, None] + n[None, :], mask=j_mask[:, None] & n_mask[None, :], other=0.0)
@@ -142,9 +140,10 @@ def lora_expand(
     grid = (num_tiles, triton.cdiv(max(out_widths), cfg.block_n))
     _lora_expand_kernel[grid](
         v, v.stride(0), v.stride(1), v.shape[0], flat_layer, y, y.stride(0),
-        tiles, meta.seg_start, meta.seg_adapter, meta.ranks, meta.scales, meta.row_start, meta.b_rows,
+        tiles, meta.ranks, meta.scales, meta.row_start, meta.b_rows,
         *offsets, *widths,
-        FIRST_MODULE=first_module, NUM_SLICES=num_slices, ROW_ALIGN=meta.row_align,
+        FIRST_MODULE=first_module, NUM_SLICES=num_slices, SPLIT_K=triton.next_power_of_2(v.shape[0]),
+        ROW_ALIGN=meta.row_align,
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n,
         DOT_PRECISION=dot_precision(y.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

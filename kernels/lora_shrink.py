@@ -40,6 +40,8 @@ class ShrinkConfig:
     num_stages: int
 
 
+MAX_SPLIT_K = 16  # the expand kernel sums this many partials at most, in one load
+
 # Picked by the longest segment of the step: decode steps have one or a few tokens per adapter.
 DECODE = ShrinkConfig(16, 16, 256, 1024, False, 4, 2)
 PREFILL = ShrinkConfig(64, 16, 64, 512, True, 4, 3)
@@ -57,9 +59,7 @@ def _lora_shrink_kernel(
     v_ptr,  # float32 [split_k, num_tokens, R] partial sums (written)
     stride_v_split,
     stride_v_tok,
-    tiles_ptr,  # int32 [num_tiles, 2]: (segment, first token)
-    seg_start_ptr,  # int32 [num_segments + 1]
-    seg_adapter_ptr,  # int32 [num_segments]: active adapter of each segment
+    tiles_ptr,  # int32 [num_tiles, 4]: (segment, first token, segment end, adapter)
     ranks_ptr,  # int32 [num_adapters, 7]
     row_start_ptr,  # int32 [num_adapters, 7]: first entry of each (adapter, module) in a_rows
     a_rows_ptr,  # int64 [total_rows]: flat pool offset of each lora_A row
@@ -75,10 +75,9 @@ def _lora_shrink_kernel(
 ):
     tile = tl.program_id(0)
     split = tl.program_id(2)
-    segment = tl.load(tiles_ptr + 2 * tile)
-    first = tl.load(tiles_ptr + 2 * tile + 1)
-    end = tl.load(seg_start_ptr + segment + 1)
-    adapter = tl.load(seg_adapter_ptr + segment)
+    first = tl.load(tiles_ptr + 4 * tile + 1)
+    end = tl.load(tiles_ptr + 4 * tile + 2)
+    adapter = tl.load(tiles_ptr + 4 * tile + 3)
     table = adapter * MODULES + FIRST_MODULE
     rank = tl.load(ranks_ptr + table)
     for s in tl.static_range(1, NUM_SLICES):
@@ -117,9 +116,7 @@ def lora_shrink(
     num_tiles = int(tiles.shape[0])
     rank_programs = triton.cdiv(fused_rank, cfg.block_r) if cfg.rank_parallel else 1
     in_features = int(x.shape[1])
-    k_blocks = triton.cdiv(in_features, cfg.block_k)
-    split_k = max(1, min(k_blocks, cfg.target_programs // max(1, num_tiles * rank_programs)))
-    k_per_split = triton.cdiv(k_blocks, split_k) * cfg.block_k
+    k_per_split = _split_k(in_features, num_tiles * rank_programs, cfg)
     split_k = triton.cdiv(in_features, k_per_split)
     v = torch.empty((split_k, x.shape[0], max(fused_rank, 1)), dtype=torch.float32, device=x.device)
     if num_tiles == 0 or fused_rank == 0:
@@ -127,13 +124,21 @@ def lora_shrink(
     grid = (num_tiles, rank_programs, split_k)
     _lora_shrink_kernel[grid](
         x, x.stride(0), flat_layer, v, v.stride(0), v.stride(1),
-        tiles, meta.seg_start, meta.seg_adapter, meta.ranks, meta.row_start, meta.a_rows,
+        tiles, meta.ranks, meta.row_start, meta.a_rows,
         in_features, k_per_split,
         FIRST_MODULE=first_module, NUM_SLICES=num_slices, ROW_ALIGN=meta.row_align,
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
         DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return v
+
+
+def _split_k(in_features: int, programs: int, cfg: ShrinkConfig) -> int:
+    """Input features per split: a power-of-two number of splits, enough for about cfg.target_programs."""
+    k_blocks = triton.cdiv(in_features, cfg.block_k)
+    wanted = max(1, min(k_blocks, cfg.target_programs // max(1, programs), MAX_SPLIT_K))
+    splits = 1 << (wanted.bit_length() - 1)
+    return triton.cdiv(k_blocks, splits) * cfg.block_k
 
 
 def _check(x: torch.Tensor, flat_layer: torch.Tensor, meta: LoraMeta, first_module: int, num_slices: int) -> None:

@@ -10,15 +10,23 @@ from dataclasses import dataclass, field
 
 import torch
 
+TILE_COLUMNS = 4  # segment, first row, end row (of the segment), tag
 
-def segment_tiles(starts: list[int], block: int, device: torch.device) -> torch.Tensor:
-    """int32 [num_tiles, 2]: (segment, first row) of every run of up to `block` rows inside one segment.
+
+def segment_tiles(starts: list[int], block: int, device: torch.device, tags: list[int] | None = None) -> torch.Tensor:
+    """int32 [num_tiles, 4]: (segment g, first row, starts[g+1], tags[g]) of every run of up to `block` rows.
 
     Segment g covers rows starts[g]:starts[g+1]; empty segments get no tile. Kernels launch one program per tile,
-    so that no program straddles two segments and none is spent on rows of no segment.
+    so that no program straddles two segments and none is spent on rows of no segment; the segment's end and tag
+    (its adapter, for LoRA) ride along, which saves each program dependent loads. Tags default to g.
     """
-    tiles = [(g, row) for g in range(len(starts) - 1) for row in range(starts[g], starts[g + 1], block)]
-    return torch.tensor(tiles, dtype=torch.int32).view(-1, 2).to(device, non_blocking=True)
+    tag = tags if tags is not None else list(range(len(starts) - 1))
+    tiles = [
+        (g, row, starts[g + 1], tag[g])
+        for g in range(len(starts) - 1)
+        for row in range(starts[g], starts[g + 1], block)
+    ]
+    return torch.tensor(tiles, dtype=torch.int32).view(-1, TILE_COLUMNS).to(device, non_blocking=True)
 
 
 def row_alignment(rows: torch.Tensor, cap: int = 16) -> int:
@@ -109,7 +117,7 @@ class LoraMeta:
         return max((sum(r[first_module : first_module + num_modules]) for r in self.ranks_host), default=0)
 
     def tiles(self, block: int) -> torch.Tensor:
-        """Token tiles of up to `block` tokens of one segment (see segment_tiles), built once per step."""
+        """Token tiles of up to `block` tokens of one segment, tagged with its adapter (see segment_tiles)."""
         if block not in self._tiles:
-            self._tiles[block] = segment_tiles(self.seg_start_host, block, self.seg_start.device)
+            self._tiles[block] = segment_tiles(self.seg_start_host, block, self.seg_start.device, self.seg_adapter_host)
         return self._tiles[block]

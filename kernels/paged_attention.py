@@ -59,7 +59,7 @@ def _paged_attention_kernel(
     out_ptr,  # [num_tokens, heads, head_dim] (written)
     stride_o_tok,
     stride_o_head,
-    tiles_ptr,  # int32 [num_tiles, 2]: (sequence, first query row)
+    tiles_ptr,  # int32 [num_tiles, 4]: (sequence, first query row, its last row + 1, sequence)
     q_start_ptr,  # int32 [num_seqs + 1]
     seq_lens_ptr,  # int32 [num_seqs]
     block_tables_ptr,  # int32 [num_seqs, max_blocks]
@@ -76,10 +76,10 @@ def _paged_attention_kernel(
     tile = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
-    seq = tl.load(tiles_ptr + 2 * tile)
-    first = tl.load(tiles_ptr + 2 * tile + 1)
+    seq = tl.load(tiles_ptr + 4 * tile)
+    first = tl.load(tiles_ptr + 4 * tile + 1)
+    q_end = tl.load(tiles_ptr + 4 * tile + 2)
     q_begin = tl.load(q_start_ptr + seq)
-    q_end = tl.load(q_start_ptr + seq + 1)
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx0 = seq_len - (q_end - q_begin)  # position of the sequence's first new token
 

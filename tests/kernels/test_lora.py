@@ -7,6 +7,7 @@ Rows of base tokens, and columns of modules a token's adapter does not target, m
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ pytest.importorskip("triton")
 
 from slora.backend.adapter import load_peft_adapter  # noqa: E402
 from slora.backend.page_pool import PageKind, PoolGeometry  # noqa: E402
+from slora.kernels import lora_shrink  # noqa: E402
 from slora.kernels.lora_padded import lora_padded_bmm  # noqa: E402
 from slora.kernels.lora_ref import lora_ref  # noqa: E402
 from slora.kernels.metadata import LoraMeta  # noqa: E402
@@ -145,6 +147,16 @@ def check_layer(case: LayerCase, impl: str, seed: int) -> None:
 def test_lora_matches_reference(step: str, dtype: torch.dtype) -> None:
     case = build_case(TINY, dtype, list(TINY_ADAPTERS), TINY_STEPS[step], seed=3)
     check_layer(case, "triton", seed=4)
+
+
+@pytest.mark.parametrize("step", sorted(TINY_STEPS))
+def test_lora_split_k(step: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Input features split across programs (as on real widths), partial sums merged by the expand kernel."""
+    for name in ("DECODE", "PREFILL"):
+        config = getattr(lora_shrink, name)
+        monkeypatch.setattr(lora_shrink, name, dataclasses.replace(config, block_k=16, target_programs=4096))
+    case = build_case(TINY, torch.bfloat16, list(TINY_ADAPTERS), TINY_STEPS[step], seed=19)
+    check_layer(case, "triton", seed=20)
 
 
 @pytest.mark.parametrize("step", sorted(TINY_STEPS))

@@ -1,0 +1,484 @@
+"""Kernel benchmark on one GPU: each Triton kernel against the least it must move and compute, and two baselines.
+
+    python perf/bench_kernels.py --out results/kernels.json
+
+For every kernel and shape it measures the time (triton.testing.do_bench: median, L2 flushed before each run) and
+reports achieved bandwidth and FLOP/s on the op's *minimum* bytes and FLOPs (each adapter's rows, x and the
+touched columns of y read once; each K/V row read once), and what fraction that is of this GPU's copy bandwidth
+and bf16 matmul rate, both measured in the same process. Baselines in the same process: the plain-torch reference
+(kernels/*_ref.py) and, for LoRA, S-LoRA's padded-bmm ("bmm", kernels/lora_padded.py).
+
+Shapes: Llama-2-7B (hidden 4096, intermediate 11008, 32 heads of 128, MHA) and a GQA model of the same width
+(8 kv heads, intermediate 14336). Targets (issue 4): decode LoRA and decode attention >= 60% of copy bandwidth on
+their minimum bytes; mixed-rank LoRA >= 3x the padded baseline. Results go to --out as JSON and to stdout as a
+table. Needs CUDA; takes about two minutes on an H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import logging
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import triton
+
+from slora.backend.adapter import HostAdapter
+from slora.backend.adapter_cache import AdapterCache, ResidentAdapter
+from slora.backend.batch import ScheduledSeq, build_batch, build_lora_meta, order_by_adapter
+from slora.backend.model_spec import LORA_MODULES
+from slora.backend.page_pool import PageKind, PagePool, PoolGeometry
+from slora.backend.request import Request
+from slora.backend.sampling_params import SamplingParams
+from slora.kernels.attention_ref import paged_attention_ref, write_kv_ref
+from slora.kernels.lora_padded import lora_padded_bmm
+from slora.kernels.lora_ref import lora_ref
+from slora.kernels.metadata import AttentionMeta, LoraMeta
+from slora.kernels.triton_ops import TritonOps
+
+logger = logging.getLogger("bench_kernels")
+DEVICE = torch.device("cuda")  # --smoke on a machine without CUDA switches to the CPU (Triton's interpreter)
+
+DECODE_BW_TARGET = 0.60  # fraction of copy bandwidth, decode LoRA and decode attention
+PADDED_SPEEDUP_TARGET = 3.0  # mixed-rank LoRA vs the padded-bmm baseline
+REF_TIME_LIMIT_MS = 2000.0  # a baseline slower than this per call is timed once instead of repeatedly
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int = 128
+
+    @property
+    def q_size(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def widths(self, module: int) -> tuple[int, int]:
+        """(in_features, out_features) of module index m of LORA_MODULES."""
+        h, i, q, kv = self.hidden, self.intermediate, self.q_size, self.kv_size
+        return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)][module]
+
+
+LLAMA_7B = Model("llama2-7b", 4096, 11008, 32, 32)
+GQA_8B = Model("gqa-8kv", 4096, 14336, 32, 8)
+
+
+@dataclass
+class Row:
+    """One measurement."""
+
+    kernel: str
+    case: str
+    impl: str
+    ms: float
+    min_bytes: int
+    min_flops: int
+    gbps: float = 0.0
+    tflops: float = 0.0
+    frac_copy: float = 0.0
+    frac_matmul: float = 0.0
+    max_rel_err: float | None = None
+    notes: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Device:
+    name: str
+    copy_gbps: float
+    matmul_tflops: float
+
+
+def bench(fn: Callable[[], object]) -> float:
+    """Median milliseconds of fn, L2 flushed before each run; slow baselines are timed once."""
+    if DEVICE.type != "cuda":  # smoke run: one call
+        start_s = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start_s) * 1e3
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    once = start.elapsed_time(end)
+    if once > REF_TIME_LIMIT_MS:
+        return once
+    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def measure_device(copy_bytes: int = 1 << 30, n: int = 8192) -> Device:
+    """Copy bandwidth (bytes read + written per second) and dense bf16 matmul rate of this GPU."""
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    copy_ms = bench(lambda: dst.copy_(src))
+    a = torch.randn((n, n), device=DEVICE).to(torch.bfloat16)
+    b = torch.randn((n, n), device=DEVICE).to(torch.bfloat16)
+    mm_ms = bench(lambda: a @ b)
+    name = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (smoke run)"
+    return Device(name, 2 * copy_bytes / copy_ms / 1e6, 2 * n**3 / mm_ms / 1e9)
+
+
+def finish(row: Row, device: Device) -> Row:
+    seconds = row.ms / 1e3
+    row.gbps = row.min_bytes / seconds / 1e9
+    row.tflops = row.min_flops / seconds / 1e12
+    row.frac_copy = row.gbps / device.copy_gbps
+    row.frac_matmul = row.tflops / device.matmul_tflops
+    return row
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor, base: torch.Tensor | None = None) -> float:
+    scale = (expected.float() - (base.float() if base is not None else 0)).abs().max().clamp_min(1e-6)
+    return float((actual.float() - expected.float()).abs().max() / scale)
+
+
+# ---------------------------------------------------------------- pools and metadata, as the engine builds them
+
+
+def scrambled_pool(geometry: PoolGeometry, num_pages: int, dtype: torch.dtype) -> PagePool:
+    pool = PagePool(geometry, num_pages, dtype, DEVICE)
+    pages = pool.alloc(num_pages, PageKind.KV, "scramble")
+    assert pages is not None
+    random.Random(0).shuffle(pages)
+    pool.free(pages, "scramble")
+    pool.storage.normal_(0.0, 0.5)
+    return pool
+
+
+def host_adapter(
+    name: str, model: Model, ranks: tuple[int, ...], geometry: PoolGeometry, dtype: torch.dtype
+) -> HostAdapter:
+    """Random adapter as a page image: rows packed in order, a row never straddling a page."""
+    cursor = 0
+    a_local: list[int] = []
+    b_local: list[int] = []
+    for m, rank in enumerate(ranks):
+        for width, out in ((model.widths(m)[0], a_local), (model.widths(m)[1], b_local)):
+            for _ in range(rank):
+                if cursor % geometry.page_elems + width > geometry.page_elems:
+                    cursor = -(-cursor // geometry.page_elems) * geometry.page_elems
+                out.append(cursor)
+                cursor += width
+    pages = -(-cursor // geometry.page_elems)
+    image = (torch.randn((1, pages, geometry.page_elems), device=DEVICE) * 0.05).to(dtype)
+    return HostAdapter(
+        name=name,
+        path=Path(name),
+        ranks=ranks,
+        scales=tuple(1.0 if r else 0.0 for r in ranks),
+        image=image,
+        a_local=torch.tensor(a_local, dtype=torch.int64),
+        b_local=torch.tensor(b_local, dtype=torch.int64),
+    )
+
+
+def request(
+    i: int, length: int, computed: int, resident: ResidentAdapter | None = None, pages: list[int] | None = None
+) -> Request:
+    sampling = SamplingParams()
+    return Request(str(i), [1] * length, length, sampling, num_computed=computed, pages=pages or [], resident=resident)
+
+
+@dataclass
+class LoraCase:
+    name: str
+    model: Model
+    flat_layer: torch.Tensor
+    meta: LoraMeta
+    num_tokens: int
+
+
+def lora_case(
+    name: str, model: Model, ranks: list[tuple[int, ...]], step: Sequence[tuple[int | None, int]]
+) -> LoraCase:
+    dtype = torch.bfloat16
+    geometry = PoolGeometry(1, 16, model.kv_heads, model.head_dim)
+    hosts = [host_adapter(f"a{i}", model, r, geometry, dtype) for i, r in enumerate(ranks)]
+    pool = scrambled_pool(geometry, sum(h.num_pages for h in hosts) + 8, dtype)
+    cache = AdapterCache(pool)
+    residents = [cache.load(h) for h in hosts]
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()  # adapter copies run on a side stream
+    seqs = [ScheduledSeq(request(i, n, 0, None if a is None else residents[a]), n) for i, (a, n) in enumerate(step)]
+    seqs = order_by_adapter(seqs)
+    q_start = list(itertools.accumulate([s.num_tokens for s in seqs], initial=0))
+    meta = build_lora_meta(seqs, q_start, DEVICE)
+    assert meta is not None
+    return LoraCase(name, model, pool.flat_layer(0), meta, q_start[-1])
+
+
+def lora_calls(model: Model) -> list[tuple[str, tuple[int, ...], int]]:
+    """(name, modules, in_features) of a decoder layer's four LoRA calls (model.py)."""
+    return [("qkv", (0, 1, 2), model.hidden), ("o", (3,), model.q_size), ("gate_up", (4, 5), model.hidden),
+            ("down", (6,), model.intermediate)]  # fmt: skip
+
+
+def lora_minimum(case: LoraCase, modules: tuple[int, ...], in_features: int) -> tuple[int, int]:
+    """Bytes and FLOPs one call must spend: each adapter's rows, its tokens' x and touched y, once."""
+    meta, es = case.meta, 2
+    nbytes = flops = 0
+    for g, a in enumerate(meta.seg_adapter_host):
+        tokens = meta.seg_start_host[g + 1] - meta.seg_start_host[g]
+        targeted = [m for m in modules if meta.ranks_host[a][m]]
+        if targeted:
+            nbytes += tokens * in_features * es
+        for m in targeted:
+            rank, out = meta.ranks_host[a][m], case.model.widths(m)[1]
+            nbytes += rank * (in_features + out) * es + 2 * tokens * out * es
+            flops += 2 * tokens * rank * (in_features + out)
+    return nbytes, flops
+
+
+def bench_lora(case: LoraCase, device: Device) -> list[Row]:
+    """Each of the layer's four calls, then their sum as one row per implementation ("lora_layer")."""
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    rows: list[Row] = []
+    for call, modules, in_features in lora_calls(case.model):
+        rows += bench_lora_call(case, device, call, modules, in_features, gen)
+    layer_bytes = sum(r.min_bytes for r in rows if r.impl == "triton")
+    layer_flops = sum(r.min_flops for r in rows if r.impl == "triton")
+    for impl in ("triton", "torch_ref", "padded_bmm"):
+        ms = sum(r.ms for r in rows if r.impl == impl)
+        rows.append(finish(Row("lora_layer", case.name, impl, ms, layer_bytes, layer_flops), device))
+    return rows
+
+
+def bench_lora_call(
+    case: LoraCase, device: Device, call: str, modules: tuple[int, ...], in_features: int, gen: torch.Generator
+) -> list[Row]:
+    widths = tuple(case.model.widths(m)[1] for m in modules)
+    offsets = tuple(itertools.accumulate(widths, initial=0))[:-1]
+    x = torch.randn((case.num_tokens, in_features), generator=gen, device=DEVICE).to(torch.bfloat16)
+    y0 = torch.randn((case.num_tokens, sum(widths)), generator=gen, device=DEVICE).to(torch.bfloat16)
+    args = (x, case.flat_layer, case.meta, modules, offsets, widths)
+    impls: dict[str, Callable[..., None]] = {
+        "triton": TritonOps().lora,
+        "torch_ref": lora_ref,
+        "padded_bmm": lora_padded_bmm,
+    }
+    expected = y0.clone()
+    lora_ref(expected, *args)
+    nbytes, flops = lora_minimum(case, modules, in_features)
+    rows = []
+    for impl, fn in impls.items():
+        y = y0.clone()
+        fn(y, *args)
+        err = rel_err(y, expected, y0)
+        ms = bench(functools.partial(fn, y, *args))
+        rows.append(finish(Row(f"lora_{call}", case.name, impl, ms, nbytes, flops, max_rel_err=err), device))
+    return rows
+
+
+# ---------------------------------------------------------------- attention
+
+
+@dataclass
+class AttentionCase:
+    name: str
+    model: Model
+    pool: PagePool
+    meta: AttentionMeta
+    q: torch.Tensor
+
+
+def attention_case(name: str, model: Model, seqs: list[tuple[int, int]], block_size: int = 16) -> AttentionCase:
+    """seqs: (new tokens, context length) per sequence."""
+    geometry = PoolGeometry(1, block_size, model.kv_heads, model.head_dim)
+    pool = scrambled_pool(geometry, sum(-(-n // block_size) for _, n in seqs) + 8, torch.bfloat16)
+    scheduled = []
+    for i, (q_len, ctx) in enumerate(seqs):
+        pages = pool.alloc(-(-ctx // block_size), PageKind.KV, i)
+        scheduled.append(ScheduledSeq(request(i, ctx, ctx - q_len, pages=pages), q_len))
+    meta = build_batch(scheduled, block_size, DEVICE).attn
+    q = torch.randn((meta.q_start_host[-1], model.heads, model.head_dim), device=DEVICE).to(torch.bfloat16)
+    return AttentionCase(name, model, pool, meta, q)
+
+
+def attention_minimum(case: AttentionCase) -> tuple[int, int]:
+    m, es = case.model, 2
+    visible = 0  # (query, key) pairs
+    nbytes = 2 * case.q.numel() * es  # q read, out written
+    for i, ctx in enumerate(case.meta.seq_lens_host):
+        q_len = case.meta.q_start_host[i + 1] - case.meta.q_start_host[i]
+        visible += q_len * ctx - q_len * (q_len - 1) // 2
+        nbytes += 2 * ctx * m.kv_size * es
+    return nbytes, 4 * visible * m.heads * m.head_dim
+
+
+def bench_attention(case: AttentionCase, device: Device) -> list[Row]:
+    kv_layer, scale = case.pool.kv_layer(0), case.model.head_dim**-0.5
+    ops = TritonOps()
+    expected = paged_attention_ref(case.q, kv_layer, case.meta, scale)
+    nbytes, flops = attention_minimum(case)
+    kernel = "attention_decode" if case.meta.decode_only else "attention_prefill"
+    rows = []
+    impls = {"triton": ops.attention, "torch_ref": paged_attention_ref}
+    for impl, fn in impls.items():
+        err = rel_err(fn(case.q, kv_layer, case.meta, scale), expected)
+        ms = bench(lambda fn=fn: fn(case.q, kv_layer, case.meta, scale))  # type: ignore[misc]
+        rows.append(finish(Row(kernel, case.name, impl, ms, nbytes, flops, max_rel_err=err), device))
+    return rows
+
+
+def bench_kv_write(case: AttentionCase, device: Device) -> list[Row]:
+    m, n = case.model, case.meta.q_start_host[-1]
+    k = torch.randn((n, m.kv_heads, m.head_dim), device=DEVICE).to(torch.bfloat16)
+    v = torch.randn_like(k)
+    kv_layer = case.pool.kv_layer(0)
+    nbytes = 2 * 2 * k.numel() * 2  # k and v, read and written
+    ops = TritonOps()
+    rows = []
+    impls = {"triton": lambda: ops.write_kv(k, v, kv_layer, case.meta),
+             "torch_ref": lambda: write_kv_ref(k, v, kv_layer, case.meta.slot_mapping)}  # fmt: skip
+    for impl, fn in impls.items():
+        rows.append(finish(Row("kv_write", case.name, impl, bench(fn), nbytes, 0), device))
+    return rows
+
+
+# ---------------------------------------------------------------- cases, table, targets
+
+MIXED_RANKS = (1, 3, 8, 16, 64, 128)
+TINY_MHA = Model("tiny-mha", 64, 96, 4, 4, 16)  # --smoke
+TINY_GQA = Model("tiny-gqa", 64, 96, 4, 2, 16)
+
+
+def adapters(ranks: list[int]) -> list[tuple[int, ...]]:
+    return [(r,) * len(LORA_MODULES) for r in ranks]
+
+
+def lora_cases(mha: Model, gqa: Model, n: int, prompt: int) -> list[Callable[[], LoraCase]]:
+    """n requests decode (n adapters or 4), and a mixed step of 4 prompts of `prompt` tokens + n/2 decodes."""
+    mixed = [MIXED_RANKS[i % len(MIXED_RANKS)] for i in range(n + 4)]
+    decode = [(i, 1) for i in range(n)]
+    mixed_step = [(i, prompt) for i in range(4)] + [(4 + i, 1) for i in range(n // 2)]
+    return [
+        lambda: lora_case(f"decode {n} req, {n} adapters r16", mha, adapters([16] * n), decode),
+        lambda: lora_case(f"decode {n} req, {n} adapters mixed r1-128", mha, adapters(mixed[:n]), decode),
+        lambda: lora_case(f"decode {n} req, 4 adapters r64", mha, adapters([64] * 4), [(i % 4, 1) for i in range(n)]),
+        lambda: lora_case(f"decode {n} req, {n} adapters mixed r1-128", gqa, adapters(mixed[:n]), decode),
+        lambda: lora_case(
+            f"mixed 4x{prompt} prompt + {n // 2} decode, mixed r1-128", mha, adapters(mixed[: 4 + n // 2]), mixed_step
+        ),  # fmt: skip
+    ]
+
+
+def attention_cases(mha: Model, gqa: Model, n: int, ctx: int) -> list[Callable[[], AttentionCase]]:
+    """n decodes of contexts ctx/8 .. ctx, 4 long decodes (split), prompts, and a chunk with decodes."""
+    rng = random.Random(1)
+    lengths = [rng.randint(ctx // 8, ctx) for _ in range(n)]
+    return [
+        lambda: attention_case(f"decode {n} seq, ctx {ctx // 8}-{ctx}", mha, [(1, c) for c in lengths]),
+        lambda: attention_case(f"decode {n} seq, ctx {ctx // 8}-{ctx}", gqa, [(1, c) for c in lengths]),
+        lambda: attention_case(f"decode 4 seq, ctx {4 * ctx} (split)", gqa, [(1, 4 * ctx)] * 4),
+        lambda: attention_case(f"prefill 4x{ctx // 4} prompts", mha, [(ctx // 4, ctx // 4)] * 4),
+        lambda: attention_case(
+            f"chunk {ctx // 8} on {ctx} + {n // 2} decodes", gqa, [(ctx // 8, ctx)] + [(1, ctx // 2)] * (n // 2)
+        ),  # fmt: skip
+    ]
+
+
+def check_targets(rows: list[Row]) -> list[dict[str, object]]:
+    checks: list[dict[str, object]] = []
+    by_key = {(r.kernel, r.case, r.impl): r for r in rows}
+    for r in rows:
+        if r.impl != "triton":
+            continue
+        if r.kernel in ("lora_layer", "attention_decode") and r.case.startswith("decode"):
+            checks.append({"target": f"{r.kernel} [{r.case}] >= {DECODE_BW_TARGET:.0%} of copy bandwidth",
+                           "value": round(r.frac_copy, 3), "met": r.frac_copy >= DECODE_BW_TARGET})  # fmt: skip
+        padded = by_key.get((r.kernel, r.case, "padded_bmm"))
+        if r.kernel == "lora_layer" and "mixed r1-128" in r.case and padded is not None:
+            speedup = padded.ms / r.ms
+            checks.append({"target": f"lora_layer [{r.case}] >= {PADDED_SPEEDUP_TARGET:.0f}x padded bmm",
+                           "value": round(speedup, 2), "met": speedup >= PADDED_SPEEDUP_TARGET})  # fmt: skip
+    return checks
+
+
+def table(rows: list[Row]) -> str:
+    head = f"{'kernel':<17} {'case':<58} {'impl':<10} {'ms':>9} {'GB/s':>7} {'TFLOP/s':>7} "
+    head += f"{'%copy':>6} {'%mm':>6} {'vs triton':>9} {'err':>7}"
+    lines = [head, "-" * len(head)]
+    triton_ms = {(r.kernel, r.case): r.ms for r in rows if r.impl == "triton"}
+    for r in rows:
+        ratio = r.ms / triton_ms.get((r.kernel, r.case), r.ms)
+        err = "" if r.max_rel_err is None else f"{r.max_rel_err:.0e}"
+        lines.append(
+            f"{r.kernel:<17} {r.case[:58]:<58} {r.impl:<10} {r.ms:>9.4f} {r.gbps:>7.0f} {r.tflops:>7.1f} "
+            f"{100 * r.frac_copy:>5.0f}% {100 * r.frac_matmul:>5.1f}% {ratio:>8.1f}x {err:>7}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run_all(smoke: bool) -> tuple[Device, list[Row]]:
+    if smoke:
+        device = measure_device(copy_bytes=1 << 20, n=64)
+        lcases, acases = lora_cases(TINY_MHA, TINY_GQA, 4, 20), attention_cases(TINY_MHA, TINY_GQA, 4, 64)
+    else:
+        device = measure_device()
+        lcases, acases = lora_cases(LLAMA_7B, GQA_8B, 64, 512), attention_cases(LLAMA_7B, GQA_8B, 64, 4096)
+    logger.info("%s: copy %.0f GB/s, bf16 matmul %.0f TFLOP/s", device.name, device.copy_gbps, device.matmul_tflops)
+    rows: list[Row] = []
+    for make_lora in lcases:
+        lcase = make_lora()
+        logger.info("lora: %s @%s", lcase.name, lcase.model.name)
+        rows += tagged(bench_lora(lcase, device), lcase.model)
+    for make_attention in acases:
+        acase = make_attention()
+        logger.info("attention: %s @%s", acase.name, acase.model.name)
+        rows += tagged(bench_attention(acase, device) + bench_kv_write(acase, device), acase.model)
+        del acase
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+    return device, rows
+
+
+def tagged(rows: list[Row], model: Model) -> list[Row]:
+    for r in rows:
+        r.case = f"{r.case} @{model.name}"
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    global DEVICE
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="JSON file for the results")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, one call each (CPU: Triton interpreter)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if not torch.cuda.is_available():
+        if not args.smoke:
+            logger.error("bench_kernels needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
+            return 2
+        DEVICE = torch.device("cpu")
+    torch.manual_seed(0)
+    device, rows = run_all(args.smoke)
+    checks = check_targets(rows)
+    sys.stdout.write(table(rows))
+    for check in checks:
+        sys.stdout.write(f"{'MET   ' if check['met'] else 'MISSED'}  {check['target']}: {check['value']}\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"device": asdict(device), "rows": [asdict(r) for r in rows], "targets": checks}
+    args.out.write_text(json.dumps(payload, indent=1))
+    logger.info("wrote %s", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
