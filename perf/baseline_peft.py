@@ -112,6 +112,8 @@ class AdapterSwitcher:
         from peft import PeftModel
 
         assert self.root is not None  # checked in activate
+        if not (self.root / name / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"adapter {name!r}: {self.root / name}/adapter_config.json is missing")
         path = str(self.root / name)
         if self.model is None:
             self.model = PeftModel.from_pretrained(self.base, path, adapter_name=name).eval()
@@ -220,7 +222,12 @@ def main(argv: list[str] | None = None) -> None:
     for path in args.traces:
         trace = load_trace(path).head(options.max_requests)
         switcher = AdapterSwitcher(base, args.adapter_root, options.max_loaded)
-        records, duration = replay(switcher, trace, options)
+        try:
+            records, duration = replay(switcher, trace, options)
+        except (OSError, ValueError) as exc:  # e.g. an adapter of the trace missing: next trace
+            logger.error("PEFT run on %s failed: %s", path, exc)
+            base = switcher.model.unload() if switcher.model is not None else base
+            continue
         metrics = summarize(records, duration)
         metrics.update(adapter_loads=switcher.loads, adapter_switches=switcher.switches)
         info = {**asdict(options), "device": str(device), "dtype": str(dtype), "bounded_prefix": len(trace)}

@@ -294,7 +294,11 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("engine ready in %.1fs (ops %s)", time.perf_counter() - started, getattr(engine.model.ops, "name", "?"))
     for spec in specs:
         name = f"{args.name_prefix}-{spec.trace_path.stem}-{spec.mode}"
-        run = run_one(engine, spec, options, name, args.name_prefix)
+        try:
+            run = run_one(engine, spec, options, name, args.name_prefix)
+        except (SloraError, OSError, ValueError) as exc:  # e.g. an adapter of the trace missing: next run
+            logger.error("run %s failed: %s", name, exc)
+            continue
         append_runs(args.out, [run])
         logger.info("%s", headline(run))
     if args.profile[1] > 0:

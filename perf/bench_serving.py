@@ -48,6 +48,7 @@ class ServingOptions:
     preload: bool = True
     preload_concurrency: int = 64
     admin_model: str = "slora"  # the model that takes adapter commands (preload into host memory, list)
+    server_kernel_backend: str | None = None  # what the server runs, as told by whoever started it (for pairing)
     progress_interval_s: float = 5.0
     window_fraction: float = 0.25
 
@@ -344,7 +345,7 @@ def load_tokenizer(path: Path | None) -> tuple[TextOf, Callable[[str], int]]:
 async def amain(args: argparse.Namespace) -> None:
     target = Target(args.model_name or args.target, *_routing(args))
     options = ServingOptions(streams=args.streams, time_limit_s=args.time_limit, warmup_requests=args.warmup_requests,
-                             preload=not args.no_preload)  # fmt: skip
+                             preload=not args.no_preload, server_kernel_backend=args.server_kernel_backend)  # fmt: skip
     text_of, count_tokens = load_tokenizer(args.tokenizer)
     client = Client(args.url)
     try:
@@ -379,6 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup-requests", type=int, default=8)
     parser.add_argument("--no-preload", action="store_true")
     parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument("--server-kernel-backend", help="the server's kernel_backend, recorded so that the report "
+                        "pairs this run with in-process runs of the same kernels")  # fmt: skip
     parser.add_argument("--name-prefix", default="serving")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)

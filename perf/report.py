@@ -7,7 +7,7 @@ Targets (perf/RESULTS.md) and which runs each compares, all taken from the same 
     n2000-vs-n5   throughput at n=2000 >= 0.95 x at n=5                              (same group and setting)
     lora-vs-base  adapters on >= 0.90 x base model alone, on the same trace file     (same group)
     vs-peft       ours >= 30 x HF PEFT on the same trace file                        (each PEFT run)
-    served        through Triton >= 0.90 x in-process, same trace file and mode      (each serving run)
+    served        through Triton >= 0.90 x in-process, same trace file, mode and kernels (each serving run)
 Nothing is computed from numbers that were not measured: a target with no pair of runs is listed as not run.
 Runs of several files (several GPU calls) can be compared; the report lists each file's commit and device, and a
 pair is only as good as the two runs being on the same commit and GPU.
@@ -120,9 +120,17 @@ def check_vs_peft(runs: list[Run]) -> Iterator[Check]:
             yield check
 
 
+def _kernels(run: Run) -> str | None:
+    if run["kind"] == "serving":
+        return run["options"].get("server_kernel_backend")
+    return run["options"].get("engine", {}).get("config", {}).get("kernel_backend")
+
+
 def check_served(runs: list[Run]) -> Iterator[Check]:
     def same_engine(s: Run, r: Run) -> bool:
-        return r["kind"] == "engine" and _trace(r) == _trace(s) and _mode(r) == _mode(s)
+        kernels = _kernels(s)
+        same_kernels = kernels is None or _kernels(r) == kernels
+        return r["kind"] == "engine" and _trace(r) == _trace(s) and _mode(r) == _mode(s) and same_kernels
 
     for s, r in _pairs(runs, lambda r: r["kind"] == "serving", same_engine):
         if (check := _ratio("served", s, r, 0.90)) is not None:

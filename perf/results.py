@@ -54,10 +54,16 @@ def make_run(
 
 
 def append_runs(path: Path, runs: list[dict[str, Any]]) -> None:
-    """Add runs to the results file (created if missing); a run of the same name is replaced."""
+    """Add runs to the results file (created if missing); nothing is dropped: a repeated name gets '#2', '#3'."""
     data = load_results(path) if path.is_file() else {"runs": []}
-    names = {r["name"] for r in runs}
-    data["runs"] = [r for r in data["runs"] if r.get("name") not in names] + runs
+    names = {r.get("name") for r in data["runs"]}
+    for run in runs:
+        base, k = run["name"], 1
+        while run["name"] in names:
+            k += 1
+            run = {**run, "name": f"{base}#{k}"}
+        names.add(run["name"])
+        data["runs"].append(run)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")

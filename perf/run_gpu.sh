@@ -110,6 +110,8 @@ adapters() {  # adapters SETTING: n=N_BIG adapter directories, built once per wa
 }
 
 trace() {  # trace PREFIX N: the trace file (same seed: same arrivals and lengths for every N and prefix)
+  local n=$(( $2 < N_BIG ? $2 : N_BIG ))  # never more adapters than were made (small rehearsals)
+  set -- "$1" "$n"
   local file=$WORK/traces/$1-n$2.jsonl
   if [[ ! -f $file ]]; then
     # shellcheck disable=SC2086
@@ -160,6 +162,7 @@ serving() {  # serving TARGET RUN...  (against the running server)
   local extra=()
   [[ $target == ensemble ]] && extra=(--tokenizer "$MODEL")
   step -m perf.bench_serving --url "localhost:$((PORT_BASE + 1))" --target "$target" "${extra[@]}" \
+    --server-kernel-backend "$KERNEL" \
     --ready-timeout "$(( $(remaining) - 60 ))" --time-limit "$(run_limit)" --out "$RESULTS" "$@"
 }
 

@@ -30,18 +30,32 @@ def results(tmp_path: Path) -> Path:
         _run("s-n2000", "serving", 2000, "lora", 26.0, "s1-n2000", "serving-slora"),
         _run("p-n5", "peft", 5, "lora", 0.5, "s1-n5", "peft"),
     ])  # fmt: skip
-    append_runs(path, [_run("e-n5", "engine", 5, "lora", 29.0, "s1-n5", "engine")])  # replaces the first
+    append_runs(path, [_run("e-n5", "engine", 5, "lora", 29.0, "s1-n5", "engine")])  # kept, as e-n5#2
     return path
 
 
 def test_targets_are_paired_and_judged(results: Path) -> None:
-    assert len(load_results(results)["runs"]) == 5
+    assert [r["name"] for r in load_results(results)["runs"]][-1] == "e-n5#2"
     text = report(results)
     assert "| s1-2000 | e-n2000 | - | 27.000 req/s | >= 24 req/s | yes |" in text
-    assert "| n2000-vs-n5 | e-n2000 | e-n5 | 0.931 x | >= 0.95 x | NO |" in text
+    assert "| n2000-vs-n5 | e-n2000 | e-n5 | 0.900 x | >= 0.95 x | NO |" in text
+    assert "| n2000-vs-n5 | e-n2000 | e-n5#2 | 0.931 x | >= 0.95 x | NO |" in text
     assert "| lora-vs-base | e-n2000 | e-base | 0.871 x | >= 0.9 x | NO |" in text
-    assert "| vs-peft | e-n5 | p-n5 | 58.000 x | >= 30 x | yes |" in text
+    assert "| vs-peft | e-n5#2 | p-n5 | 58.000 x | >= 30 x | yes |" in text
     assert "| served | s-n2000 | e-n2000 | 0.963 x | >= 0.9 x | yes |" in text
+
+
+def test_served_runs_pair_with_engine_runs_of_the_same_kernels(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    engine_bmm = _run("bmm", "engine", 2000, "lora", 10.0, "s1-n2000", "engine-bmm")
+    engine_bmm["options"]["engine"] = {"config": {"kernel_backend": "bmm"}}
+    engine_triton = _run("tri", "engine", 2000, "lora", 25.0, "s1-n2000", "engine-triton")
+    engine_triton["options"]["engine"] = {"config": {"kernel_backend": "triton"}}
+    served = _run("srv", "serving", 2000, "lora", 24.0, "s1-n2000", "serving-slora")
+    served["options"]["server_kernel_backend"] = "triton"
+    append_runs(path, [engine_bmm, engine_triton, served])
+    served_lines = [line for line in report(path).splitlines() if line.startswith("| served |")]
+    assert served_lines == ["| served | srv | tri | 0.960 x | >= 0.9 x | yes |"]
 
 
 def test_missing_targets_say_not_run(tmp_path: Path) -> None:
@@ -63,4 +77,4 @@ def test_runs_of_several_files_are_compared(results: Path, tmp_path: Path) -> No
     other = tmp_path / "other.json"
     append_runs(other, [_run("p-n5", "peft", 5, "lora", 1.0, "s1-n5", "peft")])
     text = report(results, other)
-    assert "| vs-peft | e-n5 | p-n5#2 | 29.000 x | >= 30 x | NO |" in text
+    assert "| vs-peft | e-n5#2 | p-n5#2 | 29.000 x | >= 30 x | NO |" in text
