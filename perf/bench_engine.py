@@ -17,8 +17,9 @@ memory (S-LoRA keeps every adapter in host memory too; the time is reported as `
 warm up the kernels, and the pool is emptied of adapters so that each run starts cold on the GPU.
 
 `--profile START COUNT` adds, after the measured runs, one unmeasured pass over the last run's trace that uses
-adapters (its first 256 requests, all at once, so the batch is full) that profiles steps START .. START+COUNT-1
-with torch.profiler into `--profile-file`: where the time of a step goes, without disturbing any measured run.
+adapters (its first 256 requests, all at once, so the batch is full): COUNT steps from step START under
+torch.profiler (operators by device time; device-busy share of the wall time), the next COUNT under cProfile
+(host functions), into `--profile-file`: where the time of a step goes, without disturbing any measured run.
 """
 
 from __future__ import annotations
@@ -311,7 +312,7 @@ def profile_pass(engine: LLMEngine, spec: RunSpec, start: int, count: int, out_f
     trace = spec.load()
     profiler = StepProfiler(start, count, out_file, f"of {spec.trace_path.name}@{spec.mode} on {engine.model.ops.name}")
     ids = [engine.add_request(list(r.prompt_ids), r.adapter, r.sampling()) for r in trace.requests[:256]]
-    for _ in range(start + count):
+    for _ in range(profiler.total_steps):
         if not engine.has_unfinished():
             break
         profiler.before_step()

@@ -22,7 +22,8 @@
 # Knobs (environment): BUDGET_S (570), RATE (40 req/s) and DURATION (12 s) of the traces, SEED (42),
 # RUN_LIMIT (120 s per run), KERNEL (triton; the engine's kernel_backend), ENGINE_OPTS ("key=value ..." for
 # EngineConfig), PEFT_REQUESTS (100) and PEFT_LIMIT (60 s), PROFILE ("100 3": after each engine step's runs,
-# an unmeasured pass profiles 3 steps from step 100; "" disables), HOST_BUDGET (48GiB of host memory for
+# an unmeasured pass profiles steps 100-102 with torch.profiler and 103-105 with cProfile; "" disables),
+# HOST_BUDGET (48GiB of host memory for
 # adapters), SHAPE (llama2-7b | tiny), DEVICE (cuda | cpu), N_BIG (2000), LENGTHS ("8 512": input and output
 # length range), PY (python3), OUT, WORK, PORT_BASE (8000), GPU_ENV (.whl/gpu-env.sh; "none" skips it).
 # CPU rehearsal of the whole script (about 1-2 minutes on 2 cores; the torch kernels, as Triton needs a GPU):

@@ -1,12 +1,18 @@
-"""Profile a few engine steps in the middle of a run: where the time of a step goes, by operator.
+"""Where the time of an engine step goes: device kernels (torch.profiler) and host Python (cProfile).
 
-torch.profiler records steps [start, start + count) of the replay; the table of operators sorted by device time
-(CPU time without CUDA) is logged and written to a text file, so that a missed target can say where time goes.
+Two windows of `count` steps each, one after the other from step `start`, so that neither profiler slows the
+other's window: first torch.profiler (table of operators by device time, and how much of the wall time the
+device was busy: the rest is host overhead: scheduling, batch building, sampling, detokenizing), then cProfile
+(host functions by cumulative time). Both are logged and appended to a text file.
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
 import logging
+import pstats
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,35 +30,81 @@ class StepProfiler:
         self.out_file = out_file
         self.title = title
         self._step = 0
-        self._profiler: Any = None
-        self.table: str | None = None
+        self._torch: Any = None
+        self._python: cProfile.Profile | None = None
+        self._began = 0.0
+        self.reports: list[str] = []
+
+    @property
+    def total_steps(self) -> int:
+        return self.start + 2 * self.count
 
     def before_step(self) -> None:
-        if self.count and self._step == self.start:
+        if not self.count:
+            return
+        if self._step == self.start:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self._profiler = torch.profiler.profile(activities=activities)
-            self._profiler.__enter__()
+            self._torch = torch.profiler.profile(activities=activities)
+            self._torch.__enter__()
+            self._began = time.perf_counter()
+        elif self._step == self.start + self.count:
+            self._python = cProfile.Profile()
+            self._python.enable()
 
     def after_step(self) -> None:
         self._step += 1
-        if self._profiler is not None and self._step == self.start + self.count:
-            self.finish()
+        if self._torch is not None and self._step == self.start + self.count:
+            self._finish_torch()
+        elif self._python is not None and self._step == self.start + 2 * self.count:
+            self._finish_python()
 
     def finish(self) -> None:
-        """Stop early (the run ended before `count` steps were profiled) and report what was recorded."""
-        if self._profiler is None:
-            return
+        """Stop whatever is still recording (the run ended early) and report it."""
+        if self._torch is not None:
+            self._finish_torch()
+        if self._python is not None:
+            self._finish_python()
+
+    def _finish_torch(self) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self._profiler.__exit__(None, None, None)
-        sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        self.table = self._profiler.key_averages().table(sort_by=sort_by, row_limit=30)
-        self._profiler = None
-        header = f"profile of {self._step - self.start} step(s) from step {self.start} {self.title}"
-        logger.info("%s\n%s", header, self.table)
+        wall_us = (time.perf_counter() - self._began) * 1e6
+        self._torch.__exit__(None, None, None)
+        averages = self._torch.key_averages()
+        self._torch = None
+        on_device = torch.cuda.is_available()
+        sort_by = "self_cuda_time_total" if on_device else "self_cpu_time_total"
+        busy_us = sum(_device_time(event) for event in averages) if on_device else 0.0
+        steps = max(self._step - self.start, 1)
+        busy_share = 100 * busy_us / max(wall_us, 1.0)
+        summary = (f"{steps} step(s): {wall_us / 1e3 / steps:.2f} ms wall per step, device busy "
+                   f"{busy_us / 1e3 / steps:.2f} ms per step ({busy_share:.0f}%)")  # fmt: skip
+        self._report(f"torch.profiler {summary}", averages.table(sort_by=sort_by, row_limit=30))
+
+    def _finish_python(self) -> None:
+        assert self._python is not None
+        self._python.disable()
+        text = io.StringIO()
+        pstats.Stats(self._python, stream=text).sort_stats("cumulative").print_stats(35)
+        self._python = None
+        self._report(f"cProfile of {self.count} step(s) (host time, slowed by cProfile itself)", text.getvalue())
+
+    def _report(self, header: str, table: str) -> None:
+        header = f"{header} {self.title}".strip()
+        self.reports.append(header)
+        logger.info("%s\n%s", header, table)
         if self.out_file is not None:
             self.out_file.parent.mkdir(parents=True, exist_ok=True)
             with self.out_file.open("a") as f:
-                f.write(f"== {header}\n{self.table}\n")
+                f.write(f"== {header}\n{table}\n")
+
+
+def _device_time(event: Any) -> float:
+    """Kernel time of a device event (as torch's own table footer sums it); 0 for host events."""
+    from torch.autograd import DeviceType
+
+    if getattr(event, "device_type", DeviceType.CPU) == DeviceType.CPU:
+        return 0.0
+    return float(getattr(event, "self_device_time_total", 0.0) or 0.0)

@@ -44,7 +44,9 @@ def test_three_modes_complete_every_request(tiny_model: Path, tiny_adapters: Pat
     assert runs["single"]["trace"]["distinct_adapters"] == 1
     assert runs["base"]["trace"]["distinct_adapters"] == 0 and runs["base"]["metrics"]["adapter_loads"] == 0
     assert runs["lora"]["metrics"]["adapter_loads"] >= runs["lora"]["trace"]["distinct_adapters"]
-    assert "aten::" in (tmp_path / "profile.txt").read_text()
+    profile = (tmp_path / "profile.txt").read_text()
+    assert "== torch.profiler 2 step(s)" in profile and "aten::" in profile
+    assert "== cProfile of 2 step(s)" in profile and "engine.py" in profile
     json.dumps(data)  # plain JSON all the way down
 
 
