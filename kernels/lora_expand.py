@@ -29,13 +29,14 @@ from slora.kernels.metadata import LoraMeta
 class ExpandConfig:
     block_m: int  # tokens per tile (the shrink kernel's tiles need not match)
     block_r: int  # rank rows per chunk
-    block_n: int  # output columns per program
+    block_n: tuple[int, ...]  # output columns per program: the widest that still gives target_programs
+    target_programs: int
     num_warps: int
     num_stages: int
 
 
-DECODE = ExpandConfig(16, 16, 256, 4, 2)
-PREFILL = ExpandConfig(64, 16, 128, 4, 2)
+DECODE = ExpandConfig(16, 16, (256, 128, 64), 512, 4, 2)
+PREFILL = ExpandConfig(64, 16, (128, 64), 512, 4, 2)
 
 
 def expand_config(max_segment_len: int) -> ExpandConfig:
@@ -137,16 +138,25 @@ def lora_expand(
         return
     offsets = tuple(out_offsets) + (0,) * (3 - num_slices)
     widths = tuple(out_widths) + (0,) * (3 - num_slices)
-    grid = (num_tiles, triton.cdiv(max(out_widths), cfg.block_n))
+    block_n = expand_block_n(cfg, num_tiles, max(out_widths))
+    grid = (num_tiles, triton.cdiv(max(out_widths), block_n))
     _lora_expand_kernel[grid](
         v, v.stride(0), v.stride(1), v.shape[0], flat_layer, y, y.stride(0),
         tiles, meta.ranks, meta.scales, meta.row_start, meta.b_rows,
         *offsets, *widths,
         FIRST_MODULE=first_module, NUM_SLICES=num_slices, SPLIT_K=triton.next_power_of_2(v.shape[0]),
         ROW_ALIGN=meta.row_align,
-        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n,
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(y.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+
+
+def expand_block_n(cfg: ExpandConfig, num_tiles: int, width: int) -> int:
+    """The widest column block that still makes about cfg.target_programs programs (few tiles: narrow blocks)."""
+    for block_n in cfg.block_n:
+        if num_tiles * triton.cdiv(width, block_n) >= cfg.target_programs:
+            return block_n
+    return cfg.block_n[-1]
 
 
 def _check(

@@ -1,10 +1,11 @@
 """LoRA shrink over the unified pool: v = x · Aᵀ for every token, with each token's own adapter and rank.
 
 Punica's SGMV / S-LoRA's MBGMM for segments of many tokens, and BGMV / MBGMV for decode, in one kernel whose
-tile sizes come from a config table. Tokens are grouped by adapter into segments (LoraMeta); one program takes
-one tile of up to BLOCK_M tokens of one segment, one or more rank chunks of BLOCK_R, and one slice of the input
-dimension (split-K). The projections of one call (q, k, v or gate, up) share the input, so their A rows are one
-run in the row table and are computed together: x is read once for all of them.
+tile sizes come from a config table. Tokens are grouped by adapter into segments (LoraMeta). Grid: (tile, rank
+program, K split). A tile is up to BLOCK_M tokens of one segment; rank program p takes the rank chunks p,
+p + P, ... (BLOCK_R rows each) of the tile's adapter; a K split is one slice of the input features. The
+projections of one call (q, k, v or gate, up) share the input, so their A rows are one run in the row table and
+are computed together as one rank range: x is read for all of them at once.
 
     x: [num_tokens, in]            pool layer (flat): rows of lora_A, in elements each, anywhere in the pool
     v: [split_k, num_tokens, R]    float32; for a token of adapter a, columns 0 .. rank_a - 1 hold its partial
@@ -34,8 +35,7 @@ class ShrinkConfig:
     block_m: int  # tokens per tile
     block_r: int  # rank rows per chunk
     block_k: int  # input features per inner step
-    target_programs: int  # split K until about this many programs run (decode has few tiles)
-    rank_parallel: bool  # one program per rank chunk (prefill) instead of one looping over them (decode)
+    target_programs: int  # spread rank chunks, then split K, until about this many programs run
     num_warps: int
     num_stages: int
 
@@ -43,8 +43,8 @@ class ShrinkConfig:
 MAX_SPLIT_K = 16  # the expand kernel sums this many partials at most, in one load
 
 # Picked by the longest segment of the step: decode steps have one or a few tokens per adapter.
-DECODE = ShrinkConfig(16, 16, 256, 1024, False, 4, 2)
-PREFILL = ShrinkConfig(64, 16, 64, 512, True, 4, 3)
+DECODE = ShrinkConfig(16, 16, 256, 1024, 4, 2)
+PREFILL = ShrinkConfig(64, 16, 64, 512, 4, 3)
 
 
 def shrink_config(max_segment_len: int) -> ShrinkConfig:
@@ -114,10 +114,8 @@ def lora_shrink(
     fused_rank = meta.fused_rank(first_module, num_slices)
     tiles = meta.tiles(cfg.block_m)
     num_tiles = int(tiles.shape[0])
-    rank_programs = triton.cdiv(fused_rank, cfg.block_r) if cfg.rank_parallel else 1
     in_features = int(x.shape[1])
-    k_per_split = _split_k(in_features, num_tiles * rank_programs, cfg)
-    split_k = triton.cdiv(in_features, k_per_split)
+    rank_programs, split_k, k_per_split = shrink_grid(cfg, num_tiles, fused_rank, in_features)
     v = torch.empty((split_k, x.shape[0], max(fused_rank, 1)), dtype=torch.float32, device=x.device)
     if num_tiles == 0 or fused_rank == 0:
         return v
@@ -133,12 +131,19 @@ def lora_shrink(
     return v
 
 
-def _split_k(in_features: int, programs: int, cfg: ShrinkConfig) -> int:
-    """Input features per split: a power-of-two number of splits, enough for about cfg.target_programs."""
+def shrink_grid(cfg: ShrinkConfig, num_tiles: int, fused_rank: int, in_features: int) -> tuple[int, int, int]:
+    """(rank programs, K splits, features per split) for about cfg.target_programs programs.
+
+    Rank chunks are spread over programs first (that costs no extra traffic); K is split only when there are
+    still too few, into a power of two of splits (each split adds a partial sum of v to write and read).
+    """
+    tiles = max(1, num_tiles)
+    rank_programs = max(1, min(triton.cdiv(fused_rank, cfg.block_r), cfg.target_programs // tiles))
     k_blocks = triton.cdiv(in_features, cfg.block_k)
-    wanted = max(1, min(k_blocks, cfg.target_programs // max(1, programs), MAX_SPLIT_K))
+    wanted = max(1, min(k_blocks, MAX_SPLIT_K, cfg.target_programs // (tiles * rank_programs)))
     splits = 1 << (wanted.bit_length() - 1)
-    return triton.cdiv(k_blocks, splits) * cfg.block_k
+    k_per_split = triton.cdiv(k_blocks, splits) * cfg.block_k
+    return rank_programs, triton.cdiv(in_features, k_per_split), k_per_split
 
 
 def _check(x: torch.Tensor, flat_layer: torch.Tensor, meta: LoraMeta, first_module: int, num_slices: int) -> None:
