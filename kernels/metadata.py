@@ -6,6 +6,7 @@ so that it needs no device-to-host synchronization.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -101,20 +102,26 @@ class LoraMeta:
     scales_host: list[list[float]]
     row_start_host: list[list[int]]
     row_align: int = 1
+    # Built on first use and kept for the step (every layer asks the same): no per-layer Python loops.
     _tiles: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+    _fused_rank: dict[tuple[int, int], int] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_segments(self) -> int:
         return len(self.seg_adapter_host)
 
-    @property
+    @functools.cached_property
     def max_segment_len(self) -> int:
         starts = self.seg_start_host
         return max((b - a for a, b in zip(starts, starts[1:])), default=0)
 
     def fused_rank(self, first_module: int, num_modules: int) -> int:
         """The largest total rank of modules first_module .. first_module + num_modules - 1 over the adapters."""
-        return max((sum(r[first_module : first_module + num_modules]) for r in self.ranks_host), default=0)
+        key = (first_module, num_modules)
+        if key not in self._fused_rank:
+            ranks = (sum(r[first_module : first_module + num_modules]) for r in self.ranks_host)
+            self._fused_rank[key] = max(ranks, default=0)
+        return self._fused_rank[key]
 
     def tiles(self, block: int) -> torch.Tensor:
         """Token tiles of up to `block` tokens of one segment, tagged with its adapter (see segment_tiles)."""
