@@ -59,6 +59,8 @@ PORT_BASE=${PORT_BASE:-8000}
 HOST_BUDGET=${HOST_BUDGET:-48GiB}
 export SLORA_COMMIT=${SLORA_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1
+# On a CPU rehearsal, spinning intra-op threads of several processes make every timing erratic.
+[[ $DEVICE == cpu ]] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 MODEL=$WORK/model
 RESULTS=$OUT/results.json
