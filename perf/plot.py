@@ -34,8 +34,9 @@ def plot_throughput(runs: list[dict[str, Any]], out: Path) -> Path:
     for y, v in enumerate(values):
         ax.text(v, y, f" {v:.2f}", va="center", fontsize=8)
     ax.invert_yaxis()
+    ax.set_xlim(0, 1.15 * max([*values, TARGET_RPS]))
     ax.set_xlabel("throughput (requests/s)")
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     return _save(fig, out)
 
 
@@ -45,25 +46,27 @@ def plot_scaling(runs: list[dict[str, Any]], out: Path) -> Path:
     lines: dict[str, list[tuple[int, float]]] = defaultdict(list)
     for run in runs:
         config = run["trace"]["config"]
-        key = f"{run['kind']} {config['adapter_prefix'].rstrip('-')} {run['options'].get('mode', 'lora')}"
+        setting = config["adapter_prefix"].rstrip("-")
+        key = f"{run.get('group', run['kind'])} {setting} {run['options'].get('mode', 'lora')}"
         lines[key].append((max(config["num_adapters"], 1), run["metrics"]["throughput_rps"]))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    markers = {"engine": "o", "serving": "s", "peft": "^"}
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     for key, points in sorted(lines.items()):
         points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=key,
-                color=COLORS.get(key.split()[0]))  # fmt: skip
+        kind = next((k for k in markers if key.startswith(k)), "")
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker=markers.get(kind, "o"), label=key)
     ax.axhline(TARGET_RPS, color="black", linestyle="--", linewidth=1)
     ax.set_xscale("log")
     ax.set_xlabel("adapters in the trace (n)")
     ax.set_ylabel("throughput (requests/s)")
-    ax.legend(fontsize=7)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     return _save(fig, out)
 
 
 def plot_latency(runs: list[dict[str, Any]], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
     for run in runs:
         ttft = sorted(t for t in (run.get("per_request") or {}).get("ttft", []) if t is not None)
         if ttft:
@@ -73,7 +76,7 @@ def plot_latency(runs: list[dict[str, Any]], out: Path) -> Path:
     ax.set_xscale("log")
     ax.set_xlabel("time to first token (s)")
     ax.set_ylabel("fraction of requests")
-    ax.legend(fontsize=6)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=6)
     return _save(fig, out)
 
 
