@@ -158,6 +158,16 @@ stop_server() {
   kill -KILL "$SERVER_PID" 2>/dev/null
   wait "$SERVER_PID" 2>/dev/null
   SERVER_PID=""
+  # tritonserver runs in a session of its own (it would outlive this call on a warm machine and hold the GPU
+  # and the ports); the launcher stops it, this is only in case it did not.
+  local left
+  left=$(pgrep -f -- "tritonserver.*--grpc-port=$((PORT_BASE + 1))" || true)
+  if [[ -n $left ]]; then
+    log "tritonserver still running (pid $left): TERM"
+    # shellcheck disable=SC2086
+    kill -TERM $left 2>/dev/null
+    sleep 5
+  fi
 }
 
 serving() {  # serving TARGET RUN...  (against the running server)
