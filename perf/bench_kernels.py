@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton
@@ -38,10 +39,15 @@ from slora.backend.model_spec import LORA_MODULES
 from slora.backend.page_pool import PageKind, PagePool, PoolGeometry
 from slora.backend.request import Request
 from slora.backend.sampling_params import SamplingParams
+from slora.kernels import lora_expand, lora_shrink, paged_attention, paged_decode
 from slora.kernels.attention_ref import paged_attention_ref, write_kv_ref
+from slora.kernels.lora_expand import ExpandConfig
 from slora.kernels.lora_padded import lora_padded_bmm
 from slora.kernels.lora_ref import lora_ref
+from slora.kernels.lora_shrink import ShrinkConfig
 from slora.kernels.metadata import AttentionMeta, LoraMeta
+from slora.kernels.paged_attention import AttentionConfig
+from slora.kernels.paged_decode import DecodeConfig
 from slora.kernels.triton_ops import TritonOps
 
 logger = logging.getLogger("bench_kernels")
@@ -456,11 +462,90 @@ def tagged(rows: list[Row], model: Model) -> list[Row]:
     return rows
 
 
+# ---------------------------------------------------------------- --tune: config sweeps for the hot kernels
+
+
+def sweep(
+    kernel: str,
+    module: Any,
+    attr: str,
+    variants: list[Any],
+    run: Callable[[], object],
+    shown: Callable[[Any], Any] = lambda v: v,
+) -> list[dict[str, Any]]:
+    """Time `run` with module.<attr> (a config table) set to each variant in turn; the original is restored.
+
+    A variant that cannot run (e.g. too much shared memory) is recorded with its error instead of a time.
+    """
+    original = getattr(module, attr)
+    baseline = bench(run)
+    results: list[dict[str, Any]] = []
+    try:
+        for variant in variants:
+            setattr(module, attr, variant)
+            entry: dict[str, Any] = {"kernel": kernel, "config": repr(shown(variant))}
+            try:
+                entry["ms"] = bench(run)
+                entry["vs_default"] = baseline / entry["ms"]
+            except Exception as exc:  # noqa: BLE001 - a config that does not fit is a result, not a failure
+                entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            results.append(entry)
+    finally:
+        setattr(module, attr, original)
+    return sorted(results, key=lambda r: r.get("ms", float("inf")))
+
+
+def tune(smoke: bool) -> list[dict[str, Any]]:
+    """Sweep the decode LoRA, decode attention and prefill attention configs on one representative case each."""
+    mha, n, ctx = (TINY_MHA, 4, 64) if smoke else (LLAMA_7B, 64, 4096)
+    mixed = [MIXED_RANKS[i % len(MIXED_RANKS)] for i in range(n)]
+    lcase = lora_case("tune", mha, adapters(mixed), [(i, 1) for i in range(n)])
+    _, modules, in_features = lora_calls(mha)[0]
+    widths = tuple(mha.widths(m)[1] for m in modules)
+    offsets = tuple(itertools.accumulate(widths, initial=0))[:-1]
+    x = torch.randn((lcase.num_tokens, in_features), device=DEVICE).to(torch.bfloat16)
+    y = torch.zeros((lcase.num_tokens, sum(widths)), device=DEVICE).to(torch.bfloat16)
+    lora = functools.partial(TritonOps().lora, y, x, lcase.flat_layer, lcase.meta, modules, offsets, widths)
+    shrink = [ShrinkConfig(16, 16, bk, tp, w, 2) for bk in (128, 256, 512) for tp in (512, 1024, 2048) for w in (4, 8)]
+    expand = [ExpandConfig(16, 16, bn, tp, w, 2) for bn in ((256, 128, 64), (128, 64), (512, 256, 128), (64,))
+              for tp in (256, 512, 1024) for w in (4, 8)]  # fmt: skip
+    results = sweep("lora_shrink (decode qkv)", lora_shrink, "DECODE", shrink, lora)
+    results += sweep("lora_expand (decode qkv)", lora_expand, "DECODE", expand, lora)
+
+    rng = random.Random(1)
+    decode = attention_case("tune", mha, [(1, rng.randint(ctx // 8, ctx)) for _ in range(n)])
+    prefill = attention_case("tune", mha, [(ctx // 4, ctx // 4)] * 4)
+    ops, scale = TritonOps(), mha.head_dim**-0.5
+    dec_configs = [{**paged_decode.CONFIGS, 2: DecodeConfig(bn, 256, 64, pps, w, st)}
+                   for bn in (32, 64, 128) for pps in (4, 8, 16) for w in (4, 8) for st in (2, 3)]  # fmt: skip
+    pre_configs = [{**paged_attention.CONFIGS, (2, False): AttentionConfig(bm, bn, w, 2)}
+                   for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8)]  # fmt: skip
+    results += sweep("attention_decode", paged_decode, "CONFIGS", dec_configs,
+                     lambda: ops.attention(decode.q, decode.pool.kv_layer(0), decode.meta, scale),
+                     shown=lambda v: v[2])  # fmt: skip
+    results += sweep("attention_prefill", paged_attention, "CONFIGS", pre_configs,
+                     lambda: ops.attention(prefill.q, prefill.pool.kv_layer(0), prefill.meta, scale),
+                     shown=lambda v: v[(2, False)])  # fmt: skip
+    return results
+
+
+def tune_table(results: list[dict[str, Any]], top: int = 3) -> str:
+    lines = ["", "fastest configs per kernel (ms; speedup over the current default):"]
+    for kernel in dict.fromkeys(r["kernel"] for r in results):
+        for r in [r for r in results if r["kernel"] == kernel and "ms" in r][:top]:
+            lines.append(f"  {kernel:<26} {r['ms']:>9.4f} ms {r['vs_default']:>5.2f}x  {r['config']}")
+        failed = sum(1 for r in results if r["kernel"] == kernel and "error" in r)
+        if failed:
+            lines.append(f"  {kernel:<26} {failed} config(s) could not run (see the JSON)")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     global DEVICE
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="JSON file for the results")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one call each (CPU: Triton interpreter)")
+    parser.add_argument("--tune", action="store_true", help="also sweep the hot kernels' configs (about 3 more min)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if not torch.cuda.is_available():
@@ -475,9 +560,14 @@ def main(argv: list[str] | None = None) -> int:
     for check in checks:
         sys.stdout.write(f"{'MET   ' if check['met'] else 'MISSED'}  {check['target']}: {check['value']}\n")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"device": asdict(device), "rows": [asdict(r) for r in rows], "targets": checks}
+    payload: dict[str, Any] = {"device": asdict(device), "rows": [asdict(r) for r in rows], "targets": checks}
     args.out.write_text(json.dumps(payload, indent=1))
     logger.info("wrote %s", args.out)
+    if args.tune:
+        payload["tuning"] = tune(args.smoke)
+        sys.stdout.write(tune_table(payload["tuning"]))
+        args.out.write_text(json.dumps(payload, indent=1))
+        logger.info("added the sweeps to %s", args.out)
     return 0
 
 
