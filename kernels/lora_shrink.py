@@ -89,7 +89,7 @@ def _lora_shrink_kernel(
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x
     k_lo = split * k_per_split
     v_base = v_ptr + split.to(tl.int64) * stride_v_split + tokens.to(tl.int64)[:, None] * stride_v_tok
-    # Rank chunks of this program: all of them (decode) or one per program along grid axis 1 (prefill).
+    # This program's rank chunks: p, p + P, ... for rank program p of P (grid axis 1), up to the adapter's rank.
     for c in range(tl.program_id(1) * BLOCK_R, rank, tl.num_programs(1) * BLOCK_R):
         j = c + tl.arange(0, BLOCK_R)
         j_mask = j < rank
