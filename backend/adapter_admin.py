@@ -12,22 +12,34 @@ from __future__ import annotations
 
 from typing import Any
 
+from slora.backend.adapter import HostAdapter
 from slora.backend.engine import LLMEngine
 from slora.backend.engine_loop import EngineLoop
 from slora.backend.errors import AdapterNotFoundError
+from slora.backend.model_spec import LORA_MODULES
 from slora.backend.request_inputs import AdapterCommand
 
 
 def run_adapter_command(loop: EngineLoop, command: AdapterCommand) -> dict[str, Any]:
-    """Carry out `command`; raises AdapterError/AdapterNotFoundError with a message naming the adapter."""
+    """Carry out `command`; raises AdapterError/AdapterNotFoundError with a message naming the adapter.
+
+    `list` reports every adapter (and lists the adapter root); `load` reports the loaded one only, so that
+    loading thousands of adapters one by one stays linear; `unload` reports nothing.
+    """
     if command.op == "list":
         return {"adapters": loop.call(adapter_table)}
     assert command.name is not None  # parse_adapter_command checks it
-    if command.op == "load":
-        _load(loop.engine, command.name, command.path)
-    else:
-        _unload(loop, command.name)
-    return {"adapters": [row for row in loop.call(adapter_table) if row["name"] == command.name]}
+    name = command.name
+    if command.op == "unload":
+        _unload(loop, name)
+        return {"adapters": []}
+    adapter = _load(loop.engine, name, command.path)
+    resident = loop.call(lambda engine: any(r.host.name == name for r in engine.cache.resident()))
+    return {"adapters": [_row(name, str(adapter.path), "gpu" if resident else "host", adapter_ranks(adapter))]}
+
+
+def adapter_ranks(adapter: HostAdapter) -> dict[str, int]:
+    return {module: rank for module, rank in zip(LORA_MODULES, adapter.ranks) if rank}
 
 
 def adapter_table(engine: LLMEngine) -> list[dict[str, Any]]:
@@ -36,23 +48,20 @@ def adapter_table(engine: LLMEngine) -> list[dict[str, Any]]:
     rows = []
     for info in engine.list_adapters():
         tier = "gpu" if info.name in resident else "host" if info.in_host else "disk"
-        rows.append(
-            {
-                "name": info.name,
-                "path": info.path,
-                "state": tier,
-                "rank": max(info.ranks.values()) if info.ranks else None,
-                "ranks": info.ranks,
-            }
-        )
+        rows.append(_row(info.name, info.path, tier, info.ranks))
     return rows
 
 
-def _load(engine: LLMEngine, name: str, path: str | None) -> None:
+def _row(name: str, path: str, state: str, ranks: dict[str, int] | None) -> dict[str, Any]:
+    return {"name": name, "path": path, "state": state, "rank": max(ranks.values()) if ranks else None, "ranks": ranks}
+
+
+def _load(engine: LLMEngine, name: str, path: str | None) -> HostAdapter:
     if path:
-        engine.store.register(name, path, load=True)
-    else:
-        engine.store.get(name)  # from the registry or the adapter root, into host memory
+        adapter = engine.store.register(name, path, load=True)
+        assert adapter is not None  # load=True returns the adapter
+        return adapter
+    return engine.store.get(name)  # from the registry or the adapter root, into host memory
 
 
 def _unload(loop: EngineLoop, name: str) -> None:

@@ -197,6 +197,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         logger.error("%s", exc)
         return 1
+    except KeyboardInterrupt:
+        logger.info("interrupted before the server started")
+        return 130
     finally:
         if not options.workspace:
             shutil.rmtree(workspace, ignore_errors=True)

@@ -43,7 +43,6 @@ class ResponseStream:
     stream: bool
     arrival: float  # time.monotonic() when the request arrived
     prefix_text: str = ""
-    adapter: str | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
     latencies: list[tuple[str, float]] = field(default_factory=list)  # ("ttft" | "itl", seconds), drained by the caller

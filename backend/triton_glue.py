@@ -97,7 +97,7 @@ class TritonPythonModel:
     def _submit(self, request: Any, sender: Any, raw: RawRequest, arrival: float) -> None:
         inputs = parse_generate(raw, self.options.default_max_tokens)
         request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
-        stream = ResponseStream(inputs.stream, arrival, inputs.prefix_text, inputs.adapter)
+        stream = ResponseStream(inputs.stream, arrival, inputs.prefix_text)
         callback = self.responder.track(request_id, request, sender, stream)
         try:
             self.loop.submit(inputs.prompt_ids, callback, inputs.adapter, inputs.sampling, request_id)
