@@ -219,10 +219,12 @@ def lora_case(
     geometry = PoolGeometry(1, 16, model.kv_heads, model.head_dim)
     hosts = [host_adapter(f"a{i}", model, r, geometry, dtype) for i, r in enumerate(ranks)]
     pool = scrambled_pool(geometry, sum(h.num_pages for h in hosts) + 8, dtype)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()  # adapter copies run on a side stream: images and pool must be written first
     cache = AdapterCache(pool)
     residents = [cache.load(h) for h in hosts]
     if DEVICE.type == "cuda":
-        torch.cuda.synchronize()  # adapter copies run on a side stream
+        torch.cuda.synchronize()
     seqs = [ScheduledSeq(request(i, n, 0, None if a is None else residents[a]), n) for i, (a, n) in enumerate(step)]
     seqs = order_by_adapter(seqs)
     q_start = list(itertools.accumulate([s.num_tokens for s in seqs], initial=0))

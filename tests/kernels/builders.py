@@ -136,6 +136,8 @@ def make_adapter(
 
 
 def make_resident(pool: PagePool, adapters: list[HostAdapter]) -> list[ResidentAdapter]:
+    if HAS_CUDA:
+        torch.cuda.synchronize()  # the copies below run on a side stream: images and pool must be written first
     cache = AdapterCache(pool)
     residents = []
     for host in adapters:
