@@ -178,9 +178,17 @@ def server_command(install: TritonInstall, repository: Path, options: LaunchOpti
         "--strict-readiness=true",
         f"--log-verbose={options.log_verbose}",
     ]
-    if options.engine.get("device", "auto") == "cpu":
-        command.append("--allow-gpu-metrics=false")
+    if _cpu_only(options.engine.get("device", "auto")):
+        command += ["--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0"]
     return command + list(options.server_args)
+
+
+def _cpu_only(device: str) -> bool:
+    if device == "auto":
+        import torch
+
+        return not torch.cuda.is_available()
+    return device == "cpu"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
