@@ -2,7 +2,8 @@
 
     python perf/bench_kernels.py --out results/kernels.json
 
-For every kernel and shape it measures the time (triton.testing.do_bench: median, L2 flushed before each run) and
+For every kernel and shape it measures the GPU time (a CUDA graph of the call replayed with L2 flushed before
+each call, so without Python and launch overhead; "eager ms" is triton.testing.do_bench's time with them) and
 reports achieved bandwidth and FLOP/s on the op's *minimum* bytes and FLOPs (each adapter's rows, x and the
 touched columns of y read once; each K/V row read once), and what fraction that is of this GPU's copy bandwidth
 and bf16 matmul rate, both measured in the same process. Baselines in the same process: the plain-torch reference
@@ -11,7 +12,7 @@ and bf16 matmul rate, both measured in the same process. Baselines in the same p
 Shapes: Llama-2-7B (hidden 4096, intermediate 11008, 32 heads of 128, MHA) and a GQA model of the same width
 (8 kv heads, intermediate 14336). Targets (issue 4): decode LoRA and decode attention >= 60% of copy bandwidth on
 their minimum bytes; mixed-rank LoRA >= 3x the padded baseline. Results go to --out as JSON and to stdout as a
-table. Needs CUDA; takes about two minutes on an H200.
+table. Needs CUDA; takes about two minutes on an H200 (--tune: config sweeps, about three more).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,8 @@ class Row:
     frac_copy: float = 0.0
     frac_matmul: float = 0.0
     max_rel_err: float | None = None
-    notes: dict[str, float] = field(default_factory=dict)
+    eager_ms: float = 0.0  # with Python and launch overhead (do_bench); ms is GPU time when timing == "graph"
+    timing: str = "eager"
 
 
 @dataclass
@@ -127,6 +129,55 @@ def bench(fn: Callable[[], object]) -> float:
     if once > REF_TIME_LIMIT_MS:
         return once
     return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+_flush: list[torch.Tensor] = []  # a buffer larger than L2, written before each timed call
+
+
+def graph_bench(fn: Callable[[], object], reps: int = 20) -> float | None:
+    """GPU milliseconds of fn with L2 flushed before each call, without launch overhead (CUDA graph replay).
+
+    The graph holds `reps` times (flush, fn); a second graph holds the flushes alone, whose time is subtracted.
+    None when fn cannot be captured (e.g. it copies host data to the device).
+    """
+    if not _flush:
+        _flush.append(torch.empty(128 << 20, dtype=torch.uint8, device=DEVICE))  # > 2x the L2 of an H100/H200
+    flush = _flush[0]
+    try:
+        fn()  # compiles kernels and builds per-step metadata outside the capture
+        torch.cuda.synchronize()
+        with_fn, flush_only = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(with_fn):
+            for _ in range(reps):
+                flush.zero_()
+                fn()
+        with torch.cuda.graph(flush_only):
+            for _ in range(reps):
+                flush.zero_()
+    except RuntimeError as exc:
+        logger.info("not capturable, timed eagerly: %s", str(exc).splitlines()[0][:120])
+        torch.cuda.synchronize()
+        return None
+    samples = sorted((_replay_ms(with_fn) - _replay_ms(flush_only)) / reps for _ in range(7))
+    return max(samples[len(samples) // 2], 1e-6)
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return float(start.elapsed_time(end))
+
+
+def timed(fn: Callable[[], object], capturable: bool = True) -> tuple[float, float, str]:
+    """(ms, eager ms, how ms was taken): GPU time from graph replay where fn can be captured, else eager time."""
+    eager = bench(fn)
+    if DEVICE.type != "cuda" or not capturable or eager > REF_TIME_LIMIT_MS:
+        return eager, eager, "eager"
+    graph = graph_bench(fn)
+    return (graph, eager, "graph") if graph is not None else (eager, eager, "eager")
 
 
 def measure_device(copy_bytes: int = 1 << 30, n: int = 8192) -> Device:
@@ -264,8 +315,20 @@ def bench_lora(case: LoraCase, device: Device) -> list[Row]:
     layer_bytes = sum(r.min_bytes for r in rows if r.impl == "triton")
     layer_flops = sum(r.min_flops for r in rows if r.impl == "triton")
     for impl in ("triton", "torch_ref", "padded_bmm"):
-        ms = sum(r.ms for r in rows if r.impl == impl)
-        rows.append(finish(Row("lora_layer", case.name, impl, ms, layer_bytes, layer_flops), device))
+        calls = [r for r in rows if r.impl == impl]
+        how = "graph" if all(r.timing == "graph" for r in calls) else "mixed"
+        eager = sum(r.eager_ms for r in calls)
+        row = Row(
+            "lora_layer",
+            case.name,
+            impl,
+            sum(r.ms for r in calls),
+            layer_bytes,
+            layer_flops,
+            eager_ms=eager,
+            timing=how,
+        )
+        rows.append(finish(row, device))
     return rows
 
 
@@ -290,8 +353,9 @@ def bench_lora_call(
         y = y0.clone()
         fn(y, *args)
         err = rel_err(y, expected)
-        ms = bench(functools.partial(fn, y, *args))
-        rows.append(finish(Row(f"lora_{call}", case.name, impl, ms, nbytes, flops, max_rel_err=err), device))
+        ms, eager, how = timed(functools.partial(fn, y, *args))
+        row = Row(f"lora_{call}", case.name, impl, ms, nbytes, flops, max_rel_err=err, eager_ms=eager, timing=how)
+        rows.append(finish(row, device))
     return rows
 
 
@@ -341,8 +405,10 @@ def bench_attention(case: AttentionCase, device: Device) -> list[Row]:
     impls = {"triton": ops.attention, "torch_ref": paged_attention_ref}
     for impl, fn in impls.items():
         err = rel_err(fn(case.q, kv_layer, case.meta, scale), expected)
-        ms = bench(lambda fn=fn: fn(case.q, kv_layer, case.meta, scale))  # type: ignore[misc]
-        rows.append(finish(Row(kernel, case.name, impl, ms, nbytes, flops, max_rel_err=err), device))
+        run = functools.partial(fn, case.q, kv_layer, case.meta, scale)
+        ms, eager, how = timed(run, capturable=impl == "triton")  # the reference copies page lists to the GPU
+        row = Row(kernel, case.name, impl, ms, nbytes, flops, max_rel_err=err, eager_ms=eager, timing=how)
+        rows.append(finish(row, device))
     return rows
 
 
@@ -357,7 +423,8 @@ def bench_kv_write(case: AttentionCase, device: Device) -> list[Row]:
     impls = {"triton": lambda: ops.write_kv(k, v, kv_layer, case.meta),
              "torch_ref": lambda: write_kv_ref(k, v, kv_layer, case.meta.slot_mapping)}  # fmt: skip
     for impl, fn in impls.items():
-        rows.append(finish(Row("kv_write", case.name, impl, bench(fn), nbytes, 0), device))
+        ms, eager, how = timed(fn, capturable=impl == "triton")
+        rows.append(finish(Row("kv_write", case.name, impl, ms, nbytes, 0, eager_ms=eager, timing=how), device))
     return rows
 
 
@@ -421,7 +488,7 @@ def check_targets(rows: list[Row]) -> list[dict[str, object]]:
 
 
 def table(rows: list[Row]) -> str:
-    head = f"{'kernel':<17} {'case':<58} {'impl':<10} {'ms':>9} {'GB/s':>7} {'TFLOP/s':>7} "
+    head = f"{'kernel':<17} {'case':<58} {'impl':<10} {'ms':>9} {'eager ms':>9} {'GB/s':>7} {'TFLOP/s':>7} "
     head += f"{'%copy':>6} {'%mm':>6} {'vs triton':>9} {'err':>7}"
     lines = [head, "-" * len(head)]
     triton_ms = {(r.kernel, r.case): r.ms for r in rows if r.impl == "triton"}
@@ -429,8 +496,9 @@ def table(rows: list[Row]) -> str:
         ratio = r.ms / triton_ms.get((r.kernel, r.case), r.ms)
         err = "" if r.max_rel_err is None else f"{r.max_rel_err:.0e}"
         lines.append(
-            f"{r.kernel:<17} {r.case[:58]:<58} {r.impl:<10} {r.ms:>9.4f} {r.gbps:>7.0f} {r.tflops:>7.1f} "
-            f"{100 * r.frac_copy:>5.0f}% {100 * r.frac_matmul:>5.1f}% {ratio:>8.1f}x {err:>7}"
+            f"{r.kernel:<17} {r.case[:58]:<58} {r.impl:<10} {r.ms:>9.4f} {r.eager_ms:>9.4f} "
+            f"{r.gbps:>7.0f} {r.tflops:>7.1f} {100 * r.frac_copy:>5.0f}% {100 * r.frac_matmul:>5.1f}% "
+            f"{ratio:>8.1f}x {err:>7}"
         )
     return "\n".join(lines) + "\n"
 
@@ -480,14 +548,14 @@ def sweep(
     A variant that cannot run (e.g. too much shared memory) is recorded with its error instead of a time.
     """
     original = getattr(module, attr)
-    baseline = bench(run)
+    baseline = timed(run)[0]
     results: list[dict[str, Any]] = []
     try:
         for variant in variants:
             setattr(module, attr, variant)
             entry: dict[str, Any] = {"kernel": kernel, "config": repr(shown(variant))}
             try:
-                entry["ms"] = bench(run)
+                entry["ms"] = timed(run)[0]
                 entry["vs_default"] = baseline / entry["ms"]
             except Exception as exc:  # noqa: BLE001 - a config that does not fit is a result, not a failure
                 entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
