@@ -40,16 +40,18 @@ def load_checkpoint(path: str | Path, spec: ModelSpec, dtype: torch.dtype, devic
 
 
 def random_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int = 0) -> ModelWeights:
-    """Random weights of the right shapes (for benchmarks of large shapes without a checkpoint on disk)."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights of the right shapes (for benchmarks of large shapes without a checkpoint on disk).
+
+    Drawn on `device` (a 7B model takes seconds on a GPU, minutes on one CPU core).
+    """
+    generator = torch.Generator(device=device).manual_seed(seed)
 
     def read(name: str) -> torch.Tensor:
         shape = _expected_shape(name, spec)
         if name.endswith("norm.weight"):
             return torch.ones(shape, dtype=dtype, device=device)
-        scale = 1.0 / shape[-1] ** 0.5
-        values = torch.randn(shape, generator=generator, dtype=torch.float32) * scale
-        return values.to(dtype=dtype, device=device)
+        values = torch.randn(shape, generator=generator, dtype=dtype, device=device)
+        return values.mul_(1.0 / shape[-1] ** 0.5)
 
     return assemble_weights(read, spec, source="random")
 

@@ -46,6 +46,8 @@ class Components:
 
 def build_components(config: EngineConfig) -> Components:
     device = config.torch_device()
+    if config.kernel_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("kernel_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 to interpret on CPU)")
     dtype = config.torch_dtype(device)
     model_path = resolve_model_path(config.model)
     spec = ModelSpec.from_dir(model_path)
