@@ -102,7 +102,7 @@ def _wait_ready(url: str, process: subprocess.Popen, log: Path) -> None:
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("server")
     adapters, spare, registry = _make_adapters(root)
     http, grpc, metrics = _free_ports(3)

@@ -10,18 +10,12 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from slora.backend.default_model import resolve_model_path
 from slora.backend.detokenizer import IncrementalDetokenizer
 from slora.backend.errors import InvalidRequestError
 from slora.backend.launcher import main, parse_options, repository_parameters, server_command
 from slora.backend.model_repository import MODELS, render_repository
 from slora.backend.server_locator import STUB, ServerNotFoundError, locate_server, python_version, stub_python_version
-from slora.backend.text_steps import decode_spans, encode_prompt, load_tokenizer, prompt_prefix
-
-
-@pytest.fixture(scope="module")
-def tokenizer():  # type: ignore[no-untyped-def]
-    return load_tokenizer(str(resolve_model_path("default")))
+from slora.backend.text_steps import decode_spans, encode_prompt, prompt_prefix
 
 
 def _parse(config: Path) -> model_config_pb2.ModelConfig:
@@ -81,7 +75,7 @@ def test_server_root_without_a_server_is_refused(tmp_path: Path, monkeypatch: py
         locate_server(tmp_path / "work")
 
 
-def test_dry_run(tmp_path: Path) -> None:
+def test_dry_run(tmp_path: Path, default_model_dir: Path) -> None:
     assert main(["--dry-run", "--device", "cpu", "--workspace", str(tmp_path)]) == 0
     assert (tmp_path / "model_repository" / "ensemble" / "config.pbtxt").is_file()
     assert main(["--max-waiting", "0", "--dry-run", "--workspace", str(tmp_path)]) == 1  # refused, named
