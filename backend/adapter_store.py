@@ -115,6 +115,11 @@ class AdapterStore:
             self._drop(name)
             self._ranks.pop(name, None)
 
+    def in_host(self, name: str) -> bool:
+        """Whether `get(name)` would return without reading the disk."""
+        with self._lock:
+            return name in self._host
+
     def get(self, name: str) -> HostAdapter:
         """The adapter in host memory, loading it from disk if needed (in the caller's thread)."""
         validate_adapter_name(name)

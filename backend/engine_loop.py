@@ -137,7 +137,7 @@ class EngineLoop:
         try:
             self.engine.submit(item.request)
         except Exception as exc:  # refused by the engine (duplicate id, full queue): tell this request only
-            item.callback(_error_output(item.request.request_id, str(exc)))
+            item.callback(_error_output(item.request.request_id, exc))
             return
         self._callbacks[item.request.request_id] = item.callback
 
@@ -146,10 +146,9 @@ class EngineLoop:
             outputs = self.engine.step()
         except Exception as exc:
             logger.exception("engine step failed; failing the requests in flight")
+            failure = RuntimeError(f"engine failure: {exc}")
             outputs = [
-                _error_output(rid, f"engine failure: {exc}")
-                for rid in list(self.engine.requests)
-                if self.engine.abort(rid) is not None
+                _error_output(rid, failure) for rid in list(self.engine.requests) if self.engine.abort(rid) is not None
             ]
         self._deliver(outputs)
         self._stats = self.engine.stats()
@@ -169,5 +168,5 @@ class EngineLoop:
                 logger.exception("output callback of request %s failed", output.request_id)
 
 
-def _error_output(request_id: str, message: str) -> RequestOutput:
-    return RequestOutput(request_id, [], finished=True, finish_reason="error", error=message)
+def _error_output(request_id: str, exc: Exception) -> RequestOutput:
+    return RequestOutput(request_id, [], finished=True, finish_reason="error", error=str(exc), exception=exc)

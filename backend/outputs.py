@@ -20,6 +20,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None  # set with finish_reason "error" when the engine failed this request
+    exception: Exception | None = None  # the error itself, so that servers can map its kind to a status code
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ import triton_python_backend_utils as pb_utils
 from slora.backend.adapter_admin import run_adapter_command
 from slora.backend.engine import LLMEngine
 from slora.backend.engine_loop import EngineLoop
-from slora.backend.errors import AdapterNotFoundError, EngineOverloadedError, SloraError
 from slora.backend.request_inputs import (
     RawRequest,
     is_adapter_command,
@@ -36,13 +35,14 @@ from slora.backend.request_inputs import (
 )
 from slora.backend.response_stream import ResponseStream
 from slora.backend.serving_options import ServingOptions, model_config_parameters
+from slora.backend.triton_errors import FINAL, error_code, send_error
 from slora.backend.triton_logging import route_logging
 from slora.backend.triton_metrics import NullMetrics, TritonMetrics
 from slora.backend.triton_responder import Responder
 
 logger = logging.getLogger(__name__)
 
-FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+INTAKE_THREADS = 4  # requests whose adapter must first be read from disk are taken in off Triton's thread
 
 
 class TritonPythonModel:
@@ -61,6 +61,7 @@ class TritonPythonModel:
         self.loop.step_listeners.append(lambda _engine, _outputs: self.metrics.update_stats(self.loop.stats()))
         self.responder = Responder(self.loop, self.metrics, self.options.cancel_check_s)
         self.admin = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slora-admin")
+        self.intake = ThreadPoolExecutor(max_workers=INTAKE_THREADS, thread_name_prefix="slora-intake")
         self._ids = itertools.count()
         self.loop.start()
         logger.info("engine ready in %.1f s: %d pool pages, context %d tokens, %d adapters known",
@@ -75,6 +76,7 @@ class TritonPythonModel:
     def finalize(self) -> None:
         logger.info("stopping the engine (%d requests in flight)", self.responder.in_flight())
         self.admin.shutdown(wait=True)
+        self.intake.shutdown(wait=True)
         self.loop.stop()
         self.responder.stop()
         self.metrics.close()
@@ -95,15 +97,24 @@ class TritonPythonModel:
             _send_error(sender, exc)
 
     def _submit(self, request: Any, sender: Any, raw: RawRequest, arrival: float) -> None:
+        """Hand a request to the engine; if its adapter must be read from disk, do that in the intake pool so
+        that the requests after it are taken in meanwhile."""
         inputs = parse_generate(raw, self.options.default_max_tokens)
         request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
         stream = ResponseStream(inputs.stream, arrival, inputs.prefix_text)
         callback = self.responder.track(request_id, request, sender, stream)
-        try:
-            self.loop.submit(inputs.prompt_ids, callback, inputs.adapter, inputs.sampling, request_id)
-        except Exception:
-            self.responder.forget(request_id)
-            raise
+
+        def submit() -> None:
+            try:
+                self.loop.submit(inputs.prompt_ids, callback, inputs.adapter, inputs.sampling, request_id)
+            except Exception as exc:
+                self.responder.forget(request_id)
+                _send_error(sender, exc)
+
+        if inputs.adapter and not self.loop.engine.store.in_host(inputs.adapter):
+            self.intake.submit(submit)
+        else:
+            submit()
 
     def _run_command(self, request: Any, sender: Any, command: Any) -> None:
         try:
@@ -137,18 +148,7 @@ def _raw_request(request: Any) -> RawRequest:
 
 
 def _send_error(sender: Any, exc: Exception) -> None:
-    if isinstance(exc, EngineOverloadedError):
-        code = pb_utils.TritonError.UNAVAILABLE
-    elif isinstance(exc, AdapterNotFoundError):
-        code = pb_utils.TritonError.NOT_FOUND
-    elif isinstance(exc, (SloraError, ValueError)):
-        code = pb_utils.TritonError.INVALID_ARG
-    elif isinstance(exc, PermissionError):
-        code = pb_utils.TritonError.UNSUPPORTED
-    else:
-        logger.exception("unexpected error while accepting a request")
-        code = pb_utils.TritonError.INTERNAL
-    try:
-        sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), code)), flags=FINAL)
-    except Exception:
-        logger.exception("sending an error response failed")
+    code = error_code(exc)
+    if code == pb_utils.TritonError.INTERNAL:
+        logger.error("unexpected error while accepting a request", exc_info=exc)
+    send_error(sender, str(exc), code)

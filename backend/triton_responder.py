@@ -23,11 +23,10 @@ import triton_python_backend_utils as pb_utils
 from slora.backend.engine_loop import EngineLoop, OutputCallback
 from slora.backend.outputs import RequestOutput
 from slora.backend.response_stream import Reply, ResponseStream
+from slora.backend.triton_errors import FINAL, error_code, send_error
 from slora.backend.triton_metrics import NullMetrics
 
 logger = logging.getLogger(__name__)
-
-FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 @dataclass
@@ -93,7 +92,8 @@ class Responder:
     def _deliver(self, entry: _InFlight, output: RequestOutput, at: float) -> None:
         try:
             if output.finish_reason == "error":
-                self._send_error(entry, f"request failed: {output.error}", pb_utils.TritonError.INTERNAL)
+                code = error_code(output.exception) if output.exception else pb_utils.TritonError.INTERNAL
+                send_error(entry.sender, f"request failed: {output.error}", code)
             elif output.finish_reason == "abort":
                 self._send_abort(entry)
             else:
@@ -113,15 +113,11 @@ class Responder:
         tensors = [pb_utils.Tensor(name, array) for name, array in reply.arrays.items()]
         entry.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if reply.final else 0)
 
-    def _send_error(self, entry: _InFlight, message: str, code: Any) -> None:
-        error = pb_utils.TritonError(message, code)
-        entry.sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
-
     def _send_abort(self, entry: _InFlight) -> None:
         if entry.cancelled:
-            self._send_error(entry, "request cancelled by the client", pb_utils.TritonError.CANCELLED)
+            send_error(entry.sender, "request cancelled by the client", pb_utils.TritonError.CANCELLED)
         else:
-            self._send_error(entry, "request aborted: the model is shutting down", pb_utils.TritonError.UNAVAILABLE)
+            send_error(entry.sender, "request aborted: the model is shutting down", pb_utils.TritonError.UNAVAILABLE)
 
     def _observe(self, stream: ResponseStream) -> None:
         for kind, seconds in stream.latencies:
