@@ -12,6 +12,7 @@
 #   bmm         padded-BMM LoRA (kernel_backend=bmm) and triton side by side, S1 n=5 and n=2000          [~6 min]
 #   serving-s1  engine S1 n=5, n=2000; served `slora` n=5, n=2000; served `ensemble` n=2000               [~8 min]
 #   peft        engine S1 n=5, n=100; PEFT S1 n=5, n=100 (bounded prefixes)                               [~6 min]
+#   served      engine S1 n=2000; served `slora` n=2000 (adapters preloaded at start); perf_analyzer slora  [~6 min]
 # Several suites in one call run one after the other under one time budget (BUDGET_S); later ones are skipped
 # when the time is gone, and the results of every finished run are kept.
 #
@@ -142,7 +143,10 @@ backend_available() {
 start_server() {  # start_server SETTING: slora-serve in the background, its log in server.log
   local root opts=()
   root=$(adapters "$1")
-  for opt in load_format=dummy host_budget_bytes=$HOST_BUDGET $ENGINE_OPTS; do opts+=(--engine-option "$opt"); done
+  # Every adapter is read into host memory before the server reports ready (S-LoRA keeps them all in host memory).
+  for opt in load_format=dummy host_budget_bytes=$HOST_BUDGET preload_adapters=true $ENGINE_OPTS; do
+    opts+=(--engine-option "$opt")
+  done
   log "starting slora-serve (adapters $root)"
   "$PY" -m slora.backend.launcher --model "$MODEL" --adapter-dir "$root" --device "$DEVICE" \
     --kernel-backend "$KERNEL" "${opts[@]}" --http-port "$PORT_BASE" --grpc-port $((PORT_BASE + 1)) \
@@ -177,6 +181,15 @@ serving() {  # serving TARGET RUN...  (against the running server)
   step -m perf.bench_serving --url "localhost:$((PORT_BASE + 1))" --target "$target" "${extra[@]}" \
     --server-kernel-backend "$KERNEL" \
     --ready-timeout "$(( $(remaining) - 60 ))" --time-limit "$(run_limit)" --out "$RESULTS" "$@"
+}
+
+perf_analyzer() {  # perf_analyzer TARGET: streaming, one adapter id per request from an input-data file
+  local left=$(( $(remaining) - 45 )) dir=$WORK/perf_analyzer
+  if (( left < 60 )) || [[ -z ${PERF_ANALYZER:-} ]]; then log "SKIPPED perf_analyzer (time or binary missing)"; return 1; fi
+  log "perf_analyzer $1 (up to ${left}s)"
+  PY=$PY OUT=$dir CONCURRENCY=${PA_CONCURRENCY:-64} ROWS=512 PROMPT_TOKENS=128 MAX_TOKENS=128 \
+    timeout --kill-after=10 "$left" bash perf/perf_analyzer.sh "$1" >>"$LOG" 2>&1 || log "perf_analyzer exited with $?"
+  [[ -f $dir/$1.csv ]] && cp "$dir/$1.csv" "$OUT/perf_analyzer_$1.csv"
 }
 
 peft() {  # peft TRACE...
@@ -217,12 +230,18 @@ suite() {
       serving slora "$s1_big" "$s1_5"
       serving ensemble "$s1_big"
       stop_server ;;
+    served)  # the in-process headline, then the same trace served (adapters preloaded at server start), then PA
+      engine "$KERNEL" S1 "$s1_big"
+      start_server S1
+      serving slora --no-preload "$s1_big"
+      perf_analyzer slora
+      stop_server ;;
     peft)
       s1_100=$(trace s1 100)
       engine "$KERNEL" S1 "$s1_5" "$s1_100"
       peft "$s1_5" "$s1_100" ;;
     *)
-      log "unknown suite $1 (all, engine-s1, engine-s2, bmm, serving-s1, peft)"; return 2 ;;
+      log "unknown suite $1 (all, engine-s1, engine-s2, bmm, serving-s1, served, peft)"; return 2 ;;
   esac
 }
 
