@@ -85,13 +85,17 @@ def model_spec(shape: Shape) -> ModelSpec:
     )
 
 
-def scrambled_pool(geometry: PoolGeometry, num_pages: int, dtype: torch.dtype, seed: int) -> PagePool:
-    """A pool of random contents whose free pages are handed out in a random order."""
+def scrambled_pool(geometry: PoolGeometry, num_pages: int, dtype: torch.dtype, seed: int, low: int = 0) -> PagePool:
+    """A pool of random contents whose free pages are handed out in a random order.
+
+    The `low` lowest pages stay held (owner "low"), so that everything allocated later lives above them.
+    """
     pool = PagePool(geometry, num_pages, dtype, DEVICE)
-    pages = pool.alloc(num_pages, PageKind.KV, "scramble")
+    pages = pool.alloc(num_pages, PageKind.KV, "low")
     assert pages is not None
-    random.Random(seed).shuffle(pages)
-    pool.free(pages, "scramble")
+    high = [p for p in pages if p >= low]
+    random.Random(seed).shuffle(high)
+    pool.free(high, "low")
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     pool.storage.normal_(0.0, 1.0, generator=gen)
     return pool

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from slora.backend.page_pool import PageKind, PagePool, PoolGeometry  # noqa: E402
+from slora.backend.page_pool import PagePool, PoolGeometry  # noqa: E402
 from slora.kernels.attention_ref import paged_attention_ref, write_kv_ref  # noqa: E402
 from slora.kernels.kv_write import write_kv  # noqa: E402
 from slora.kernels.paged_attention import AttentionConfig, paged_attention  # noqa: E402
@@ -54,10 +54,8 @@ SMALL_PREFILL = AttentionConfig(block_m=16, block_n=16, num_warps=4, num_stages=
 
 def make_pool(heads: Heads, block_size: int, dtype: torch.dtype, tokens: int, seed: int, low: int = 0) -> PagePool:
     geometry = PoolGeometry(num_layers=1, block_size=block_size, num_kv_heads=heads.kv_heads, head_dim=heads.head_dim)
-    pool = scrambled_pool(geometry, low + tokens // block_size + 64, dtype, seed)
-    if low:  # keep the low pages busy, so that K/V live at high pool offsets
-        pool.alloc(low, PageKind.KV, "low")
-    return pool
+    # The low pages stay busy, so that K/V live at high pool offsets.
+    return scrambled_pool(geometry, low + tokens // block_size + 64, dtype, seed, low=low)
 
 
 def check_attention(

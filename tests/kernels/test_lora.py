@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("triton")
 
 from slora.backend.adapter import load_peft_adapter  # noqa: E402
-from slora.backend.page_pool import PageKind, PoolGeometry  # noqa: E402
+from slora.backend.page_pool import PoolGeometry  # noqa: E402
 from slora.kernels import lora_shrink  # noqa: E402
 from slora.kernels.lora_padded import lora_padded_bmm  # noqa: E402
 from slora.kernels.lora_ref import lora_ref  # noqa: E402
@@ -102,9 +102,8 @@ def build_case(
 ) -> LayerCase:
     geometry = PoolGeometry(num_layers=1, block_size=block_size, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim)
     hosts = [make_adapter(f"a{i}", r, shape, geometry, dtype, seed + i) for i, r in enumerate(adapter_ranks)]
-    pool = scrambled_pool(geometry, low_pages + adapter_pages(hosts) + 7, dtype, seed)
-    if low_pages:  # keep the low pages busy, so that adapters live at high pool offsets
-        pool.alloc(low_pages, PageKind.KV, "low")
+    # The low pages stay busy, so that adapters live at high pool offsets.
+    pool = scrambled_pool(geometry, low_pages + adapter_pages(hosts) + 7, dtype, seed, low=low_pages)
     residents = make_resident(pool, hosts)
     meta, _ = lora_step([None if a is None else residents[a] for a, _ in step], [n for _, n in step])
     return LayerCase(shape, dtype, pool.flat_layer(0), meta, sum(n for _, n in step))
