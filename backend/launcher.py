@@ -31,6 +31,7 @@ from slora.backend.config import EngineConfig
 from slora.backend.default_model import resolve_model_path
 from slora.backend.model_repository import render_repository
 from slora.backend.server_locator import TritonInstall, locate_server
+from slora.backend.stub_compat import numpy_problem
 
 logger = logging.getLogger("slora.serve")
 
@@ -214,6 +215,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(options: LaunchOptions, workspace: Path) -> int:
+    problem = numpy_problem()
+    if problem:
+        raise RuntimeError(problem)
     install = locate_server(workspace)
     logger.info("model: %s", options.model)
     model_path = resolve_model_path(options.model)  # the default model is converted here, once

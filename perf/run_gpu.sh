@@ -100,6 +100,9 @@ setup() {
   "$PY" -c "import slora.backend.engine" 2>/dev/null \
     || "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 \
     || log "pip install -e . failed"
+  # Triton 2.51's stub needs NumPy 1 (backend/stub_compat.py); perf/gpu_wheels.sh carries it in .whl/.
+  "$PY" -c "from slora.backend.stub_compat import numpy_problem as p; import sys; m = p(); sys.exit(m and print(m))" \
+    >>"$LOG" 2>&1 || log "WARNING: NumPy 2 here: served runs will fail (run perf/gpu_wheels.sh to carry numpy<2)"
   [[ -f $MODEL/config.json ]] || step -m perf.make_model --shape "$SHAPE" --out "$MODEL"
 }
 
