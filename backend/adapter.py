@@ -47,7 +47,7 @@ class HostAdapter:
     path: Path
     ranks: tuple[int, ...]  # per module of LORA_MODULES; 0 = not targeted
     scales: tuple[float, ...]  # per module
-    image: torch.Tensor  # [num_layers, num_pages, page_elems], model dtype, pinned where CUDA is present
+    image: torch.Tensor  # [num_layers, num_pages, page_elems], model dtype (page-locked with pin_host_adapters)
     a_local: torch.Tensor  # int64 [sum(ranks)]: local offset of each lora_A row, modules in order
     b_local: torch.Tensor  # int64 [sum(ranks)]: local offset of each lora_Bᵀ row
     generation: int = 0  # bumped by the store when the name is registered again; (name, generation) is the key

@@ -1,8 +1,9 @@
 """The host adapter store: which adapters exist (registry + adapter root) and which are in host memory.
 
-Adapters are loaded lazily from disk on first use and kept in (pinned, where CUDA is present) host memory up to a
-byte budget, least recently used first out. A request holds a reference to its HostAdapter, so dropping an
-adapter from the store never pulls weights from under a queued request; the next request reloads it.
+Adapters are loaded lazily from disk on first use and kept in host memory up to a byte budget, least recently used
+first out (copies to the GPU go through a page-locked staging buffer, see adapter_cache.py). A request holds a
+reference to its HostAdapter, so dropping an adapter from the store never pulls weights from under a queued
+request; the next request reloads it.
 
 Names come from clients, so they are checked: letters, digits, '_', '.', '-', not starting with '.', and the
 resolved directory must lie inside the adapter root (no '..', no symlink escaping it). Adapters registered by path

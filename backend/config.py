@@ -37,6 +37,7 @@ class EngineConfig:
     adapter_registry: str | None = None  # multi_lora.json: {"name": "path", ...}
     host_budget_bytes: int = 8 * GiB  # host memory for adapters, LRU beyond it
     preload_adapters: bool = False  # load every known adapter into host memory at start (as S-LoRA assumes)
+    pin_host_adapters: bool = False  # page-lock each adapter in host memory (slow to allocate; see AdapterCache)
     max_lora_rank: int = 256
     prefetch_adapters: int = 8  # adapters of queued requests loaded ahead into free pages
     kernel_backend: str = "auto"  # auto | torch | triton | bmm (S-LoRA's padded-rank baseline)

@@ -139,7 +139,7 @@ def _eos_ids(model_path: Path, spec: ModelSpec, tokenizer: Any | None) -> frozen
 def _adapter_store(
     config: EngineConfig, spec: ModelSpec, geometry: PoolGeometry, dtype: torch.dtype, device: torch.device
 ) -> AdapterStore:
-    pin = device.type == "cuda"
+    pin = device.type == "cuda" and config.pin_host_adapters
 
     def load(name: str, path: Path, generation: int) -> HostAdapter:
         adapter = load_peft_adapter(name, path, spec, geometry, dtype, pin, config.max_lora_rank, generation)
