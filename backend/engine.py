@@ -52,7 +52,7 @@ class LLMEngine:
         self.model = parts.model
         limits = SchedulerLimits(self.config.max_batch_tokens, self.config.max_num_seqs, self.config.prefetch_adapters)
         self.scheduler = Scheduler(limits, self.pool, self.cache)
-        self.runner = ModelRunner(self.model, self.pool)
+        self.runner = ModelRunner(self.model, self.pool, parts.graphs)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(self.config.seed)

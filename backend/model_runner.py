@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from slora.backend.batch import ForwardBatch, ScheduledSeq, build_batch
+from slora.backend.cuda_graphs import DecodeGraphs
 from slora.backend.model import DecoderModel
 from slora.backend.page_pool import PagePool
 from slora.backend.request import Request
@@ -14,9 +15,10 @@ from slora.backend.sampler import sample
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, pool: PagePool) -> None:
+    def __init__(self, model: DecoderModel, pool: PagePool, graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.pool = pool
+        self.graphs = graphs  # decode steps replay captured CUDA graphs when set
         self.device = pool.storage.device
         self.logits_hook: Callable[[torch.Tensor], None] | None = None  # tests read the logits of each step
 
@@ -24,7 +26,10 @@ class ModelRunner:
         """Compute the scheduled tokens; return (request, next token) for each sequence that samples."""
         batch = build_batch(seqs, self.pool.geometry.block_size, self.device)
         self._wait_for_adapters(batch)
-        logits = self.model.forward(batch, self.pool)  # [num_sampled, vocab]
+        if self.graphs is not None and self.graphs.fits(batch):
+            logits = self.graphs.forward(batch)  # [num_sampled, vocab]: every decode sequence samples
+        else:
+            logits = self.model.forward(batch, self.pool)  # [num_sampled, vocab]
         if self.logits_hook is not None:
             self.logits_hook(logits)
         sampled = batch.sampled

@@ -16,6 +16,7 @@ from slora.backend.adapter_cache import AdapterCache
 from slora.backend.adapter_store import AdapterStore
 from slora.backend.checkpoint import load_checkpoint, random_weights
 from slora.backend.config import EngineConfig, MiB
+from slora.backend.cuda_graphs import DecodeGraphs, GraphLimits
 from slora.backend.default_model import resolve_model_path
 from slora.backend.model import DecoderModel
 from slora.backend.model_spec import LORA_MODULES, ModelSpec
@@ -42,12 +43,15 @@ class Components:
     pool: PagePool
     store: AdapterStore
     cache: AdapterCache
+    graphs: DecodeGraphs | None
 
 
 def build_components(config: EngineConfig) -> Components:
     device = config.torch_device()
     if config.kernel_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("kernel_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 to interpret on CPU)")
+    if config.cuda_graphs and (device.type != "cuda" or config.kernel_backend not in ("auto", "triton")):
+        raise ValueError("cuda_graphs needs a CUDA device and the triton kernel backend")
     dtype = config.torch_dtype(device)
     model_path = resolve_model_path(config.model)
     spec = ModelSpec.from_dir(model_path)
@@ -65,6 +69,11 @@ def build_components(config: EngineConfig) -> Components:
     logger.info("page pool: %d pages of %d tokens (%.1f MiB each across layers)", pool.num_pages,
                 geometry.block_size, geometry.page_bytes(dtype) / MiB)  # fmt: skip
     tokenizer = _load_tokenizer(config.tokenizer or model_path)
+    graphs = None
+    if config.cuda_graphs:
+        limits = GraphLimits(config.max_num_seqs, max_model_len, config.max_lora_rank)
+        graphs = DecodeGraphs(model, pool, limits)
+        graphs.capture_all()
     return Components(
         config=config,
         device=device,
@@ -78,6 +87,7 @@ def build_components(config: EngineConfig) -> Components:
         pool=pool,
         store=_adapter_store(config, spec, geometry, dtype, device),
         cache=AdapterCache(pool),
+        graphs=graphs,
     )
 
 

@@ -74,6 +74,20 @@ class AttentionMeta:
         return self._tiles[block]
 
 
+@dataclass(frozen=True)
+class StaticBounds:
+    """Fixed launch parameters for a captured CUDA graph (backend/cuda_graphs.py).
+
+    A graph replays the grids and buffer shapes it was captured with, so the launchers must not derive them from
+    the step: with these bounds, `fused_rank` is max_rank × modules, `max_segment_len` is 1 (decode tiles) and
+    `tiles` is the static buffer, whose unused rows name a null adapter of rank 0 and cover no token.
+    """
+
+    max_rank: int  # the largest rank of any module of any adapter (EngineConfig.max_lora_rank)
+    tiles: torch.Tensor  # int32 [max_tiles, 4], refilled before each replay
+    tile_block: int  # tokens per tile the buffer was built for
+
+
 @dataclass
 class LoraMeta:
     """Which adapter each token uses and where that adapter's rows lie in the pool.
@@ -102,6 +116,7 @@ class LoraMeta:
     scales_host: list[list[float]]
     row_start_host: list[list[int]]
     row_align: int = 1
+    static: StaticBounds | None = None  # set for a CUDA-graph step: launch shapes come from here, not the step
     # Built on first use and kept for the step (every layer asks the same): no per-layer Python loops.
     _tiles: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
     _fused_rank: dict[tuple[int, int], int] = field(default_factory=dict, repr=False, compare=False)
@@ -112,11 +127,15 @@ class LoraMeta:
 
     @functools.cached_property
     def max_segment_len(self) -> int:
+        if self.static is not None:
+            return 1
         starts = self.seg_start_host
         return max((b - a for a, b in zip(starts, starts[1:])), default=0)
 
     def fused_rank(self, first_module: int, num_modules: int) -> int:
         """The largest total rank of modules first_module .. first_module + num_modules - 1 over the adapters."""
+        if self.static is not None:
+            return self.static.max_rank * num_modules
         key = (first_module, num_modules)
         if key not in self._fused_rank:
             ranks = (sum(r[first_module : first_module + num_modules]) for r in self.ranks_host)
@@ -125,6 +144,10 @@ class LoraMeta:
 
     def tiles(self, block: int) -> torch.Tensor:
         """Token tiles of up to `block` tokens of one segment, tagged with its adapter (see segment_tiles)."""
+        if self.static is not None:
+            if block != self.static.tile_block:
+                raise ValueError(f"the static tiles were built for {self.static.tile_block}-token tiles, not {block}")
+            return self.static.tiles
         if block not in self._tiles:
             self._tiles[block] = segment_tiles(self.seg_start_host, block, self.seg_start.device, self.seg_adapter_host)
         return self._tiles[block]

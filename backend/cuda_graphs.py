@@ -1,0 +1,225 @@
+"""CUDA graphs of decode steps: one captured forward per batch-size bucket, replayed with each step's metadata.
+
+A decode step of a small batch is bound by the host: some ten launches per layer, plus Triton's argument handling
+for each. A graph replays all of them with one launch. Shapes inside a graph are fixed, so each bucket owns static
+buffers; before a replay the step's tensors are copied into them, padded to the bucket size:
+
+    rows 0 .. n-1        the step's sequences (one token each)
+    rows n .. size-1     padding: token 0, K/V slot -1 (not written), context of 1 token on page 0, no adapter
+
+and the launchers read fixed bounds instead of the step's values (kernels/metadata.StaticBounds): decode tiles of
+16 tokens whose unused rows name a null adapter of rank 0, fused ranks of max_lora_rank per module, and the
+context bound max_model_len for the split of decode attention. Every kernel skips what lies beyond the real
+ranks, tiles and lengths, so padding costs launches of idle programs, not wrong results.
+
+Two graphs per bucket: with LoRA and without (steps of base-model requests only). All graphs share one memory
+pool and are captured largest first, so smaller ones reuse its blocks. Only the Triton kernel backend can be
+captured (the torch reference reads host-side lists).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slora.backend.batch import ForwardBatch
+from slora.backend.model import DecoderModel
+from slora.backend.model_spec import LORA_MODULES
+from slora.backend.page_pool import PagePool
+from slora.kernels.metadata import TILE_COLUMNS, AttentionMeta, LoraMeta, StaticBounds, row_alignment
+
+logger = logging.getLogger(__name__)
+
+TILE_BLOCK = 16  # tokens per decode tile (the LoRA kernels' decode configs)
+
+
+def bucket_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 16 up to 128, then of 32, ending at max_num_seqs."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    size = 16
+    while size < max_num_seqs:
+        sizes.append(size)
+        size += 16 if size < 128 else 32
+    return sizes + [max_num_seqs]
+
+
+@dataclass(frozen=True)
+class GraphLimits:
+    max_num_seqs: int
+    max_model_len: int
+    max_lora_rank: int
+
+
+class StaticDecode:
+    """The static buffers of one bucket and the ForwardBatch built on them."""
+
+    def __init__(self, size: int, limits: GraphLimits, pool: PagePool, row_align: int, lora: bool) -> None:
+        device = pool.storage.device
+        block_size = pool.geometry.block_size
+        max_blocks = -(-limits.max_model_len // block_size)
+
+        def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.size = size
+        self.input_ids = zeros(size, dtype=torch.int64)
+        self.positions = zeros(size, dtype=torch.int64)
+        self.slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
+        self.block_tables = zeros(size, max_blocks)
+        attn = AttentionMeta(
+            q_start=torch.arange(size + 1, dtype=torch.int32, device=device),
+            seq_lens=self.seq_lens,
+            block_tables=self.block_tables,
+            slot_mapping=self.slot_mapping,
+            block_size=block_size,
+            max_q_len=1,
+            max_seq_len=limits.max_model_len,
+            q_start_host=list(range(size + 1)),
+            seq_lens_host=[1] * size,
+            block_tables_host=[[] for _ in range(size)],
+        )
+        self.lora = self._lora_meta(size, limits, row_align, device) if lora else None
+        self.batch = ForwardBatch(
+            input_ids=self.input_ids,
+            positions=self.positions,
+            attn=attn,
+            lora=self.lora,
+            sample_index=torch.arange(size, dtype=torch.int64, device=device),
+            seqs=[],
+        )
+
+    @staticmethod
+    def _lora_meta(size: int, limits: GraphLimits, row_align: int, device: torch.device) -> LoraMeta:
+        # Adapter rows 0 .. size-1 for the step's adapters, row `size` the null adapter (all zeros, never written).
+        modules = len(LORA_MODULES)
+        tiles = torch.zeros((size, TILE_COLUMNS), dtype=torch.int32, device=device)
+        tiles[:, 3] = size
+        return LoraMeta(
+            token_adapter=torch.full((size,), -1, dtype=torch.int32, device=device),
+            seg_start=torch.zeros(size + 1, dtype=torch.int32, device=device),
+            seg_adapter=torch.zeros(size, dtype=torch.int32, device=device),
+            ranks=torch.zeros((size + 1, modules), dtype=torch.int32, device=device),
+            scales=torch.zeros((size + 1, modules), dtype=torch.float32, device=device),
+            row_start=torch.zeros((size + 1, modules), dtype=torch.int32, device=device),
+            a_rows=torch.zeros(size * modules * limits.max_lora_rank, dtype=torch.int64, device=device),
+            b_rows=torch.zeros(size * modules * limits.max_lora_rank, dtype=torch.int64, device=device),
+            max_rank=limits.max_lora_rank,
+            seg_start_host=[],
+            seg_adapter_host=[],
+            ranks_host=[],
+            scales_host=[],
+            row_start_host=[],
+            row_align=row_align,
+            static=StaticBounds(limits.max_lora_rank, tiles, TILE_BLOCK),
+        )
+
+    def fill(self, batch: ForwardBatch) -> None:
+        """Copy a decode step's tensors into the buffers; rows past the step become padding."""
+        n = batch.num_tokens
+        attn = batch.attn
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.input_ids[n:].zero_()
+        self.positions[:n].copy_(batch.positions)
+        self.positions[n:].zero_()
+        self.slot_mapping[:n].copy_(attn.slot_mapping)
+        self.slot_mapping[n:].fill_(-1)
+        self.seq_lens[:n].copy_(attn.seq_lens)
+        self.seq_lens[n:].fill_(1)
+        width = attn.block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(attn.block_tables)
+        self.block_tables[n:, 0].zero_()
+        if self.lora is not None:
+            self._fill_lora(batch.lora, n)
+
+    def _fill_lora(self, meta: LoraMeta | None, n: int) -> None:
+        static = self.lora
+        assert static is not None and static.static is not None
+        tiles = static.static.tiles
+        if meta is None:
+            tiles[:, 1:3].zero_()
+            tiles[:, 3].fill_(self.size)
+            return
+        adapters = meta.ranks.shape[0]
+        rows = meta.a_rows.shape[0]
+        static.ranks[:adapters].copy_(meta.ranks)
+        static.scales[:adapters].copy_(meta.scales)
+        static.row_start[:adapters].copy_(meta.row_start)
+        static.a_rows[:rows].copy_(meta.a_rows)
+        static.b_rows[:rows].copy_(meta.b_rows)
+        static.token_adapter[:n].copy_(meta.token_adapter)
+        static.token_adapter[n:].fill_(-1)
+        step_tiles = meta.tiles(TILE_BLOCK)
+        count = step_tiles.shape[0]
+        tiles[:count].copy_(step_tiles)
+        tiles[count:, 1:3].zero_()
+        tiles[count:, 3].fill_(self.size)
+
+
+class DecodeGraphs:
+    """Captured decode forwards by bucket; `forward` replays the smallest bucket that holds the step."""
+
+    def __init__(self, model: DecoderModel, pool: PagePool, limits: GraphLimits, capture: bool = True) -> None:
+        self.model = model
+        self.pool = pool
+        self.limits = limits
+        self.capture = capture  # False: run the static batches eagerly (tests the padding on any device)
+        spec = model.spec
+        widths = [pool.geometry.page_elems, spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size]
+        self.row_align = row_alignment(torch.tensor(widths, dtype=torch.int64))
+        self.sizes = bucket_sizes(limits.max_num_seqs)
+        self._static: dict[tuple[int, bool], StaticDecode] = {}
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._logits: dict[tuple[int, bool], torch.Tensor] = {}
+        self._pool_handle: Any = None  # one memory pool for every graph
+
+    def fits(self, batch: ForwardBatch) -> bool:
+        return batch.attn.decode_only and batch.num_tokens <= self.sizes[-1]
+
+    def capture_all(self) -> None:
+        """Capture every bucket, largest first, sharing one memory pool."""
+        if not self.capture:
+            return
+        for size in reversed(self.sizes):
+            for lora in (True, False):
+                self._capture(size, lora)
+        logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self._graphs), self.sizes)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [num_tokens, vocab] of a decode step, from the smallest bucket that holds it."""
+        size = next(s for s in self.sizes if s >= batch.num_tokens)
+        key = (size, batch.lora is not None)
+        static = self._buffers(*key)
+        static.fill(batch)
+        if self.capture:
+            if key not in self._graphs:
+                self._capture(size, key[1])
+            self._graphs[key].replay()
+            logits = self._logits[key]
+        else:
+            logits = self.model.forward(static.batch, self.pool)
+        return logits[: batch.num_tokens]
+
+    def _buffers(self, size: int, lora: bool) -> StaticDecode:
+        key = (size, lora)
+        if key not in self._static:
+            self._static[key] = StaticDecode(size, self.limits, self.pool, self.row_align, lora)
+        return self._static[key]
+
+    def _capture(self, size: int, lora: bool) -> None:
+        if self._pool_handle is None:
+            self._pool_handle = torch.cuda.graph_pool_handle()
+        static = self._buffers(size, lora)
+        # Warm-up outside the graph compiles the kernels; the padding writes nothing to the pool (slots -1).
+        stream = torch.cuda.Stream(self.pool.storage.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.model.forward(static.batch, self.pool)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool_handle):
+            self._logits[(size, lora)] = self.model.forward(static.batch, self.pool)
+        self._graphs[(size, lora)] = graph

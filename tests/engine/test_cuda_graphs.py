@@ -1,0 +1,69 @@
+"""Decode steps through the CUDA-graph buffers: padded static batches give the eager step's logits and tokens.
+
+On CPU the static batches run eagerly (capture=False) with the interpreted Triton kernels, which checks the
+padding, the null adapter and the static launch bounds; on CUDA the graphs are captured and replayed.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from slora.backend.config import EngineConfig
+from slora.backend.cuda_graphs import DecodeGraphs, GraphLimits, bucket_sizes
+from slora.backend.engine import LLMEngine
+from slora.backend.sampling_params import SamplingParams
+from tests.engine.conftest import ModelWithAdapters
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def test_bucket_sizes() -> None:
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(20) == [1, 2, 4, 8, 16, 20]
+    sizes = bucket_sizes(256)
+    assert sizes[:6] == [1, 2, 4, 8, 16, 32] and sizes[-1] == 256 and sizes == sorted(set(sizes))
+
+
+def _engine(model: ModelWithAdapters, device: str) -> LLMEngine:
+    config = EngineConfig(model=str(model.base), adapter_root=str(model.adapter_root), device=device,
+                          kernel_backend="triton", dtype="float32", page_size=8, pool_bytes=8 << 20,
+                          max_num_seqs=12, max_model_len=64, max_lora_rank=16)  # fmt: skip
+    return LLMEngine(config)
+
+
+def _run(engine: LLMEngine, jobs: list[tuple[list[int], str | None]]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    logits: list[torch.Tensor] = []
+    engine.runner.logits_hook = lambda x: logits.append(x.detach().cpu().clone())
+    results = engine.generate([p for p, _ in jobs], [a for _, a in jobs], GREEDY)
+    engine.runner.logits_hook = None
+    return [r.token_ids for r in results], logits
+
+
+@pytest.mark.parametrize("device", ["cuda" if torch.cuda.is_available() else "cpu"])
+def test_static_decode_batches_match_eager(llama: ModelWithAdapters, device: str) -> None:
+    engine = _engine(llama, device)
+    rng = random.Random(5)
+    names: list[str | None] = [None, "r1-qv", "r3-all", "r16-all", "r8-mlp", None, "r12-qkv"]
+    jobs = [([rng.randrange(150) for _ in range(rng.randint(3, 9))], names[i % len(names)]) for i in range(9)]
+    eager_tokens, eager_logits = _run(engine, jobs)
+    limits = GraphLimits(engine.config.max_num_seqs, engine.max_model_len, engine.config.max_lora_rank)
+    graphs = DecodeGraphs(engine.model, engine.pool, limits, capture=device == "cuda")
+    replays: list[int] = []
+    forward = graphs.forward
+    graphs.forward = lambda batch: replays.append(batch.num_tokens) or forward(batch)  # type: ignore[method-assign]
+    engine.runner.graphs = graphs
+    graph_tokens, graph_logits = _run(engine, jobs)
+    assert len(replays) >= GREEDY.max_tokens - 1 and set(replays) - set(graphs.sizes), "padded buckets were used"
+    assert graph_tokens == eager_tokens
+    assert len(graph_logits) == len(eager_logits)
+    for got, want in zip(graph_logits, eager_logits):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    engine.check_idle_integrity()
+
+
+def test_cuda_graphs_need_cuda_and_triton(llama: ModelWithAdapters) -> None:
+    with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device and the triton kernel backend"):
+        LLMEngine(EngineConfig(model=str(llama.base), device="cpu", cuda_graphs=True, pool_bytes=1 << 20))
