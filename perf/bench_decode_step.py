@@ -1,0 +1,132 @@
+"""Time whole engine decode steps (schedule → forward → sample) against the time to read the weights once.
+
+Issue 4's target: a Llama-2-7B-shaped decode step at batch 1 with CUDA graphs ≤ 1.25 × (weight bytes / measured
+copy bandwidth). For each batch size, with and without CUDA graphs, with and without adapters, the engine is
+filled with that many requests, prefilled, and then `--steps` decode steps are timed end to end (host work
+included, since that is what graphs remove).
+
+    python -m perf.bench_decode_step --model /tmp/slora-perf/model --load-format dummy \\
+        --adapter-root /tmp/slora-perf/adapters/S1 --batch 1 8 64 --out decode_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from slora.backend.config import EngineConfig, parse_size
+from slora.backend.engine import LLMEngine
+from slora.backend.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PROMPT_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    batch: int
+    cuda_graphs: bool
+    adapters: bool
+    step_ms: float
+    weight_read_ms: float
+
+    @property
+    def ratio(self) -> float:
+        return self.step_ms / self.weight_read_ms
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted), or of a host copy on CPU."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * src.numel() * src.element_size() * 5 / (time.perf_counter() - start)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_decode(engine: LLMEngine, batch: int, adapters: list[str], steps: int) -> float:
+    """Milliseconds per decode step with `batch` running requests (all prefilled first)."""
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    prompt = [(7 * i) % engine.spec.vocab_size for i in range(PROMPT_TOKENS)]
+    ids = [engine.add_request(prompt, adapters[i % len(adapters)] if adapters else None, params) for i in range(batch)]
+    while any(r.num_computed < r.num_prompt for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    engine.step()  # the first step of every bucket may capture or compile
+    _sync(engine.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync(engine.device)
+    elapsed = (time.perf_counter() - start) / steps
+    for request_id in ids:
+        engine.abort(request_id)
+    return elapsed * 1000
+
+
+def adapter_dirs(root: str, count: int) -> list[str]:
+    """The first `count` adapter directories under `root` (distinct adapters for the requests of a batch)."""
+    names = sorted(
+        p.name for p in Path(root).iterdir() if not p.name.startswith(".") and (p / "adapter_config.json").is_file()
+    )
+    return names[:count]
+
+
+def run(args: argparse.Namespace) -> list[StepTiming]:
+    timings: list[StepTiming] = []
+    adapter_names = adapter_dirs(args.adapter_root, max(args.batch)) if args.adapter_root else []
+    for graphs in (False, True) if args.device != "cpu" else (False,):
+        config = EngineConfig(model=args.model, load_format=args.load_format, device=args.device,
+                              adapter_root=args.adapter_root, cuda_graphs=graphs, max_num_seqs=max(args.batch),
+                              kernel_backend=args.kernel_backend, pool_bytes=args.pool_bytes)  # fmt: skip
+        engine = LLMEngine(config)
+        read_ms = engine.model.weights.nbytes() / copy_bandwidth(engine.device) * 2 * 1000  # a read is half a copy
+        for batch in args.batch:
+            for use_adapters in [False, True] if adapter_names else [False]:
+                step_ms = time_decode(engine, batch, adapter_names if use_adapters else [], args.steps)
+                timing = StepTiming(batch, graphs, use_adapters, step_ms, read_ms)
+                logger.info("batch %3d graphs %-5s adapters %-5s: %.2f ms/step, %.2f x the weight read (%.2f ms)",
+                            batch, graphs, use_adapters, step_ms, timing.ratio, read_ms)  # fmt: skip
+                timings.append(timing)
+        del engine
+        if args.device != "cpu":
+            torch.cuda.empty_cache()
+    return timings
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--load-format", default="safetensors")
+    parser.add_argument("--adapter-root")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--kernel-backend", default="auto")
+    parser.add_argument("--pool-bytes", type=parse_size, default=None)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    timings = run(args)
+    if args.out:
+        rows = [{**asdict(t), "ratio": t.ratio} for t in timings]
+        args.out.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""bench_decode_step: whole decode steps timed per batch size, with and without adapters (CPU smoke)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from perf.bench_decode_step import adapter_dirs, run
+
+
+def test_times_every_batch_and_adapter_mix(tiny_model: Path, tiny_adapters: Path) -> None:
+    args = argparse.Namespace(
+        model=str(tiny_model), load_format="dummy", adapter_root=str(tiny_adapters), device="cpu",
+        kernel_backend="torch", pool_bytes=64 << 20, batch=[1, 3], steps=2,
+    )  # fmt: skip
+    timings = run(args)
+    assert [(t.batch, t.adapters) for t in timings] == [(1, False), (1, True), (3, False), (3, True)]
+    assert all(t.step_ms > 0 and t.weight_read_ms > 0 and t.ratio > 0 for t in timings)
+    assert len(adapter_dirs(str(tiny_adapters), 3)) == 3
+    assert not any(name.startswith(".") for name in adapter_dirs(str(tiny_adapters), 100))
