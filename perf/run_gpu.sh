@@ -13,6 +13,7 @@
 #   serving-s1  engine S1 n=5, n=2000; served `slora` n=5, n=2000; served `ensemble` n=2000               [~8 min]
 #   peft        engine S1 n=5, n=100; PEFT S1 n=5, n=100 (bounded prefixes)                               [~6 min]
 #   served      engine S1 n=2000; served `slora` n=2000 (adapters preloaded at start); perf_analyzer slora  [~6 min]
+#   checks      kernel and engine tests on the GPU, then perf.bench_decode_step (CUDA graphs, batch 1/8/64)  [~8 min]
 # Several suites in one call run one after the other under one time budget (BUDGET_S); later ones are skipped
 # when the time is gone, and the results of every finished run are kept.
 #
@@ -239,12 +240,18 @@ suite() {
       serving slora --no-preload "$s1_big"
       perf_analyzer slora
       stop_server ;;
+    checks)  # correctness on the GPU, then issue 4's decode-step target (graphs on/off, adapters on/off)
+      local root
+      root=$(adapters S1)
+      SLORA_ALLOW_NO_DEFAULT_MODEL=1 step -m pytest -q -p no:cacheprovider tests/kernels tests/engine -k "not cpu"
+      step -m perf.bench_decode_step --model "$MODEL" --load-format dummy --adapter-root "$root" \
+        --batch 1 8 64 --out "$OUT/decode_step.json" ;;
     peft)
       s1_100=$(trace s1 100)
       engine "$KERNEL" S1 "$s1_5" "$s1_100"
       peft "$s1_5" "$s1_100" ;;
     *)
-      log "unknown suite $1 (all, engine-s1, engine-s2, bmm, serving-s1, served, peft)"; return 2 ;;
+      log "unknown suite $1 (all, engine-s1, engine-s2, bmm, serving-s1, served, checks, peft)"; return 2 ;;
   esac
 }
 
