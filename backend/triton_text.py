@@ -54,10 +54,8 @@ def _bytes(values: list[str]) -> np.ndarray:
     return np.asarray([v.encode() for v in values], dtype=np.object_)
 
 
-class PreprocessingModel:
-    def initialize(self, args: dict[str, Any]) -> None:
-        self.tokenizer, parameters = _tokenizer(args)
-        self.chat_template = parse_flag(parameters.get("apply_chat_template") or "false", "apply_chat_template")
+class _OneResponsePerRequest:
+    """Answer each request of a batch on its own: a bad one gets its error, the others their results."""
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = []
@@ -67,6 +65,15 @@ class PreprocessingModel:
             except Exception as exc:
                 responses.append(_error_response(exc))
         return responses
+
+    def _one(self, request: Any) -> Any:
+        raise NotImplementedError
+
+
+class PreprocessingModel(_OneResponsePerRequest):
+    def initialize(self, args: dict[str, Any]) -> None:
+        self.tokenizer, parameters = _tokenizer(args)
+        self.chat_template = parse_flag(parameters.get("apply_chat_template") or "false", "apply_chat_template")
 
     def _one(self, request: Any) -> Any:
         value = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)[0]
@@ -82,18 +89,9 @@ class PreprocessingModel:
         )
 
 
-class PostprocessingModel:
+class PostprocessingModel(_OneResponsePerRequest):
     def initialize(self, args: dict[str, Any]) -> None:
         self.tokenizer, _ = _tokenizer(args)
-
-    def execute(self, requests: list[Any]) -> list[Any]:
-        responses = []
-        for request in requests:
-            try:
-                responses.append(self._one(request))
-            except Exception as exc:
-                responses.append(_error_response(exc))
-        return responses
 
     def _one(self, request: Any) -> Any:
         def get(name: str) -> np.ndarray:
