@@ -71,8 +71,12 @@ class LLMEngine:
         adapter: str | None = None,
         sampling: SamplingParams | dict[str, Any] | None = None,
         request_id: str | None = None,
+        detokenize: bool = True,
     ) -> Request:
-        """Check a request and load its adapter into host memory; raises InvalidRequestError/AdapterError."""
+        """Check a request and load its adapter into host memory; raises InvalidRequestError/AdapterError.
+
+        With `detokenize=False` (and no stop strings) outputs carry token ids only: no text is decoded.
+        """
         params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling or {})
         prompt_ids = self._prompt_ids(prompt)
         total = len(prompt_ids) + params.max_tokens
@@ -91,7 +95,8 @@ class LLMEngine:
             )
         generator = torch.Generator(device=self.device)
         generator.manual_seed(params.seed if params.seed is not None else self._next_seed())
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop) if self.tokenizer else None
+        wants_text = self.tokenizer is not None and (detokenize or bool(params.stop))
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop) if wants_text else None
         return Request(
             request_id=request_id or f"req-{next(self._ids)}",  # itertools.count is atomic under the GIL
             token_ids=prompt_ids,

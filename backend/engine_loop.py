@@ -71,11 +71,12 @@ class EngineLoop:
         adapter: str | None = None,
         sampling: SamplingParams | dict[str, Any] | None = None,
         request_id: str | None = None,
+        detokenize: bool = True,
     ) -> str:
         """Check and queue a request; raises its error here, in the caller's thread."""
         if self._stopping.is_set():
             raise EngineOverloadedError("the engine is shutting down")
-        request = self.engine.prepare(prompt, adapter, sampling, request_id)
+        request = self.engine.prepare(prompt, adapter, sampling, request_id, detokenize)
         queued = self._stats.waiting + self._inbox.qsize()
         if queued >= self.engine.config.max_waiting:
             raise EngineOverloadedError(

@@ -16,7 +16,9 @@ Where things may come from (the I/O of Triton's vLLM backend, plus our token-lev
     max_tokens            `max_tokens` input, or the sampling field of that name
     stream                `stream` BOOL input (default false: one response with every token)
     prefix_text           `prefix_text` input (set by the preprocessing step): echoed once so that the
-                          stateless postprocessing step can put the prompt before the output
+                          stateless postprocessing step can put the prompt before the output. Its presence also
+                          asks for text spans: requests without it get token ids only, and the engine skips
+                          detokenizing them (unless they have stop strings, which need the text).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class GenerateInputs:
     sampling: SamplingParams
     stream: bool
     prefix_text: str = ""
+    wants_text: bool = False  # send text spans (the ensemble's postprocessing step needs them)
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ def parse_generate(raw: RawRequest, default_max_tokens: int | None = None) -> Ge
         sampling=SamplingParams.from_dict(_vllm_compatible(sampling)),
         stream=bool(_scalar(raw.tensors["stream"], "stream", bool)) if "stream" in raw.tensors else False,
         prefix_text=_text(raw.tensors["prefix_text"], "prefix_text") if "prefix_text" in raw.tensors else "",
+        wants_text="prefix_text" in raw.tensors,
     )
 
 

@@ -110,7 +110,9 @@ class TritonPythonModel:
 
         def submit() -> None:
             try:
-                self.loop.submit(inputs.prompt_ids, callback, inputs.adapter, inputs.sampling, request_id)
+                self.loop.submit(
+                    inputs.prompt_ids, callback, inputs.adapter, inputs.sampling, request_id, inputs.wants_text
+                )
             except Exception as exc:
                 self.responder.forget(request_id)
                 _send_error(sender, exc)

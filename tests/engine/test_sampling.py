@@ -141,3 +141,18 @@ def test_eos_ends_unless_ignored(engine: LLMEngine) -> None:
     first = free.token_ids.index(free.token_ids[3])
     assert stopped.token_ids == free.token_ids[: first + 1] and stopped.finish_reason == "stop"
     assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"
+
+
+def test_token_only_requests_skip_the_text(engine: LLMEngine) -> None:
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    [with_text] = engine.generate(["Tell me"], None, greedy)
+    request = engine.prepare("Tell me", None, greedy, detokenize=False)
+    assert request.detokenizer is None
+    engine.submit(request)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert [t for o in outputs for t in o.new_token_ids] == with_text.token_ids
+    assert all(o.text == "" and o.span is None for o in outputs)
+    stop = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop=("zz",))
+    assert engine.prepare("Tell me", None, stop, detokenize=False).detokenizer is not None  # stop strings need text

@@ -46,6 +46,12 @@ def test_defaults_and_every_adapter_source() -> None:
         parse_generate(_raw({"lora_name": "b"}, input_ids=IDS, adapter_id="a"))
 
 
+def test_text_spans_only_for_the_ensemble() -> None:
+    """The preprocessing step always sends prefix_text; direct token-id calls get no text, so none is decoded."""
+    assert not parse_generate(_raw(input_ids=IDS)).wants_text
+    assert parse_generate(_raw(input_ids=IDS, prefix_text="")).wants_text
+
+
 def test_sampling_merges_parameters_json_and_inputs() -> None:
     inputs = parse_generate(
         _raw({"temperature": 0, "triton_enable_empty_final_response": True, "apply_chat_template": True},
