@@ -126,8 +126,9 @@ class LLMEngine:
         adapter: str | None = None,
         sampling: SamplingParams | dict[str, Any] | None = None,
         request_id: str | None = None,
+        detokenize: bool = True,
     ) -> str:
-        return self.submit(self.prepare(prompt, adapter, sampling, request_id))
+        return self.submit(self.prepare(prompt, adapter, sampling, request_id, detokenize))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages; returns its final output, or None if it is unknown/finished."""

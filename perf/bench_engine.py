@@ -164,7 +164,8 @@ class Replay:
             r = self.pending[0]
             rid = f"r{r.index}"
             try:
-                self.engine.add_request(list(r.prompt_ids), r.adapter, r.sampling(), request_id=rid)
+                # Token ids only, as S-LoRA's benchmark and the served `slora` model: no text is decoded.
+                self.engine.add_request(list(r.prompt_ids), r.adapter, r.sampling(), request_id=rid, detokenize=False)
             except EngineOverloadedError:
                 self.refusals += 1
                 return  # queue full: retry after the next step
@@ -311,7 +312,8 @@ def profile_pass(engine: LLMEngine, spec: RunSpec, start: int, count: int, out_f
     """Unmeasured: the trace's first 256 requests at once; profile steps start .. start+count-1, then abort."""
     trace = spec.load()
     profiler = StepProfiler(start, count, out_file, f"of {spec.trace_path.name}@{spec.mode} on {engine.model.ops.name}")
-    ids = [engine.add_request(list(r.prompt_ids), r.adapter, r.sampling()) for r in trace.requests[:256]]
+    requests = trace.requests[:256]
+    ids = [engine.add_request(list(r.prompt_ids), r.adapter, r.sampling(), detokenize=False) for r in requests]
     for _ in range(profiler.total_steps):
         if not engine.has_unfinished():
             break
