@@ -96,34 +96,12 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device)
 
 def build_lora_meta(seqs: list[ScheduledSeq], q_start: list[int], device: torch.device) -> LoraMeta | None:
     """Segments of tokens per adapter (seqs are already grouped by adapter) and each adapter's row table."""
-    adapters: list[ResidentAdapter] = []
-    index: dict[tuple[str, int], int] = {}
-    token_adapter: list[int] = []
-    seg_start: list[int] = []
-    seg_adapter: list[int] = []
-    for i, s in enumerate(seqs):
-        resident = s.request.resident
-        slot = -1
-        if resident is not None:
-            if resident.key not in index:
-                index[resident.key] = len(adapters)
-                adapters.append(resident)
-                seg_start.append(q_start[i])
-                seg_adapter.append(index[resident.key])
-            slot = index[resident.key]
-        token_adapter += [slot] * s.num_tokens
+    adapters, token_adapter, seg_start, seg_adapter = _segments(seqs, q_start)
     if not adapters:
         return None
-    seg_start.append(q_start[-1])  # adapter sequences come last (order_by_adapter): the last segment ends the batch
     ranks = [list(a.host.ranks) for a in adapters]
-    row_start, first = [], 0
-    for a in adapters:
-        starts = []
-        for rank in a.host.ranks:
-            starts.append(first)
-            first += rank
-        row_start.append(starts)
     scales = [list(a.host.scales) for a in adapters]
+    row_start = _row_starts(ranks)
     a_rows = torch.cat([a.a_rows for a in adapters])
     b_rows = torch.cat([a.b_rows for a in adapters])
     return LoraMeta(
@@ -143,6 +121,42 @@ def build_lora_meta(seqs: list[ScheduledSeq], q_start: list[int], device: torch.
         row_start_host=row_start,
         row_align=row_alignment(torch.cat([a_rows, b_rows])),
     )
+
+
+def _segments(
+    seqs: list[ScheduledSeq], q_start: list[int]
+) -> tuple[list[ResidentAdapter], list[int], list[int], list[int]]:
+    """(active adapters, adapter index of each token (-1: none), segment starts, adapter of each segment)."""
+    adapters: list[ResidentAdapter] = []
+    index: dict[tuple[str, int], int] = {}
+    token_adapter: list[int] = []
+    seg_start: list[int] = []
+    seg_adapter: list[int] = []
+    for i, s in enumerate(seqs):
+        resident = s.request.resident
+        slot = -1
+        if resident is not None:
+            if resident.key not in index:
+                index[resident.key] = len(adapters)
+                adapters.append(resident)
+                seg_start.append(q_start[i])
+                seg_adapter.append(index[resident.key])
+            slot = index[resident.key]
+        token_adapter += [slot] * s.num_tokens
+    seg_start.append(q_start[-1])  # adapter sequences come last (order_by_adapter): the last segment ends the batch
+    return adapters, token_adapter, seg_start, seg_adapter
+
+
+def _row_starts(ranks: list[list[int]]) -> list[list[int]]:
+    """Start of each (adapter, module) in the concatenated row tables: adapters, then modules, in order."""
+    starts, first = [], 0
+    for adapter_ranks in ranks:
+        row = []
+        for rank in adapter_ranks:
+            row.append(first)
+            first += rank
+        starts.append(row)
+    return starts
 
 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
