@@ -7,15 +7,15 @@ stack (gathered per token, as a batched matmul does):
     v_t = x_t · A_pad[a(t)]ᵀ    ([1, R])        y_t += v_t · Bᵀ_pad[a(t)] · scale[a(t)]
 
 FLOPs and bytes grow with R for every adapter, whatever its own rank: this is what the Triton kernels must beat.
-It is exact (zero rows add nothing), so it also serves as a second reference. Its attention is the torch one.
+It is exact (zero rows add nothing), so it also serves as a second reference. kernels/ops.PaddedBmmOps pairs it
+with the torch attention.
 """
 
 from __future__ import annotations
 
 import torch
 
-from slora.kernels.attention_ref import paged_attention_ref, write_kv_ref
-from slora.kernels.metadata import AttentionMeta, LoraMeta
+from slora.kernels.metadata import LoraMeta
 
 GATHER_BYTES = 256 << 20  # at most this much of per-token padded weights is materialized at once
 
@@ -61,27 +61,3 @@ def lora_padded_bmm(
             v = torch.bmm(x[start:end, None, :], a_pad[a].transpose(1, 2))  # [n, 1, R]
             delta = torch.bmm(v, b_pad[a])[:, 0] * scale[a, None]  # [n, out]
             y[start:end, offset : offset + width] += delta
-
-
-class PaddedBmmOps:
-    """The Ops interface with the padded-bmm LoRA baseline and the torch attention reference."""
-
-    name = "bmm"
-
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta) -> None:
-        write_kv_ref(k, v, kv_layer, meta.slot_mapping)
-
-    def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta, scale: float) -> torch.Tensor:
-        return paged_attention_ref(q, kv_layer, meta, scale)
-
-    def lora(
-        self,
-        y: torch.Tensor,
-        x: torch.Tensor,
-        flat_layer: torch.Tensor,
-        meta: LoraMeta,
-        modules: tuple[int, ...],
-        out_offsets: tuple[int, ...],
-        out_widths: tuple[int, ...],
-    ) -> None:
-        lora_padded_bmm(y, x, flat_layer, meta, modules, out_offsets, out_widths)

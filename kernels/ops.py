@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from slora.kernels.attention_ref import paged_attention_ref, write_kv_ref
-from slora.kernels.lora_padded import PaddedBmmOps
+from slora.kernels.lora_padded import lora_padded_bmm
 from slora.kernels.lora_ref import lora_ref
 from slora.kernels.metadata import AttentionMeta, LoraMeta
 
@@ -55,6 +55,24 @@ class TorchOps:
         out_widths: tuple[int, ...],
     ) -> None:
         lora_ref(y, x, flat_layer, meta, modules, out_offsets, out_widths)
+
+
+class PaddedBmmOps(TorchOps):
+    """S-LoRA's padded-bmm LoRA baseline (kernels/lora_padded.py) with the torch attention reference."""
+
+    name = "bmm"
+
+    def lora(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        flat_layer: torch.Tensor,
+        meta: LoraMeta,
+        modules: tuple[int, ...],
+        out_offsets: tuple[int, ...],
+        out_widths: tuple[int, ...],
+    ) -> None:
+        lora_padded_bmm(y, x, flat_layer, meta, modules, out_offsets, out_widths)
 
 
 def make_ops(backend: str, device: torch.device) -> Ops:
