@@ -42,6 +42,7 @@ class IncrementalDetokenizer:
         self._stop = stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._checkpoints: list[_Checkpoint] = []
+        self._ids: list[int] = list(prompt_ids)
         self.text = ""
         self.sent = 0
         self.stopped = False
@@ -59,8 +60,7 @@ class IncrementalDetokenizer:
         before = len(self.text)
         self.text += full_text[len(prefix_text) :]
         self._prefix, self._read = self._read, len(ids)
-        self._window_end = len(ids)
-        self._window_ids = ids
+        self._ids = ids  # the request's growing token list; text is known up to self._read
         self._find_stop(before)
 
     def _find_stop(self, before: int) -> None:
@@ -85,5 +85,5 @@ class IncrementalDetokenizer:
     def _span(self, start_char: int, length: int) -> TextSpan:
         checkpoint = next(c for c in reversed(self._checkpoints) if c.text_pos <= start_char)
         self._checkpoints = [c for c in self._checkpoints if c.text_pos >= checkpoint.text_pos]
-        ids = self._window_ids[checkpoint.first_id : self._window_end]
+        ids = self._ids[checkpoint.first_id : self._read]
         return TextSpan(list(ids), checkpoint.prefix_chars + start_char - checkpoint.text_pos, length)
