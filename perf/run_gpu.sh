@@ -27,7 +27,8 @@
 # an unmeasured pass profiles steps 100-102 with torch.profiler and 103-105 with cProfile; "" disables),
 # HOST_BUDGET (48GiB of host memory for
 # adapters), SHAPE (llama2-7b | tiny), DEVICE (cuda | cpu), N_BIG (2000), LENGTHS ("8 512": input and output
-# length range), PY (python3), OUT, WORK, PORT_BASE (8000), GPU_ENV (.whl/gpu-env.sh; "none" skips it).
+# length range), CHECK_PATHS ("tests/kernels tests/engine") and CHECK_K ("not cpu": pytest -k) of the checks
+# suite, PY (python3), OUT, WORK, PORT_BASE (8000), GPU_ENV (.whl/gpu-env.sh; "none" skips it).
 # CPU rehearsal of the whole script (about 1-2 minutes on 2 cores; the torch kernels, as Triton needs a GPU):
 #   GPU_ENV=none PY=python KERNEL=torch SHAPE=tiny DEVICE=cpu N_BIG=40 RATE=20 DURATION=1 LENGTHS="8 48" \
 #   PROFILE="5 2" PEFT_REQUESTS=10 PEFT_LIMIT=20 OUT=/tmp/perf-out WORK=/tmp/perf-work bash perf/run_gpu.sh all
@@ -59,6 +60,8 @@ N_BIG=${N_BIG:-2000}
 LENGTHS=${LENGTHS:-8 512}
 PORT_BASE=${PORT_BASE:-8000}
 HOST_BUDGET=${HOST_BUDGET:-48GiB}
+CHECK_PATHS=${CHECK_PATHS:-tests/kernels tests/engine}
+CHECK_K=${CHECK_K:-not cpu}
 export SLORA_COMMIT=${SLORA_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1
 # On a CPU rehearsal, spinning intra-op threads of several processes make every timing erratic.
@@ -243,7 +246,8 @@ suite() {
     checks)  # correctness on the GPU, then issue 4's decode-step target (graphs on/off, adapters on/off)
       local root
       root=$(adapters S1)
-      SLORA_ALLOW_NO_DEFAULT_MODEL=1 step -m pytest -q -p no:cacheprovider tests/kernels tests/engine -k "not cpu"
+      # shellcheck disable=SC2086
+      SLORA_ALLOW_NO_DEFAULT_MODEL=1 step -m pytest -q -p no:cacheprovider $CHECK_PATHS -k "$CHECK_K"
       step -m perf.bench_decode_step --model "$MODEL" --load-format dummy --adapter-root "$root" \
         --batch 1 8 64 --out "$OUT/decode_step.json" ;;
     peft)
