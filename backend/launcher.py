@@ -31,7 +31,7 @@ from slora.backend.config import EngineConfig
 from slora.backend.default_model import resolve_model_path
 from slora.backend.model_repository import render_repository
 from slora.backend.server_locator import TritonInstall, locate_server
-from slora.backend.stub_compat import numpy_problem
+from slora.backend.stub_compat import numpy_problem, stub_numpy_version
 
 logger = logging.getLogger("slora.serve")
 
@@ -215,15 +215,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(options: LaunchOptions, workspace: Path) -> int:
-    problem = numpy_problem()
+    install = locate_server(workspace)
+    env = {**os.environ, **install.env}
+    problem = numpy_problem(stub_numpy_version(env))
     if problem:
         raise RuntimeError(problem)
-    install = locate_server(workspace)
     logger.info("model: %s", options.model)
     model_path = resolve_model_path(options.model)  # the default model is converted here, once
     repository = render_repository(workspace / "model_repository", repository_parameters(options, model_path))
     command = server_command(install, repository, options)
-    env = {**os.environ, **install.env}
     if options.dry_run:
         logger.info("repository: %s", repository)
         for key, value in install.env.items():

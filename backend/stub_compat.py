@@ -4,24 +4,85 @@ That stub is built with pybind11 against NumPy 1. Under NumPy 2 the array descri
 builds every input array with a zero stride, and each input arrives as its first byte repeated (seen on the GPU
 host: a BYTES adapter id read with the length 0x07070707, then a crash of the stub). nvidia-pytriton pins numpy<2
 for the same reason. Refuse to start rather than serve corrupted inputs.
+
+An environment whose own packages need NumPy 2 (the GPU host's) can still serve: `SLORA_STUB_PYTHONPATH` names
+folders that slora-serve puts first on the stub's module path only (say, one holding numpy 1.26), so the launcher
+and every other process keep NumPy 2. Inside the stub, compiled packages built for NumPy 2 then fail to import;
+scikit-learn is the one transformers imports on its own, so it is hidden there (transformers runs without it).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import subprocess
+import sys
+
+logger = logging.getLogger(__name__)
 
 ALLOW_ENV = "SLORA_ALLOW_NUMPY2"  # for a server whose stub is built against NumPy 2
+STUB_PATH_ENV = "SLORA_STUB_PYTHONPATH"  # folders first on the stub's module path (and nowhere else)
+OPTIONAL_PACKAGES = ("sklearn", "scipy")  # imported by transformers when present, not needed by slora
 
 
-def numpy_problem() -> str | None:
-    """A message when the installed NumPy breaks the stub's inputs, else None."""
-    import numpy
+def numpy_problem(version: str | None = None) -> str | None:
+    """A message when NumPy `version` (default: the one imported here) breaks the stub's inputs, else None."""
+    if version is None:
+        import numpy
 
-    major = int(numpy.__version__.split(".")[0])
+        version = numpy.__version__
+    major = int(version.split(".")[0])
     if major < 2 or os.environ.get(ALLOW_ENV) == "1":
         return None
     return (
-        f"NumPy {numpy.__version__} is installed, but Triton 2.51's Python-backend stub is built against NumPy 1 "
-        "and corrupts every input tensor under NumPy 2: install numpy<2 (pip install 'numpy<2'), or set "
-        f"{ALLOW_ENV}=1 for a server whose stub is built against NumPy 2"
+        f"NumPy {version} is what the Python-backend stub would import, but Triton 2.51's stub is built against "
+        "NumPy 1 and corrupts every input tensor under NumPy 2: install numpy<2 (pip install 'numpy<2'), or put a "
+        f"folder holding numpy<2 in {STUB_PATH_ENV} (for the stub only), or set {ALLOW_ENV}=1 for a server whose "
+        "stub is built against NumPy 2"
     )
+
+
+def stub_numpy_version(env: dict[str, str]) -> str:
+    """The NumPy version that a Python process started with `env` (the stub's environment) imports."""
+    result = subprocess.run(
+        [sys.executable, "-c", "import numpy; print(numpy.__version__)"],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    if result.returncode != 0:
+        raise RuntimeError(f"NumPy cannot be imported with the stub's module path: {result.stderr.strip()[-500:]}")
+    return result.stdout.strip()
+
+
+def hide_packages_broken_by_numpy() -> list[str]:
+    """Under NumPy 1, hide optional packages built for NumPy 2 that fail to import; returns the hidden names.
+
+    transformers imports scikit-learn (and through it SciPy) whenever it is installed; a build for NumPy 2 fails
+    under NumPy 1 part-way through its import. Marking it absent in sys.modules makes transformers skip it.
+    """
+    import numpy
+
+    if int(numpy.__version__.split(".")[0]) >= 2:
+        return []
+    try:
+        import sklearn.metrics  # noqa: F401
+    except ModuleNotFoundError:
+        return []
+    except Exception as exc:  # noqa: BLE001 - any failure inside its import means the build does not fit NumPy 1
+        for name in [m for m in sys.modules if m.split(".")[0] in OPTIONAL_PACKAGES]:
+            del sys.modules[name]
+        for name in OPTIONAL_PACKAGES:
+            sys.modules[name] = None  # type: ignore[assignment]
+        logger.warning(
+            "scikit-learn/SciPy do not import under NumPy %s (%s: %s); hidden from this process",
+            numpy.__version__, type(exc).__name__, exc,
+        )  # fmt: skip
+        return list(OPTIONAL_PACKAGES)
+    return []
+
+
+def prepare_stub() -> None:
+    """What every slora model does first inside the stub: refuse NumPy 2, hide packages that need it."""
+    problem = numpy_problem()
+    if problem:
+        raise RuntimeError(problem)
+    hide_packages_broken_by_numpy()

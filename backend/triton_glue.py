@@ -35,7 +35,7 @@ from slora.backend.request_inputs import (
 )
 from slora.backend.response_stream import ResponseStream
 from slora.backend.serving_options import ServingOptions, model_config_parameters
-from slora.backend.stub_compat import numpy_problem
+from slora.backend.stub_compat import prepare_stub
 from slora.backend.triton_errors import FINAL, error_code, send_error
 from slora.backend.triton_logging import route_logging
 from slora.backend.triton_metrics import NullMetrics, TritonMetrics
@@ -49,9 +49,10 @@ INTAKE_THREADS = 4  # requests whose adapter must first be read from disk are ta
 class TritonPythonModel:
     def initialize(self, args: dict[str, Any]) -> None:
         route_logging()
-        problem = numpy_problem()
-        if problem:
-            raise pb_utils.TritonModelException(problem)
+        try:
+            prepare_stub()
+        except RuntimeError as exc:
+            raise pb_utils.TritonModelException(str(exc)) from exc
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise ValueError("the slora model must be decoupled (model_transaction_policy { decoupled: true })")

@@ -22,6 +22,7 @@ import triton_python_backend_utils as pb_utils
 from slora.backend.default_model import resolve_model_path
 from slora.backend.errors import SloraError
 from slora.backend.serving_options import model_config_parameters
+from slora.backend.stub_compat import prepare_stub
 from slora.backend.text_steps import decode_spans, encode_prompt, load_tokenizer, parse_flag, prompt_prefix
 from slora.backend.triton_logging import route_logging
 
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 def _tokenizer(args: dict[str, Any]) -> tuple[Any, dict[str, str]]:
     route_logging()
+    prepare_stub()
     parameters = model_config_parameters(json.loads(args["model_config"]))
     path = parameters.get("tokenizer") or str(resolve_model_path(parameters.get("model") or "default"))
     logger.info("%s: loading the tokenizer from %s", args["model_name"], path)

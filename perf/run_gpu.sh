@@ -105,9 +105,12 @@ setup() {
   "$PY" -c "import slora.backend.engine" 2>/dev/null \
     || "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 \
     || log "pip install -e . failed"
-  # Triton 2.51's stub needs NumPy 1 (backend/stub_compat.py); perf/gpu_wheels.sh carries it in .whl/.
-  "$PY" -c "from slora.backend.stub_compat import numpy_problem as p; import sys; m = p(); sys.exit(m and print(m))" \
-    >>"$LOG" 2>&1 || log "WARNING: NumPy 2 here: served runs will fail (run perf/gpu_wheels.sh to carry numpy<2)"
+  # Triton 2.51's stub needs NumPy 1 (backend/stub_compat.py): perf/gpu_wheels.sh carries it in .whl/stub/, for the
+  # stub alone (the host's SciPy needs its NumPy 2).
+  if compgen -G ".whl/stub/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/stub-site .whl/stub/*.whl \
+      >>"$LOG" 2>&1 && export SLORA_STUB_PYTHONPATH=/tmp/stub-site
+  fi
   [[ -f $MODEL/config.json ]] || step -m perf.make_model --shape "$SHAPE" --out "$MODEL"
 }
 
