@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -14,6 +15,19 @@ from slora.backend.request import Request
 from slora.backend.sampler import sample
 
 
+@dataclass(frozen=True)
+class StepShape:
+    kind: str  # "graph" (a replayed decode graph), "decode" (eager, one token per sequence) or "mixed"
+    num_seqs: int
+    num_tokens: int
+
+
+def step_kind(batch: ForwardBatch, graph: bool) -> str:
+    if graph:
+        return "graph"
+    return "decode" if batch.num_tokens == len(batch.seqs) else "mixed"
+
+
 class ModelRunner:
     def __init__(self, model: DecoderModel, pool: PagePool, graphs: DecodeGraphs | None = None) -> None:
         self.model = model
@@ -21,15 +35,19 @@ class ModelRunner:
         self.graphs = graphs  # decode steps replay captured CUDA graphs when set
         self.device = pool.storage.device
         self.logits_hook: Callable[[torch.Tensor], None] | None = None  # tests read the logits of each step
+        self.last_step = StepShape("none", 0, 0)  # what the latest forward was (benchmarks tally step kinds)
 
     def run(self, seqs: list[ScheduledSeq]) -> list[tuple[Request, int]]:
         """Compute the scheduled tokens; return (request, next token) for each sequence that samples."""
         batch = build_batch(seqs, self.pool.geometry.block_size, self.device)
         self._wait_for_adapters(batch)
+        graph = False
         if self.graphs is not None and self.graphs.fits(batch):
+            graph = True
             logits = self.graphs.forward(batch)  # [num_sampled, vocab]: every decode sequence samples
         else:
             logits = self.model.forward(batch, self.pool)  # [num_sampled, vocab]
+        self.last_step = StepShape(step_kind(batch, graph), len(batch.seqs), batch.num_tokens)
         if self.logits_hook is not None:
             self.logits_hook(logits)
         sampled = batch.sampled

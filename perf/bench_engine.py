@@ -16,8 +16,8 @@ latency counts from the scheduled arrival. Before the clock starts, the trace's 
 memory (S-LoRA keeps every adapter in host memory too; the time is reported as `preload_s`), a few requests
 warm up the kernels, and the pool is emptied of adapters so that each run starts cold on the GPU.
 
-`--profile START COUNT` adds, after the measured runs, one unmeasured pass over the last run's trace that uses
-adapters (its first 256 requests, all at once, so the batch is full): COUNT steps from step START under
+`--profile START... COUNT` adds, after the measured runs, one unmeasured pass over the last run's trace that uses
+adapters (its first 256 requests, all at once, so the batch is full): from each step START, COUNT steps under
 torch.profiler (operators by device time; device-busy share of the wall time), the next COUNT under cProfile
 (host functions), into `--profile-file`: where the time of a step goes, without disturbing any measured run.
 """
@@ -119,6 +119,27 @@ def evict_all_adapters(engine: LLMEngine) -> None:
     engine.check_idle_integrity()
 
 
+@dataclass
+class StepTally:
+    """Steps of one kind (graph, eager decode, mixed): how many, their time, their sequences and tokens."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    seqs: int = 0
+    tokens: int = 0
+
+    def add(self, seconds: float, seqs: int, tokens: int) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        self.seqs += seqs
+        self.tokens += tokens
+
+    def summary(self) -> dict[str, float]:
+        n = max(self.steps, 1)
+        return {"steps": self.steps, "seconds": self.seconds, "mean_ms": 1000 * self.seconds / n,
+                "mean_seqs": self.seqs / n, "mean_tokens": self.tokens / n}  # fmt: skip
+
+
 class Replay:
     """Feeds one trace to the engine in real time and records every request's timings."""
 
@@ -133,6 +154,7 @@ class Replay:
         self.open: set[str] = set()
         self.steps = 0
         self.step_time = 0.0
+        self.kinds: dict[str, StepTally] = {}
         self.refusals = 0
         self.start = 0.0
 
@@ -179,8 +201,11 @@ class Replay:
     def _step(self) -> float | None:
         began = time.perf_counter()
         outputs = self.engine.step()
-        self.step_time += time.perf_counter() - began
+        elapsed = time.perf_counter() - began
+        self.step_time += elapsed
         self.steps += 1
+        shape = self.engine.runner.last_step
+        self.kinds.setdefault(shape.kind, StepTally()).add(elapsed, shape.num_seqs, shape.num_tokens)
         t = self.now()
         finished_any = None
         for out in outputs:
@@ -234,6 +259,7 @@ def run_one(
         adapter_evictions=after.adapter_evictions - before.adapter_evictions,
         preemptions=after.preemptions - before.preemptions,
         preload_s=preload_s,
+        step_kinds={kind: tally.summary() for kind, tally in sorted(replay.kinds.items())},
     )
     options_info = {**asdict(options), "mode": spec.mode, "engine": _engine_info(engine)}
     records = list(replay.records.values())
@@ -278,8 +304,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup-requests", type=int, default=8)
     parser.add_argument("--no-preload", action="store_true", help="load adapters on first use, inside the clock")
     parser.add_argument("--preload-workers", type=int, default=8)
-    parser.add_argument("--profile", type=int, nargs=2, default=(0, 0), metavar=("START", "COUNT"),
-                        help="after the runs, profile COUNT steps from step START of an unmeasured pass")  # fmt: skip
+    parser.add_argument("--profile", type=int, nargs="+", default=[], metavar="START... COUNT",
+                        help="after the runs, profile COUNT steps from each step START of an unmeasured pass "
+                             "(say 20 100 3: prefill-heavy mixed steps, then decode steps)")  # fmt: skip
     parser.add_argument("--profile-file", type=Path, help="append the profile tables here")
     parser.add_argument("--out", type=Path, required=True, help="results JSON (runs are added to it)")
     return parser.parse_args(argv)
@@ -303,24 +330,34 @@ def main(argv: list[str] | None = None) -> None:
             continue
         append_runs(args.out, [run])
         logger.info("%s", headline(run))
-    if args.profile[1] > 0:
+    if len(args.profile) >= 2 and args.profile[-1] > 0:
         lora = [spec for spec in specs if spec.mode != "base"]
-        profile_pass(engine, (lora or specs)[-1], args.profile[0], args.profile[1], args.profile_file)
+        profile_pass(engine, (lora or specs)[-1], args.profile[:-1], args.profile[-1], args.profile_file)
 
 
-def profile_pass(engine: LLMEngine, spec: RunSpec, start: int, count: int, out_file: Path | None) -> None:
-    """Unmeasured: the trace's first 256 requests at once; profile steps start .. start+count-1, then abort."""
+def profile_pass(engine: LLMEngine, spec: RunSpec, starts: list[int], count: int, out_file: Path | None) -> None:
+    """Unmeasured: the trace's first 256 requests at once; from each start, profile `count` steps, then abort.
+
+    Windows that would overlap the previous one are dropped (each takes 2 × count steps: see StepProfiler).
+    """
     trace = spec.load()
-    profiler = StepProfiler(start, count, out_file, f"of {spec.trace_path.name}@{spec.mode} on {engine.model.ops.name}")
+    title = f"of {spec.trace_path.name}@{spec.mode} on {engine.model.ops.name}"
+    windows: list[StepProfiler] = []
+    for start in sorted(starts):
+        if not windows or start >= windows[-1].total_steps:
+            windows.append(StepProfiler(start, count, out_file, f"from step {start} {title}"))
     requests = trace.requests[:256]
     ids = [engine.add_request(list(r.prompt_ids), r.adapter, r.sampling(), detokenize=False) for r in requests]
-    for _ in range(profiler.total_steps):
+    for _ in range(windows[-1].total_steps if windows else 0):
         if not engine.has_unfinished():
             break
-        profiler.before_step()
+        for profiler in windows:
+            profiler.before_step()
         engine.step()
-        profiler.after_step()
-    profiler.finish()
+        for profiler in windows:
+            profiler.after_step()
+    for profiler in windows:
+        profiler.finish()
     for rid in ids:
         engine.abort(rid)
     evict_all_adapters(engine)

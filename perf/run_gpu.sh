@@ -24,8 +24,9 @@
 #
 # Knobs (environment): BUDGET_S (570), RATE (40 req/s) and DURATION (12 s) of the traces, SEED (42),
 # RUN_LIMIT (120 s per run), KERNEL (triton; the engine's kernel_backend), ENGINE_OPTS ("key=value ..." for
-# EngineConfig), PEFT_REQUESTS (100) and PEFT_LIMIT (60 s), PROFILE ("100 3": after each engine step's runs,
-# an unmeasured pass profiles steps 100-102 with torch.profiler and 103-105 with cProfile; "" disables),
+# EngineConfig), PEFT_REQUESTS (100) and PEFT_LIMIT (60 s), PROFILE ("20 100 3": after each engine step's runs,
+# an unmeasured pass profiles steps 20-22 (prefill-heavy, mixed) and 100-102 (decode) with torch.profiler and the
+# 3 steps after each with cProfile; "" disables),
 # HOST_BUDGET (48GiB of host memory for
 # adapters), SHAPE (llama2-7b | tiny), DEVICE (cuda | cpu), N_BIG (2000), LENGTHS ("8 512": input and output
 # length range), CHECK_PATHS ("tests/kernels tests/engine") and CHECK_K ("not cpu": pytest -k) of the checks
@@ -54,7 +55,7 @@ KERNEL=${KERNEL:-triton}
 ENGINE_OPTS=${ENGINE_OPTS:-}
 PEFT_REQUESTS=${PEFT_REQUESTS:-100}
 PEFT_LIMIT=${PEFT_LIMIT:-60}
-PROFILE=${PROFILE-100 3}
+PROFILE=${PROFILE-20 100 3}
 SHAPE=${SHAPE:-llama2-7b}
 DEVICE=${DEVICE:-cuda}
 N_BIG=${N_BIG:-2000}

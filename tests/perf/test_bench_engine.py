@@ -29,7 +29,7 @@ def test_three_modes_complete_every_request(tiny_model: Path, tiny_adapters: Pat
                                             tmp_path: Path) -> None:  # fmt: skip
     out = tmp_path / "results.json"
     data = _run(tiny_model, tiny_adapters, out, str(trace_file), f"{trace_file}@base", f"{trace_file}@single",
-                extra=("--profile", "1", "2", "--profile-file", str(tmp_path / "profile.txt")))  # fmt: skip
+                extra=("--profile", "1", "5", "2", "--profile-file", str(tmp_path / "profile.txt")))  # fmt: skip
     runs = {r["options"]["mode"]: r for r in data["runs"]}
     assert set(runs) == {"lora", "base", "single"}
     for run in runs.values():
@@ -40,6 +40,11 @@ def test_three_modes_complete_every_request(tiny_model: Path, tiny_adapters: Pat
         assert 0 < m["ttft_s"]["p50"] <= m["ttft_s"]["p99"] <= m["e2e_s"]["p99"]
         assert 0 <= m["slo_attainment"] <= 1 and 0 <= m["user_satisfaction"] <= 1
         assert m["engine_steps"] > 0 and run["env"]["commit"]
+        kinds = m["step_kinds"]  # on CPU no graphs: prompts make mixed steps, then eager decode steps
+        assert set(kinds) == {"mixed", "decode"}, kinds
+        assert sum(k["steps"] for k in kinds.values()) == m["engine_steps"]
+        assert kinds["decode"]["mean_tokens"] == kinds["decode"]["mean_seqs"] >= 1
+        assert kinds["mixed"]["mean_tokens"] > kinds["mixed"]["mean_seqs"]
     assert runs["lora"]["trace"]["distinct_adapters"] > 1
     assert runs["single"]["trace"]["distinct_adapters"] == 1
     assert runs["base"]["trace"]["distinct_adapters"] == 0 and runs["base"]["metrics"]["adapter_loads"] == 0
@@ -47,6 +52,7 @@ def test_three_modes_complete_every_request(tiny_model: Path, tiny_adapters: Pat
     profile = (tmp_path / "profile.txt").read_text()
     assert "== torch.profiler 2 step(s)" in profile and "aten::" in profile
     assert "== cProfile of 2 step(s)" in profile and "engine.py" in profile
+    assert "from step 1 of" in profile and "from step 5 of" in profile
     json.dumps(data)  # plain JSON all the way down
 
 

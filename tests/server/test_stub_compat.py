@@ -97,7 +97,7 @@ def test_a_working_scikit_learn_is_left_alone(tmp_path: Path) -> None:
     (tmp_path / "sklearn" / "metrics.py").write_text("")
     script = (
         "from slora.backend.stub_compat import hide_packages_broken_by_numpy as h; import sys; "
-        "print(h(), sys.modules['sklearn'] is not None)"
+        "print(h(), sys.modules.get('sklearn', 0) is not None)"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=False)
