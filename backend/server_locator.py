@@ -8,9 +8,9 @@ Where the server comes from, first found wins:
 The Python backend runs each model in a stub process that embeds a Python interpreter: it must be built for this
 interpreter's version, find its libpython (LD_LIBRARY_PATH) and this environment's packages (PYTHONPATH; and
 SLORA_SITE_DIRS, which the model.py shims re-add as site dirs so that .pth files, e.g. of an editable install, are
-processed; folders in SLORA_STUB_PYTHONPATH come first, for the stub only: see stub_compat.py). When the server's
-own stub is for another Python version, a backend folder is laid out in the workspace: links to the server's
-backends plus the wheel's stub for this version.
+processed; the stub itself ignores PYTHONPATH, so the shims also put SLORA_STUB_PYTHONPATH's folders first: see
+stub_compat.py). When the server's own stub is for another Python version, a backend folder is laid out in the
+workspace: links to the server's backends plus the wheel's stub for this version.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ import sys
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from slora.backend.stub_compat import STUB_PATH_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -144,10 +142,9 @@ def _environment(wheel_libs: Path | None) -> dict[str, str]:
     libdir = sysconfig.get_config_var("LIBDIR")
     libraries = [p for p in (libdir, str(wheel_libs) if wheel_libs else None) if p]
     packages = site_dirs()
-    stub_first = [p for p in os.environ.get(STUB_PATH_ENV, "").split(os.pathsep) if p]
     return {
         "LD_LIBRARY_PATH": _join(libraries, os.environ.get("LD_LIBRARY_PATH")),
-        "PYTHONPATH": _join([*stub_first, *packages], os.environ.get("PYTHONPATH")),
+        "PYTHONPATH": _join(packages, os.environ.get("PYTHONPATH")),
         "SLORA_SITE_DIRS": os.pathsep.join(packages),
         "PATH": _join([str(Path(sys.executable).parent)], os.environ.get("PATH")),
     }

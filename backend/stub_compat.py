@@ -6,9 +6,10 @@ host: a BYTES adapter id read with the length 0x07070707, then a crash of the st
 for the same reason. Refuse to start rather than serve corrupted inputs.
 
 An environment whose own packages need NumPy 2 (the GPU host's) can still serve: `SLORA_STUB_PYTHONPATH` names
-folders that slora-serve puts first on the stub's module path only (say, one holding numpy 1.26), so the launcher
-and every other process keep NumPy 2. Inside the stub, compiled packages built for NumPy 2 then fail to import;
-scikit-learn is the one transformers imports on its own, so it is hidden there (transformers runs without it).
+folders that the model.py shims put first on the stub's sys.path (the stub ignores PYTHONPATH), say one holding
+numpy 1.26, so the launcher and every other process keep NumPy 2. Inside the stub, compiled packages built for
+NumPy 2 then fail to import; scikit-learn is the one transformers imports on its own, so it is hidden there
+(transformers runs without it).
 """
 
 from __future__ import annotations
@@ -42,10 +43,16 @@ def numpy_problem(version: str | None = None) -> str | None:
     )
 
 
+def stub_first_paths() -> list[str]:
+    """The folders of SLORA_STUB_PYTHONPATH, which the model.py shims put first on the stub's sys.path."""
+    return [d for d in os.environ.get(STUB_PATH_ENV, "").split(os.pathsep) if d]
+
+
 def stub_numpy_version(env: dict[str, str]) -> str:
-    """The NumPy version that a Python process started with `env` (the stub's environment) imports."""
+    """The NumPy version the stub will import: a process started with `env`, with the shims' sys.path first."""
+    script = "import sys; sys.path[:0] = sys.argv[1:]; import numpy; print(numpy.__version__)"
     result = subprocess.run(
-        [sys.executable, "-c", "import numpy; print(numpy.__version__)"],
+        [sys.executable, "-c", script, *stub_first_paths()],
         env=env, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     if result.returncode != 0:

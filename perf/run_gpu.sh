@@ -164,6 +164,19 @@ start_server() {  # start_server SETTING: slora-serve in the background, its log
     --kernel-backend "$KERNEL" "${opts[@]}" --http-port "$PORT_BASE" --grpc-port $((PORT_BASE + 1)) \
     --metrics-port $((PORT_BASE + 2)) >>"$OUT/server.log" 2>&1 &
   SERVER_PID=$!
+  wait_server
+}
+
+wait_server() {  # until the server is ready; gives up at once when slora-serve has exited (its log says why)
+  local url="http://localhost:$PORT_BASE/v2/health/ready" limit=$(( $(remaining) - 90 ))
+  for (( t = 0; t < limit; t += 2 )); do
+    if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+      log "slora-serve exited before it was ready: see server.log"; SERVER_PID=""; return 1
+    fi
+    "$PY" -c "import urllib.request as u; u.urlopen('$url', timeout=2)" 2>/dev/null && { log "server ready"; return 0; }
+    sleep 2
+  done
+  log "server not ready after ${limit}s"; return 1
 }
 
 stop_server() {
@@ -218,8 +231,7 @@ suite() {
     all)
       engine "$KERNEL" S1 "$s1_5" "$s1_big" "$s1_big@base"
       peft "$s1_5"
-      start_server S1
-      serving slora "$s1_big"
+      start_server S1 && serving slora "$s1_big"
       stop_server ;;
     headline)
       engine "$KERNEL" S1 "$s1_5" "$s1_big" "$s1_big@base" ;;
@@ -238,7 +250,7 @@ suite() {
       engine "$KERNEL" S1 "$s1_5" "$s1_big" ;;
     serving-s1)
       engine "$KERNEL" S1 "$s1_5" "$s1_big"
-      start_server S1
+      start_server S1 || { stop_server; return 1; }
       # The server keeps adapters resident between runs (it cannot be asked to evict), so the run paired with the
       # in-process headline goes first on the fresh server; later ones start warmer (adapters_on_gpu_at_start).
       serving slora "$s1_big" "$s1_5"
@@ -246,9 +258,10 @@ suite() {
       stop_server ;;
     served)  # the in-process headline, then the same trace served (adapters preloaded at server start), then PA
       engine "$KERNEL" S1 "$s1_big"
-      start_server S1
-      serving slora --no-preload "$s1_big"
-      perf_analyzer slora
+      if start_server S1; then
+        serving slora --no-preload "$s1_big"
+        perf_analyzer slora
+      fi
       stop_server ;;
     checks)  # correctness on the GPU, then issue 4's decode-step target (graphs on/off, adapters on/off)
       local root

@@ -14,7 +14,6 @@ import pytest
 
 from slora.backend import stub_compat
 from slora.backend.launcher import main
-from slora.backend.server_locator import locate_server
 
 
 def _fake_numpy(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
@@ -43,18 +42,27 @@ def test_numpy_2_refused_with_the_fixes_named(monkeypatch: pytest.MonkeyPatch) -
     assert stub_compat.numpy_problem() is None
 
 
-def test_stub_numpy_version_is_read_with_the_stubs_path(tmp_path: Path) -> None:
-    folder = _numpy_folder(tmp_path, "1.99.0")
-    env = {**os.environ, "PYTHONPATH": str(folder)}
-    assert stub_compat.stub_numpy_version(env) == "1.99.0"
+def test_stub_numpy_version_is_read_with_the_stubs_first_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(stub_compat.STUB_PATH_ENV, str(_numpy_folder(tmp_path, "1.99.0")))
+    assert stub_compat.stub_numpy_version(dict(os.environ)) == "1.99.0"
 
 
-def test_stub_path_comes_first_for_the_stub_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    folder = _numpy_folder(tmp_path / "np1", "1.26.4")
-    monkeypatch.setenv(stub_compat.STUB_PATH_ENV, str(folder))
-    install = locate_server(tmp_path / "work")
-    assert install.env["PYTHONPATH"].split(os.pathsep)[0] == str(folder)
-    assert stub_compat.stub_numpy_version({**os.environ, **install.env}) == "1.26.4"
+@pytest.mark.parametrize("model", ["slora", "preprocessing", "postprocessing"])
+def test_model_shims_put_the_stub_folders_first(tmp_path: Path, model: str) -> None:
+    """The stub ignores PYTHONPATH, so each model.py puts SLORA_STUB_PYTHONPATH first before importing anything."""
+    first = tmp_path / "first"
+    first.mkdir()
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "fake" / "triton_python_backend_utils.py").write_text("TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1\n")
+    shim = Path(__file__).parents[2] / "model_repository" / model / "1" / "model.py"
+    script = f"import runpy, sys; runpy.run_path({str(shim)!r}); print(sys.path[0])"
+    env = {**os.environ, stub_compat.STUB_PATH_ENV: str(first),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == str(first)
 
 
 def test_launcher_checks_the_stubs_numpy(

@@ -9,6 +9,9 @@ import os
 import site
 import sys
 
+# The stub ignores PYTHONPATH: folders meant to come first for it alone (a NumPy 1, see stub_compat.py) go here,
+# before anything imports NumPy.
+sys.path[:0] = [d for d in os.environ.get("SLORA_STUB_PYTHONPATH", "").split(os.pathsep) if d and d not in sys.path]
 for _dir in [d for d in os.environ.get("SLORA_SITE_DIRS", "").split(os.pathsep) if d] + [
     d for d in list(sys.path) if d.endswith(("site-packages", "dist-packages"))
 ]:
