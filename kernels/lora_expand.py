@@ -22,7 +22,7 @@ import triton.language as tl
 
 from slora.kernels.launch import dot_precision
 from slora.kernels.lora_shrink import MODULES, NUM_MODULES
-from slora.kernels.metadata import LoraMeta
+from slora.kernels.metadata import LoraMeta, SegmentGroup
 
 
 @dataclass(frozen=True)
@@ -127,12 +127,17 @@ def lora_expand(
     first_module: int,
     out_offsets: tuple[int, ...],
     out_widths: tuple[int, ...],
+    group: SegmentGroup | None = None,
 ) -> None:
-    """Add (v·Bᵀ)·scale of modules first_module .. + len(out_widths) - 1 into y's columns (see top)."""
+    """Add (v·Bᵀ)·scale of modules first_module .. + len(out_widths) - 1 into y's columns (see top).
+
+    Only the tokens of `group`'s segments (default: all), whose rows of v the shrink of that group wrote.
+    """
     num_slices = len(out_widths)
     _check(y, v, flat_layer, meta, first_module, out_offsets, out_widths)
-    cfg = expand_config(meta.max_segment_len)
-    tiles = meta.tiles(cfg.block_m)
+    group = group if group is not None else meta.whole()
+    cfg = expand_config(group.max_segment_len)
+    tiles = group.tiles(cfg.block_m)
     num_tiles = int(tiles.shape[0])
     if num_tiles == 0:
         return

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from slora.kernels.launch import dot_precision
-from slora.kernels.metadata import LoraMeta
+from slora.kernels.metadata import LoraMeta, SegmentGroup
 
 NUM_MODULES = 7  # q, k, v, o, gate, up, down: the columns of LoraMeta's tables
 MODULES = tl.constexpr(NUM_MODULES)  # the same, readable inside kernels
@@ -106,13 +106,22 @@ def _lora_shrink_kernel(
 
 
 def lora_shrink(
-    x: torch.Tensor, flat_layer: torch.Tensor, meta: LoraMeta, first_module: int, num_slices: int
+    x: torch.Tensor,
+    flat_layer: torch.Tensor,
+    meta: LoraMeta,
+    first_module: int,
+    num_slices: int,
+    group: SegmentGroup | None = None,
 ) -> torch.Tensor:
-    """Partial sums v [split_k, num_tokens, R] of x·Aᵀ for modules first_module .. + num_slices - 1 (see top)."""
+    """Partial sums v [split_k, num_tokens, R] of x·Aᵀ for modules first_module .. + num_slices - 1 (see top).
+
+    Only the tokens of `group`'s segments (default: all) are computed; v's other rows are left unwritten.
+    """
     _check(x, flat_layer, meta, first_module, num_slices)
-    cfg = shrink_config(meta.max_segment_len)
+    group = group if group is not None else meta.whole()
+    cfg = shrink_config(group.max_segment_len)
     fused_rank = meta.fused_rank(first_module, num_slices)
-    tiles = meta.tiles(cfg.block_m)
+    tiles = group.tiles(cfg.block_m)
     num_tiles = int(tiles.shape[0])
     in_features = int(x.shape[1])
     rank_programs, split_k, k_per_split = shrink_grid(cfg, num_tiles, fused_rank, in_features)

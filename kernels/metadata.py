@@ -22,11 +22,12 @@ def segment_tiles(starts: list[int], block: int, device: torch.device, tags: lis
     (its adapter, for LoRA) ride along, which saves each program dependent loads. Tags default to g.
     """
     tag = tags if tags is not None else list(range(len(starts) - 1))
-    tiles = [
-        (g, row, starts[g + 1], tag[g])
-        for g in range(len(starts) - 1)
-        for row in range(starts[g], starts[g + 1], block)
-    ]
+    return tiles_of([(g, starts[g], starts[g + 1], tag[g]) for g in range(len(starts) - 1)], block, device)
+
+
+def tiles_of(segments: list[tuple[int, int, int, int]], block: int, device: torch.device) -> torch.Tensor:
+    """The tiles (see segment_tiles) of the given (segment, start row, end row, tag) segments, in their order."""
+    tiles = [(g, row, end, tag) for g, start, end, tag in segments for row in range(start, end, block)]
     return torch.tensor(tiles, dtype=torch.int32).view(-1, TILE_COLUMNS).to(device, non_blocking=True)
 
 
@@ -88,6 +89,39 @@ class StaticBounds:
     tile_block: int  # tokens per tile the buffer was built for
 
 
+SHORT_SEGMENT = 16  # segments of up to this many tokens (decodes) are launched apart, with decode-shaped tiles
+
+
+@dataclass
+class SegmentGroup:
+    """Segments of a step launched together, so with one tile shape (picked from their longest segment).
+
+    A step that mixes decodes (one token per adapter) with prompts (hundreds) splits its segments into two
+    groups: tiles sized for the prompts would spend a 64-row tile, and its programs, on each single decode token.
+    """
+
+    segments: list[tuple[int, int, int, int]]  # (segment g, start token, end token, adapter)
+    device: torch.device
+    static: StaticBounds | None = None
+    _tiles: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+
+    @functools.cached_property
+    def max_segment_len(self) -> int:
+        if self.static is not None:
+            return 1
+        return max((end - start for _, start, end, _ in self.segments), default=0)
+
+    def tiles(self, block: int) -> torch.Tensor:
+        """Token tiles of up to `block` tokens of one segment, tagged with its adapter (see segment_tiles)."""
+        if self.static is not None:
+            if block != self.static.tile_block:
+                raise ValueError(f"the static tiles were built for {self.static.tile_block}-token tiles, not {block}")
+            return self.static.tiles
+        if block not in self._tiles:
+            self._tiles[block] = tiles_of(self.segments, block, self.device)
+        return self._tiles[block]
+
+
 @dataclass
 class LoraMeta:
     """Which adapter each token uses and where that adapter's rows lie in the pool.
@@ -118,19 +152,16 @@ class LoraMeta:
     row_align: int = 1
     static: StaticBounds | None = None  # set for a CUDA-graph step: launch shapes come from here, not the step
     # Built on first use and kept for the step (every layer asks the same): no per-layer Python loops.
-    _tiles: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+    _groups: dict[str, list[SegmentGroup]] = field(default_factory=dict, repr=False, compare=False)
     _fused_rank: dict[tuple[int, int], int] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_segments(self) -> int:
         return len(self.seg_adapter_host)
 
-    @functools.cached_property
+    @property
     def max_segment_len(self) -> int:
-        if self.static is not None:
-            return 1
-        starts = self.seg_start_host
-        return max((b - a for a, b in zip(starts, starts[1:])), default=0)
+        return self.whole().max_segment_len
 
     def fused_rank(self, first_module: int, num_modules: int) -> int:
         """The largest total rank of modules first_module .. first_module + num_modules - 1 over the adapters."""
@@ -144,10 +175,27 @@ class LoraMeta:
 
     def tiles(self, block: int) -> torch.Tensor:
         """Token tiles of up to `block` tokens of one segment, tagged with its adapter (see segment_tiles)."""
+        return self.whole().tiles(block)
+
+    def whole(self) -> SegmentGroup:
+        """All segments as one group."""
+        return self.groups(split=False)[0]
+
+    def groups(self, split: bool = True) -> list[SegmentGroup]:
+        """The segments in launch groups: short ones (decodes) apart from long ones, when a step has both."""
+        key = "split" if split else "whole"
+        if key not in self._groups:
+            self._groups[key] = self._make_groups(split)
+        return self._groups[key]
+
+    def _make_groups(self, split: bool) -> list[SegmentGroup]:
+        device = self.seg_start.device
         if self.static is not None:
-            if block != self.static.tile_block:
-                raise ValueError(f"the static tiles were built for {self.static.tile_block}-token tiles, not {block}")
-            return self.static.tiles
-        if block not in self._tiles:
-            self._tiles[block] = segment_tiles(self.seg_start_host, block, self.seg_start.device, self.seg_adapter_host)
-        return self._tiles[block]
+            return [SegmentGroup([], device, self.static)]
+        starts = self.seg_start_host
+        segments = [(g, starts[g], starts[g + 1], a) for g, a in enumerate(self.seg_adapter_host)]
+        short = [seg for seg in segments if seg[2] - seg[1] <= SHORT_SEGMENT]
+        if not split or len(short) in (0, len(segments)):
+            return [SegmentGroup(segments, device)]
+        long = [seg for seg in segments if seg[2] - seg[1] > SHORT_SEGMENT]
+        return [SegmentGroup(short, device), SegmentGroup(long, device)]

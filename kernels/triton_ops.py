@@ -46,8 +46,9 @@ class TritonOps:
         for first, offsets, widths in consecutive_runs(modules, out_offsets, out_widths):
             if meta.fused_rank(first, len(widths)) == 0:
                 continue  # no adapter of the step targets these modules
-            v = lora_shrink(x, flat_layer, meta, first, len(widths))
-            lora_expand(y, v, flat_layer, meta, first, offsets, widths)
+            for group in meta.groups():  # decodes apart from prompts: each gets its own tile shape
+                v = lora_shrink(x, flat_layer, meta, first, len(widths), group)
+                lora_expand(y, v, flat_layer, meta, first, offsets, widths, group)
 
 
 def consecutive_runs(

@@ -174,6 +174,25 @@ def test_step_without_lora_modules_leaves_y() -> None:
     assert torch.equal(y, before)
 
 
+def test_mixed_steps_launch_decodes_apart_from_prompts() -> None:
+    """Segments of up to SHORT_SEGMENT tokens form their own launch group (decode tiles), the long ones another."""
+    for name, sizes in (
+        ("mixed", [[1, 1, 1], [20, 17]]),
+        ("decode", [[3, 1, 1, 1, 1, 1]]),
+        ("prefill", [[7, 3], [70]]),
+    ):
+        meta = build_case(TINY, torch.float32, list(TINY_ADAPTERS), TINY_STEPS[name], seed=3).meta
+        groups = meta.groups()
+        assert [sorted((e - s for _, s, e, _ in g.segments), reverse=True) for g in groups] == [
+            sorted(z, reverse=True) for z in sizes
+        ], name
+        assert [g.max_segment_len for g in groups] == [max(z) for z in sizes]
+        covered = sorted(seg for g in groups for seg in g.segments)
+        assert covered == sorted(meta.whole().segments), "every segment in exactly one group"
+        tiles = torch.cat([g.tiles(16) for g in groups]).cpu()
+        assert int((tiles[:, 2] - tiles[:, 1]).clamp(max=16).sum()) == meta.seg_start_host[-1] - meta.seg_start_host[0]
+
+
 def test_consecutive_runs() -> None:
     runs = list(consecutive_runs((0, 1, 2, 4, 5, 6), (0, 8, 12, 16, 20, 30), (8, 4, 4, 4, 10, 2)))
     assert runs == [(0, (0, 8, 12), (8, 4, 4)), (4, (16, 20, 30), (4, 10, 2))]
