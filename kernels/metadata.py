@@ -59,6 +59,9 @@ class AttentionMeta:
     block_tables_host: list[list[int]]
 
     _tiles: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+    _split_tiles: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     @property
     def num_seqs(self) -> int:
@@ -73,6 +76,23 @@ class AttentionMeta:
         if block not in self._tiles:
             self._tiles[block] = segment_tiles(self.q_start_host, block, self.q_start.device)
         return self._tiles[block]
+
+    def split_tiles(self, short: int, short_block: int, long_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tiles of the sequences with at most `short` new tokens, tiles of the others), each in its own block.
+
+        A step mixing decodes with prompts launches them apart: prompt-sized query tiles would spend their
+        rows, and their dot products, on one decode token each.
+        """
+        key = (short, short_block, long_block)
+        if key not in self._split_tiles:
+            starts = self.q_start_host
+            seqs = [(i, starts[i], starts[i + 1], i) for i in range(len(starts) - 1)]
+            device = self.q_start.device
+            self._split_tiles[key] = (
+                tiles_of([q for q in seqs if q[2] - q[1] <= short], short_block, device),
+                tiles_of([q for q in seqs if q[2] - q[1] > short], long_block, device),
+            )
+        return self._split_tiles[key]
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,11 @@ CONFIGS = {
 }
 
 
+SHORT_QUERY = 16  # sequences with up to this many new tokens take the short-query tiles
+
+
 def attention_config(element_size: int, max_q_len: int) -> AttentionConfig:
-    return CONFIGS[(element_size, max_q_len <= 16)]
+    return CONFIGS[(element_size, max_q_len <= SHORT_QUERY)]
 
 
 @triton.jit
@@ -131,23 +134,34 @@ def paged_attention(
     check_attention_args(q, kv_layer, meta)
     num_tokens, heads, head_dim = q.shape
     kv_heads, page_size = kv_layer.shape[3], kv_layer.shape[2]
-    cfg = config or attention_config(q.element_size(), meta.max_q_len)
-    tiles = meta.tiles(cfg.block_m)
     out = torch.empty_like(q)
-    if tiles.shape[0] == 0:
-        return out
-    grid = (int(tiles.shape[0]), heads)
-    _paged_attention_kernel[grid](
-        q, q.stride(0), q.stride(1),
-        kv_layer, kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
-        out, out.stride(0), out.stride(1),
-        tiles, meta.q_start, meta.seq_lens, meta.block_tables, meta.block_tables.stride(0),
-        scale * LOG2E,
-        GROUP=heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    for cfg, tiles in _launches(q.element_size(), meta, config):
+        if tiles.shape[0] == 0:
+            continue
+        grid = (int(tiles.shape[0]), heads)
+        _paged_attention_kernel[grid](
+            q, q.stride(0), q.stride(1),
+            kv_layer, kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+            out, out.stride(0), out.stride(1),
+            tiles, meta.q_start, meta.seq_lens, meta.block_tables, meta.block_tables.stride(0),
+            scale * LOG2E,
+            GROUP=heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+            DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
     return out
+
+
+def _launches(
+    element_size: int, meta: AttentionMeta, config: AttentionConfig | None
+) -> list[tuple[AttentionConfig, torch.Tensor]]:
+    """(config, query tiles) of each launch: one, or short query runs (decodes) apart from long ones (prompts)."""
+    if config is not None or meta.max_q_len <= SHORT_QUERY:
+        cfg = config or attention_config(element_size, meta.max_q_len)
+        return [(cfg, meta.tiles(cfg.block_m))]
+    short_cfg, long_cfg = attention_config(element_size, 1), attention_config(element_size, meta.max_q_len)
+    short, long = meta.split_tiles(SHORT_QUERY, short_cfg.block_m, long_cfg.block_m)
+    return [(short_cfg, short), (long_cfg, long)]
 
 
 def check_attention_args(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta) -> None:
