@@ -13,7 +13,7 @@
 #   bmm         padded-BMM LoRA (kernel_backend=bmm) and triton side by side, S1 n=5 and n=2000          [~6 min]
 #   serving-s1  engine S1 n=5, n=2000; served `slora` n=5, n=2000; served `ensemble` n=2000               [~8 min]
 #   peft        engine S1 n=5, n=100; PEFT S1 n=5, n=100 (bounded prefixes)                               [~6 min]
-#   served      engine S1 n=2000; served `slora` n=2000 (adapters preloaded at start); perf_analyzer slora  [~6 min]
+#   served      engine S1 n=2000 (and base model); served `slora` n=2000 (adapters preloaded at start); perf_analyzer slora  [~6 min]
 #   checks      kernel and engine tests on the GPU, then perf.bench_decode_step (CUDA graphs, batch 1/8/64)  [~8 min]
 # Several suites in one call run one after the other under one time budget (BUDGET_S); later ones are skipped
 # when the time is gone, and the results of every finished run are kept.
@@ -30,7 +30,7 @@
 # HOST_BUDGET (48GiB of host memory for
 # adapters), SHAPE (llama2-7b | tiny), DEVICE (cuda | cpu), N_BIG (2000), LENGTHS ("8 512": input and output
 # length range), CHECK_PATHS ("tests/kernels tests/engine") and CHECK_K ("not cpu": pytest -k) of the checks
-# suite, PY (python3), OUT, WORK, PORT_BASE (8000), GPU_ENV (.whl/gpu-env.sh; "none" skips it).
+# suite, DECODE_STEP (1; 0 skips its decode-step benchmark), PY (python3), OUT, WORK, PORT_BASE (8000), GPU_ENV (.whl/gpu-env.sh; "none" skips it).
 # CPU rehearsal of the whole script (about 1-2 minutes on 2 cores; the torch kernels, as Triton needs a GPU):
 #   GPU_ENV=none PY=python KERNEL=torch SHAPE=tiny DEVICE=cpu N_BIG=40 RATE=20 DURATION=1 LENGTHS="8 48" \
 #   PROFILE="5 2" PEFT_REQUESTS=10 PEFT_LIMIT=20 OUT=/tmp/perf-out WORK=/tmp/perf-work bash perf/run_gpu.sh all
@@ -64,6 +64,7 @@ PORT_BASE=${PORT_BASE:-8000}
 HOST_BUDGET=${HOST_BUDGET:-48GiB}
 CHECK_PATHS=${CHECK_PATHS:-tests/kernels tests/engine}
 CHECK_K=${CHECK_K:-not cpu}
+DECODE_STEP=${DECODE_STEP:-1}
 export SLORA_COMMIT=${SLORA_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1
 # On a CPU rehearsal, spinning intra-op threads of several processes make every timing erratic.
@@ -256,8 +257,8 @@ suite() {
       serving slora "$s1_big" "$s1_5"
       serving ensemble "$s1_big"
       stop_server ;;
-    served)  # the in-process headline, then the same trace served (adapters preloaded at server start), then PA
-      engine "$KERNEL" S1 "$s1_big"
+    served)  # the in-process headline and base run, then the same trace served (adapters preloaded), then PA
+      engine "$KERNEL" S1 "$s1_big" "$s1_big@base"
       if start_server S1; then
         serving slora --no-preload "$s1_big"
         perf_analyzer slora
@@ -268,7 +269,7 @@ suite() {
       root=$(adapters S1)
       # shellcheck disable=SC2086
       SLORA_ALLOW_NO_DEFAULT_MODEL=1 step -m pytest -q -p no:cacheprovider $CHECK_PATHS -k "$CHECK_K"
-      step -m perf.bench_decode_step --model "$MODEL" --load-format dummy --adapter-root "$root" \
+      (( DECODE_STEP )) && step -m perf.bench_decode_step --model "$MODEL" --load-format dummy --adapter-root "$root" \
         --batch 1 8 64 --out "$OUT/decode_step.json" ;;
     peft)
       s1_100=$(trace s1 100)
