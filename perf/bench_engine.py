@@ -49,7 +49,9 @@ MODES = ("lora", "base", "single")
 @dataclass(frozen=True)
 class ReplayOptions:
     time_limit_s: float = 600.0  # requests still running then are aborted and count as unfinished
-    warmup_requests: int = 8
+    # Warm-up waves of this many requests each (the trace's, cycled): Triton compiles a kernel variant per launch
+    # shape class (tile counts, K splits), so the waves cover batch sizes up to a full one before the clock.
+    warmup_requests: tuple[int, ...] = (8, 64, 256)
     warmup_tokens: int = 8
     preload: bool = True
     preload_workers: int = 8
@@ -59,9 +61,11 @@ class ReplayOptions:
     def __post_init__(self) -> None:
         if not self.time_limit_s > 0:
             raise ValueError(f"time_limit_s must be > 0, got {self.time_limit_s}")
-        for name in ("warmup_requests", "warmup_tokens", "preload_workers"):
+        for name in ("warmup_tokens", "preload_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if any(n < 0 for n in self.warmup_requests):
+            raise ValueError(f"warmup_requests must be >= 0, got {self.warmup_requests}")
         if not 0.0 <= self.window_fraction < 1.0:
             raise ValueError(f"window_fraction must be in [0, 1), got {self.window_fraction}")
 
@@ -103,14 +107,17 @@ def preload_adapters(engine: LLMEngine, names: list[str], workers: int) -> float
 
 
 def warm_up(engine: LLMEngine, trace: Trace, options: ReplayOptions) -> None:
-    """Compile and warm the kernels on a few of the trace's requests (prefill, decode, LoRA); not measured."""
-    requests = trace.requests[: options.warmup_requests]
-    if not requests or options.warmup_tokens == 0:
+    """Compile and warm the kernels on waves of the trace's requests (prompts, mixed and decode steps of every
+    batch size class, LoRA); not measured. Waves are capped at the engine's max_num_seqs."""
+    if not trace.requests or options.warmup_tokens == 0:
         return
     start = time.perf_counter()
-    sampling = [{**r.sampling(), "max_tokens": min(r.output_len, options.warmup_tokens)} for r in requests]
-    engine.generate([list(r.prompt_ids) for r in requests], [r.adapter for r in requests], sampling)
-    logger.info("warm-up: %d requests in %.1fs", len(requests), time.perf_counter() - start)
+    for size in options.warmup_requests:
+        size = min(size, engine.config.max_num_seqs)
+        requests = [trace.requests[i % len(trace.requests)] for i in range(size)]
+        sampling = [{**r.sampling(), "max_tokens": min(r.output_len, options.warmup_tokens)} for r in requests]
+        engine.generate([list(r.prompt_ids) for r in requests], [r.adapter for r in requests], sampling)
+    logger.info("warm-up: waves of %s requests in %.1fs", options.warmup_requests, time.perf_counter() - start)
 
 
 def evict_all_adapters(engine: LLMEngine) -> None:
@@ -301,7 +308,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--engine-opt", action="append", default=[], help="any EngineConfig field, KEY=VALUE")
     parser.add_argument("--name-prefix", default="engine", help="runs are named <prefix>-<trace>-<mode>")
     parser.add_argument("--time-limit", type=float, default=600.0, help="seconds per run")
-    parser.add_argument("--warmup-requests", type=int, default=8)
+    parser.add_argument("--warmup-requests", type=int, nargs="+", default=[8, 64, 256],
+                        help="warm-up waves: requests per wave (0 for none)")  # fmt: skip
     parser.add_argument("--no-preload", action="store_true", help="load adapters on first use, inside the clock")
     parser.add_argument("--preload-workers", type=int, default=8)
     parser.add_argument("--profile", type=int, nargs="+", default=[], metavar="START... COUNT",
@@ -316,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     specs = [RunSpec.parse(text) for text in args.runs]
-    options = ReplayOptions(time_limit_s=args.time_limit, warmup_requests=args.warmup_requests,
+    options = ReplayOptions(time_limit_s=args.time_limit, warmup_requests=tuple(args.warmup_requests),
                             preload=not args.no_preload, preload_workers=args.preload_workers)  # fmt: skip
     started = time.perf_counter()
     engine = LLMEngine(engine_config(args))
