@@ -12,18 +12,11 @@ import torch.nn.functional as F
 from slora.backend.batch import ForwardBatch
 from slora.backend.model_spec import LORA_MODULES, ModelSpec
 from slora.backend.page_pool import PagePool
-from slora.backend.rope import RotaryTable, apply_rotary
+from slora.backend.rope import RotaryTable
 from slora.backend.weights import LayerWeights, ModelWeights
 from slora.kernels.ops import Ops
 
 Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ = range(len(LORA_MODULES))
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, as Hugging Face Llama does."""
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
 
 
 class DecoderModel:
@@ -37,44 +30,41 @@ class DecoderModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: PagePool) -> torch.Tensor:
-        """Run every token of the batch; return float32 logits [num_sampled, vocab] of the sampled rows."""
-        h = F.embedding(batch.input_ids, self.weights.embed)  # h: [num_tokens, hidden]
-        cos, sin = self.rope.lookup(batch.positions)
+        """Run every token of the batch; return float32 logits [num_sampled, vocab] of the sampled rows.
+
+        Each sublayer's output is added to the residual stream by the next norm (ops.rms_norm fuses the add), so
+        the stream after the last layer is out + residual.
+        """
+        out = F.embedding(batch.input_ids, self.weights.embed)  # [num_tokens, hidden]
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.weights.layers):
-            h = self._layer(i, layer, h, cos, sin, batch, pool)
-        last = h[batch.sample_index]  # [num_sampled, hidden]
-        last = rms_norm(last, self.weights.final_norm, self.spec.rms_norm_eps)
+            out, residual = self._layer(i, layer, out, residual, batch, pool)
+        rows = batch.sample_index
+        last, _ = self.ops.rms_norm(out[rows], self.weights.final_norm, self.spec.rms_norm_eps, _rows(residual, rows))
         return F.linear(last, self.weights.lm_head).float()
 
     def _layer(
         self,
         i: int,
         w: LayerWeights,
-        h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        out: torch.Tensor,
+        residual: torch.Tensor | None,
         batch: ForwardBatch,
         pool: PagePool,
-    ) -> torch.Tensor:
-        h = h + self._attention(i, w, rms_norm(h, w.input_norm, self.spec.rms_norm_eps), cos, sin, batch, pool)
-        return h + self._mlp(i, w, rms_norm(h, w.post_norm, self.spec.rms_norm_eps), batch, pool)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        eps = self.spec.rms_norm_eps
+        x, residual = self.ops.rms_norm(out, w.input_norm, eps, residual)
+        x, residual = self.ops.rms_norm(self._attention(i, w, x, batch, pool), w.post_norm, eps, residual)
+        return self._mlp(i, w, x, batch, pool), residual
 
-    def _attention(
-        self,
-        i: int,
-        w: LayerWeights,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        batch: ForwardBatch,
-        pool: PagePool,
-    ) -> torch.Tensor:
+    def _attention(self, i: int, w: LayerWeights, x: torch.Tensor, batch: ForwardBatch, pool: PagePool) -> torch.Tensor:
         s = self.spec
         qkv = F.linear(x, w.qkv, w.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
         self._lora(i, qkv, x, batch, pool, (Q_PROJ, K_PROJ, V_PROJ), (0, s.q_size, s.q_size + s.kv_size))
         q, k, v = qkv.split((s.q_size, s.kv_size, s.kv_size), dim=-1)
-        q = apply_rotary(q.view(-1, s.num_heads, s.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin)
+        q = q.view(-1, s.num_heads, s.head_dim)
+        k = k.view(-1, s.num_kv_heads, s.head_dim)
+        self.ops.rotary(q, k, batch.positions, self.rope.cos, self.rope.sin)  # in place, inside qkv
         v = v.reshape(-1, s.num_kv_heads, s.head_dim)
         kv_layer = pool.kv_layer(i)
         self.ops.write_kv(k, v, kv_layer, batch.attn)
@@ -106,3 +96,7 @@ class DecoderModel:
             return
         widths = tuple(self.spec.module_shape(LORA_MODULES[m])[1] for m in modules)
         self.ops.lora(y, x, pool.flat_layer(i), batch.lora, modules, offsets, widths)
+
+
+def _rows(x: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    return None if x is None else x[rows]

@@ -1,6 +1,6 @@
-"""The attention and LoRA operations the model calls, behind one interface with several implementations.
+"""The attention, LoRA and fused elementwise operations the model calls, behind one interface.
 
-`TorchOps` is the plain-torch reference (any device). Triton-language kernels implement the same three methods
+`TorchOps` is the plain-torch reference (any device). Triton-language kernels implement the same methods
 in kernels/triton_ops.py, and S-LoRA's padded-bmm LoRA baseline in kernels/lora_padded.py; `make_ops` picks one.
 """
 
@@ -14,6 +14,8 @@ from slora.kernels.attention_ref import paged_attention_ref, write_kv_ref
 from slora.kernels.lora_padded import lora_padded_bmm
 from slora.kernels.lora_ref import lora_ref
 from slora.kernels.metadata import AttentionMeta, LoraMeta
+from slora.kernels.norm_ref import rms_norm_ref
+from slora.kernels.rotary_ref import apply_rotary_ref
 
 
 class Ops(Protocol):
@@ -34,9 +36,33 @@ class Ops(Protocol):
         out_widths: tuple[int, ...],
     ) -> None: ...
 
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + residual) · weight, x + residual): the residual add fused with the norm (kernels/norm.py)."""
+        ...
+
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        """Rotate q [T, heads, d] and k [T, kv_heads, d] in place by their positions' rows of the cos/sin tables."""
+        ...
+
 
 class TorchOps:
     name = "torch"
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm_ref(x, weight, eps, residual)
+
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        rotated_q, rotated_k = apply_rotary_ref(q, k, positions, cos, sin)
+        q.copy_(rotated_q)
+        k.copy_(rotated_k)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta) -> None:
         write_kv_ref(k, v, kv_layer, meta.slot_mapping)

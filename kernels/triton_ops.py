@@ -1,4 +1,5 @@
-"""The Ops interface on Triton-language kernels: paged K/V writes, paged attention, heterogeneous LoRA.
+"""The Ops interface on Triton-language kernels: paged K/V writes, paged attention, heterogeneous LoRA, and the
+fused elementwise work (RMSNorm with the residual add, RoPE of q and k in place).
 
 Attention: steps that only decode use flash-decoding (paged_decode.py, split along the sequence); any step with a
 prompt or a chunk uses the general kernel (paged_attention.py), which serves its decodes too. LoRA: one shrink
@@ -16,14 +17,26 @@ from slora.kernels.kv_write import write_kv
 from slora.kernels.lora_expand import lora_expand
 from slora.kernels.lora_shrink import lora_shrink
 from slora.kernels.metadata import AttentionMeta, LoraMeta
+from slora.kernels.norm import rms_norm
 from slora.kernels.paged_attention import paged_attention
 from slora.kernels.paged_decode import paged_decode_attention
+from slora.kernels.rotary import apply_rotary_
 
 MAX_FUSED = 3  # modules the expand kernel adds in one launch
 
 
 class TritonOps:
     name = "triton"
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, weight, eps, residual)
+
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        apply_rotary_(q, k, positions, cos, sin)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta) -> None:
         write_kv(k, v, kv_layer, meta.slot_mapping)

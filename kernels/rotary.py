@@ -1,0 +1,147 @@
+"""Rotary position embedding of q and k in place, in one launch: x' = x * cos[pos] + rotate_half(x) * sin[pos].
+
+rotate_half(x) = cat(-x2, x1) for the halves x1 = x[:D/2], x2 = x[D/2:] (Hugging Face Llama's half split), so
+    x1' = x1 * cos[pos, :D/2] - x2 * sin[pos, :D/2]
+    x2' = x2 * cos[pos, D/2:] + x1 * sin[pos, D/2:]
+
+Grid (num_tokens, q head blocks + k head blocks): a program reads its token's position and cos/sin rows once and
+rotates a block of heads, of q for the first blocks and of k for the rest. The math is float32 and each result is
+rounded to the dtype once; the torch reference rounds each product and the sum in the dtype, so for float16 and
+bfloat16 the two may differ by an ulp or so of the products (float32: a few ulps at most).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ROTARY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TILE = 2048  # elements (heads x head_dim) per program, at most
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,  # this token's row: [heads, head_dim] at stride_head, unit stride along head_dim
+    stride_head,
+    first_head,
+    cos1,  # [1, BLOCK_HALF] float32: cos[pos, :HALF]
+    sin1,
+    cos2,  # cos[pos, HALF:]
+    sin2,
+    HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    h = first_head + tl.arange(0, BLOCK_HEADS)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < HEADS) & (d < HALF)
+    ptr1 = x_ptr + h * stride_head + d
+    x1 = tl.load(ptr1, mask=mask).to(tl.float32)
+    x2 = tl.load(ptr1 + HALF, mask=mask).to(tl.float32)
+    out1 = x1 * cos1 - x2 * sin1
+    out2 = x2 * cos2 + x1 * sin2
+    tl.store(ptr1, out1.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr1 + HALF, out2.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr,  # [num_tokens, heads, head_dim], unit stride along head_dim (may view the fused qkv output)
+    stride_q_tok,
+    stride_q_head,
+    k_ptr,  # [num_tokens, kv_heads, head_dim], likewise
+    stride_k_tok,
+    stride_k_head,
+    positions_ptr,  # int64 [num_tokens]
+    stride_pos,
+    cos_ptr,  # [max_positions, head_dim], unit stride along head_dim
+    sin_ptr,
+    stride_cos,
+    stride_sin,
+    Q_HEADS: tl.constexpr,
+    K_HEADS: tl.constexpr,
+    HALF: tl.constexpr,  # head_dim // 2
+    Q_BLOCKS: tl.constexpr,  # programs per token for q; those with a higher program_id(1) take k
+    BLOCK_Q: tl.constexpr,  # q heads per program
+    BLOCK_K: tl.constexpr,  # k heads per program
+    BLOCK_HALF: tl.constexpr,  # next power of two >= HALF
+):
+    token = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    pos = tl.load(positions_ptr + token * stride_pos)
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = d < HALF
+    cos_row = cos_ptr + pos * stride_cos + d
+    sin_row = sin_ptr + pos * stride_sin + d
+    cos1 = tl.load(cos_row, mask=mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_row + HALF, mask=mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_row, mask=mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_row + HALF, mask=mask, other=0.0).to(tl.float32)
+    if block < Q_BLOCKS:
+        q_row = q_ptr + token * stride_q_tok
+        _rotate_heads(q_row, stride_q_head, block * BLOCK_Q, cos1, sin1, cos2, sin2, Q_HEADS, HALF, BLOCK_Q, BLOCK_HALF)
+    else:
+        k_row = k_ptr + token * stride_k_tok
+        first = (block - Q_BLOCKS) * BLOCK_K
+        _rotate_heads(k_row, stride_k_head, first, cos1, sin1, cos2, sin2, K_HEADS, HALF, BLOCK_K, BLOCK_HALF)
+
+
+def apply_rotary_(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
+    """Rotate q: [T, heads, head_dim] and k: [T, kv_heads, head_dim] in place by their tokens' positions.
+
+    positions: int64 [T], each in [0, max_positions) (not checked: that would cost a device sync); cos, sin:
+    [max_positions, head_dim] in q's dtype (backend/rope.py's RotaryTable). q and k may be strided views of one
+    fused qkv buffer but must not overlap each other. See apply_rotary_ref for the formula.
+    """
+    _check(q, k, positions, cos, sin)
+    num_tokens, q_heads, head_dim = q.shape
+    k_heads = k.shape[1]
+    if num_tokens == 0:
+        return
+    block_half = triton.next_power_of_2(head_dim // 2)
+    block_q = _heads_per_program(q_heads, block_half)
+    block_k = _heads_per_program(k_heads, block_half)
+    q_blocks = triton.cdiv(q_heads, block_q)
+    grid = (num_tokens, q_blocks + triton.cdiv(k_heads, block_k))
+    _rotary_kernel[grid](
+        q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), positions, positions.stride(0),
+        cos, sin, cos.stride(0), sin.stride(0),
+        Q_HEADS=q_heads, K_HEADS=k_heads, HALF=head_dim // 2, Q_BLOCKS=q_blocks,
+        BLOCK_Q=block_q, BLOCK_K=block_k, BLOCK_HALF=block_half,
+        num_warps=4,
+    )  # fmt: skip
+
+
+def _heads_per_program(heads: int, block_half: int) -> int:
+    # As many heads as fit in TILE elements, and no more than there are.
+    return max(1, min(triton.next_power_of_2(heads), TILE // (2 * block_half)))
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(f"q and k must be [num_tokens, heads, head_dim], got {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} need the same num_tokens and head_dim")
+    num_tokens, _, head_dim = q.shape
+    if head_dim <= 0 or head_dim % 2 != 0:
+        raise ValueError(f"head_dim must be even and positive to split in halves, got {head_dim}")
+    if q.stride(2) != 1 or k.stride(2) != 1:
+        raise ValueError(f"q and k need unit stride along head_dim, got strides {q.stride()} and {k.stride()}")
+    if q.dtype not in ROTARY_DTYPES or k.dtype != q.dtype:
+        raise ValueError(f"q and k must share a dtype among float32, float16, bfloat16, got {q.dtype}, {k.dtype}")
+    if positions.dtype != torch.int64 or positions.shape != (num_tokens,):
+        got = f"{positions.dtype} {tuple(positions.shape)}"
+        raise ValueError(f"positions must be int64 [{num_tokens}], got {got}")
+    if cos.dim() != 2 or cos.shape[1] != head_dim:
+        raise ValueError(f"cos must be [max_positions, {head_dim}], got {tuple(cos.shape)}")
+    if sin.shape != cos.shape:
+        raise ValueError(f"sin {tuple(sin.shape)} must have cos's shape {tuple(cos.shape)}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dtype != q.dtype:
+            raise ValueError(f"{name} dtype {table.dtype} must be q's dtype {q.dtype}")
+        if table.stride(1) != 1:
+            raise ValueError(f"{name} needs unit stride along head_dim, got strides {table.stride()}")
