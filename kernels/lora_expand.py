@@ -48,7 +48,7 @@ def _lora_expand_kernel(
     v_ptr,  # float32 [split_k, num_tokens, R]: the shrink kernel's partial sums
     stride_v_split,
     stride_v_tok,
-    split_k,  # partials to sum (<= SPLIT_K)
+    split_k,  # partials to sum
     pool_ptr,  # one pool layer, flat: Bᵀ rows live at the offsets in b_rows
     y_ptr,  # [num_tokens, ≥ Σ out_m], unit column stride (updated in place)
     stride_y,
@@ -65,7 +65,6 @@ def _lora_expand_kernel(
     width2,
     FIRST_MODULE: tl.constexpr,
     NUM_SLICES: tl.constexpr,  # 1 to 3 consecutive modules
-    SPLIT_K: tl.constexpr,  # split_k rounded up to a power of two
     ROW_ALIGN: tl.constexpr,  # every Bᵀ row offset is a multiple of this
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -81,9 +80,9 @@ def _lora_expand_kernel(
 
     tokens = first + tl.arange(0, BLOCK_M)
     tok_mask = tokens < end
-    splits = tl.arange(0, SPLIT_K)
-    # v_rows: [SPLIT_K, BLOCK_M, 1] pointers; every split's partial of a chunk is read in one load, then summed
-    v_rows = v_ptr + splits[:, None, None] * stride_v_split + tokens.to(tl.int64)[None, :, None] * stride_v_tok
+    # v_rows: [BLOCK_M, 1] pointers; the split partials of a chunk are summed one split at a time (loading all
+    # splits at once held split_k × BLOCK_M × BLOCK_R floats per program: register pressure with prompt tiles)
+    v_rows = v_ptr + tokens.to(tl.int64)[:, None] * stride_v_tok
     y_rows = y_ptr + tokens.to(tl.int64)[:, None] * stride_y
     n = n0 + tl.arange(0, BLOCK_N)
     v_col = 0  # this module's first column in v: the ranks of the modules before it
@@ -106,8 +105,10 @@ def _lora_expand_kernel(
             for c in range(0, rank, BLOCK_R):
                 j = c + tl.arange(0, BLOCK_R)
                 j_mask = j < rank
-                v_mask = (splits < split_k)[:, None, None] & (tok_mask[:, None] & j_mask[None, :])[None, :, :]
-                vt = tl.sum(tl.load(v_rows + (v_col + j)[None, None, :], mask=v_mask, other=0.0), axis=0)
+                v_mask = tok_mask[:, None] & j_mask[None, :]
+                vt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                for sp in range(split_k):
+                    vt += tl.load(v_rows + sp * stride_v_split + (v_col + j)[None, :], mask=v_mask, other=0.0)
                 rows = tl.load(b_rows_ptr + row0 + j, mask=j_mask, other=0)
                 rows = tl.multiple_of(rows, ROW_ALIGN)
                 bt = tl.load(pool_ptr + rows[:, None] + n[None, :], mask=j_mask[:, None] & n_mask[None, :], other=0.0)
@@ -149,7 +150,7 @@ def lora_expand(
         v, v.stride(0), v.stride(1), v.shape[0], flat_layer, y, y.stride(0),
         tiles, meta.ranks, meta.scales, meta.row_start, meta.b_rows,
         *offsets, *widths,
-        FIRST_MODULE=first_module, NUM_SLICES=num_slices, SPLIT_K=triton.next_power_of_2(v.shape[0]),
+        FIRST_MODULE=first_module, NUM_SLICES=num_slices,
         ROW_ALIGN=meta.row_align,
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(y.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,

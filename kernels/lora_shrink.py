@@ -40,7 +40,7 @@ class ShrinkConfig:
     num_stages: int
 
 
-MAX_SPLIT_K = 16  # the expand kernel sums this many partials at most, in one load
+MAX_SPLIT_K = 16  # K splits at most: each adds a partial sum of v that the expand kernel reads back
 
 # Picked by the longest segment of the step: decode steps have one or a few tokens per adapter.
 DECODE = ShrinkConfig(16, 16, 256, 1024, 4, 2)

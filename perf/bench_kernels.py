@@ -503,7 +503,7 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_all(smoke: bool) -> tuple[Device, list[Row]]:
+def run_all(smoke: bool, only: str | None = None) -> tuple[Device, list[Row]]:
     if smoke:
         device = measure_device(copy_bytes=1 << 20, n=64)
         lcases, acases = lora_cases(TINY_MHA, TINY_GQA, 4, 20), attention_cases(TINY_MHA, TINY_GQA, 4, 64)
@@ -511,6 +511,10 @@ def run_all(smoke: bool) -> tuple[Device, list[Row]]:
         device = measure_device()
         lcases, acases = lora_cases(LLAMA_7B, GQA_8B, 64, 512), attention_cases(LLAMA_7B, GQA_8B, 64, 4096)
     logger.info("%s: copy %.0f GB/s, bf16 matmul %.0f TFLOP/s", device.name, device.copy_gbps, device.matmul_tflops)
+    if only == "lora":
+        acases = []
+    elif only == "attention":
+        lcases = []
     rows: list[Row] = []
     for make_lora in lcases:
         lcase = make_lora()
@@ -616,6 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="JSON file for the results")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one call each (CPU: Triton interpreter)")
     parser.add_argument("--tune", action="store_true", help="also sweep the hot kernels' configs (about 3 more min)")
+    parser.add_argument("--only", choices=("lora", "attention"), help="run only the LoRA or the attention cases")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if not torch.cuda.is_available():
@@ -624,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         DEVICE = torch.device("cpu")
     torch.manual_seed(0)
-    device, rows = run_all(args.smoke)
+    device, rows = run_all(args.smoke, args.only)
     checks = check_targets(rows)
     sys.stdout.write(table(rows))
     for check in checks:
