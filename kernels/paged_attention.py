@@ -49,7 +49,7 @@ def attention_config(element_size: int, max_q_len: int) -> AttentionConfig:
     return CONFIGS[(element_size, max_q_len <= SHORT_QUERY)]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     q_ptr,  # [num_tokens, heads, head_dim]
     stride_q_tok,

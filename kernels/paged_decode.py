@@ -39,7 +39,7 @@ class DecodeConfig:
 CONFIGS = {2: DecodeConfig(64, 256, 64, 8, 4, 3), 4: DecodeConfig(32, 256, 64, 8, 4, 2)}  # by element size
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "max_parts"])
 def _paged_decode_kernel(
     q_ptr,  # [num_tokens, heads, head_dim]: sequence i's query is row q_start[i]
     stride_q_tok,
