@@ -54,6 +54,7 @@ class LaunchOptions:
     chat_template: bool = False
     default_max_tokens: int | None = None
     lora_info_metric: bool = False
+    cancel_check_s: float | None = None
     adapter_admin: bool = True
     workspace: str | None = None
     log_verbose: int = 0
@@ -97,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--default-max-tokens", type=int, help="max_tokens of requests that give none")
     parser.add_argument("--lora-info-metric", action="store_true",
                         help="export vllm:lora_requests_info for the Gateway API Inference Extension")  # fmt: skip
+    parser.add_argument("--cancel-check-s", type=float,
+                        help="seconds between cancellation checks of each in-flight request (0.2)")  # fmt: skip
     parser.add_argument("--no-adapter-admin", action="store_true", help="refuse adapter load/unload/list requests")
     parser.add_argument("--workspace", help="folder for the rendered repository (default: a temporary folder)")
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
@@ -127,6 +130,7 @@ def parse_options(argv: Sequence[str] | None = None) -> LaunchOptions:
         chat_template=args.chat_template,
         default_max_tokens=args.default_max_tokens,
         lora_info_metric=args.lora_info_metric,
+        cancel_check_s=args.cancel_check_s,
         adapter_admin=not args.no_adapter_admin,
         workspace=args.workspace,
         log_verbose=args.log_verbose,
@@ -154,6 +158,8 @@ def repository_parameters(options: LaunchOptions, model_path: Path) -> dict[str,
     }
     if options.default_max_tokens is not None:
         slora["default_max_tokens"] = str(options.default_max_tokens)
+    if options.cancel_check_s is not None:
+        slora["cancel_check_s"] = str(options.cancel_check_s)
     text = {"tokenizer": engine.get("tokenizer", str(model_path))}
     return {
         "slora": slora,

@@ -10,6 +10,8 @@ exactly (see detokenizer.py): a list of text spans, each a window of token ids a
     text_spans     INT32 [k, 3]           (num_ids, start, length) of each span
 
 plus `prefix_text` (non-empty once, in the first response: what to put before the output, e.g. the prompt).
+Only the outputs the client asked for are built (Triton passes all of them when it names none): each output is
+one Triton tensor per response, and a token client that names output_ids alone skips the two string tensors.
 Plain numpy: the glue wraps the arrays into Triton tensors. Owned by one thread (the responder's).
 """
 
@@ -34,7 +36,7 @@ OUTPUT_NAMES = (
 
 @dataclass(frozen=True)
 class Reply:
-    arrays: dict[str, np.ndarray]  # output name → array, every name of OUTPUT_NAMES
+    arrays: dict[str, np.ndarray]  # output name → array, for each requested name of OUTPUT_NAMES
     final: bool
 
 
@@ -43,6 +45,7 @@ class ResponseStream:
     stream: bool
     arrival: float  # time.monotonic() when the request arrived
     prefix_text: str = ""
+    outputs: frozenset[str] = frozenset(OUTPUT_NAMES)  # the outputs to send
     first_token_at: float | None = None
     last_token_at: float | None = None
     latencies: list[tuple[str, float]] = field(default_factory=list)  # ("ttft" | "itl", seconds), drained by the caller
@@ -51,14 +54,18 @@ class ResponseStream:
 
     def add(self, output: RequestOutput, at: float) -> Reply | None:
         """Fold in one engine output produced at `at`; returns what to send now, if anything."""
-        if output.new_token_ids:
-            self._mark(at)
-        if self.stream:
-            return Reply(self._arrays([output]), output.finished)
-        self._pending.append(output)
-        if not output.finished:
+        return self.add_many([(output, at)])
+
+    def add_many(self, outputs: list[tuple[RequestOutput, float]]) -> Reply | None:
+        """Fold in consecutive engine outputs (with the time each was produced); a streaming request gets one
+        response for all of them (the responder merges outputs that queued up while it was busy)."""
+        for output, at in outputs:
+            if output.new_token_ids:
+                self._mark(at)
+        self._pending.extend(output for output, _ in outputs)
+        if not self._pending or not (self.stream or self._pending[-1].finished):
             return None
-        reply = Reply(self._arrays(self._pending), True)
+        reply = Reply(self._arrays(self._pending), self._pending[-1].finished)
         self._pending = []
         return reply
 
@@ -72,16 +79,24 @@ class ResponseStream:
 
     def _arrays(self, outputs: list[RequestOutput]) -> dict[str, np.ndarray]:
         ids = [t for o in outputs for t in o.new_token_ids]
-        spans = [o.span for o in outputs if o.span is not None and o.span.length > 0]
         last = outputs[-1]
-        prefix = "" if self._prefix_sent else self.prefix_text
-        self._prefix_sent = True
-        return {
-            "output_ids": np.asarray(ids, dtype=np.int32),
-            "finish_reason": np.asarray([(last.finish_reason or "").encode()], dtype=np.object_),
-            "text_span_ids": np.asarray([t for s in spans for t in s.ids], dtype=np.int32),
-            "text_spans": np.asarray([(len(s.ids), s.start, s.length) for s in spans], dtype=np.int32).reshape(-1, 3),
-            "num_input_tokens": np.asarray([last.num_prompt_tokens], dtype=np.uint32),
-            "num_output_tokens": np.asarray([len(ids)], dtype=np.uint32),
-            "prefix_text": np.asarray([prefix.encode()], dtype=np.object_),
-        }
+        arrays: dict[str, np.ndarray] = {}
+        wanted = self.outputs
+        if "output_ids" in wanted:
+            arrays["output_ids"] = np.asarray(ids, dtype=np.int32)
+        if "finish_reason" in wanted:
+            arrays["finish_reason"] = np.asarray([(last.finish_reason or "").encode()], dtype=np.object_)
+        if "text_span_ids" in wanted or "text_spans" in wanted:
+            spans = [o.span for o in outputs if o.span is not None and o.span.length > 0]
+            arrays["text_span_ids"] = np.asarray([t for s in spans for t in s.ids], dtype=np.int32)
+            rows = [(len(s.ids), s.start, s.length) for s in spans]
+            arrays["text_spans"] = np.asarray(rows, dtype=np.int32).reshape(-1, 3)
+        if "num_input_tokens" in wanted:
+            arrays["num_input_tokens"] = np.asarray([last.num_prompt_tokens], dtype=np.uint32)
+        if "num_output_tokens" in wanted:
+            arrays["num_output_tokens"] = np.asarray([len(ids)], dtype=np.uint32)
+        if "prefix_text" in wanted:
+            prefix = "" if self._prefix_sent else self.prefix_text
+            self._prefix_sent = True
+            arrays["prefix_text"] = np.asarray([prefix.encode()], dtype=np.object_)
+        return {name: array for name, array in arrays.items() if name in wanted}

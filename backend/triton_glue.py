@@ -33,7 +33,7 @@ from slora.backend.request_inputs import (
     parse_adapter_command,
     parse_generate,
 )
-from slora.backend.response_stream import ResponseStream
+from slora.backend.response_stream import OUTPUT_NAMES, ResponseStream
 from slora.backend.serving_options import ServingOptions, model_config_parameters
 from slora.backend.stub_compat import prepare_stub
 from slora.backend.triton_errors import FINAL, error_code, send_error
@@ -106,7 +106,7 @@ class TritonPythonModel:
         that the requests after it are taken in meanwhile."""
         inputs = parse_generate(raw, self.options.default_max_tokens)
         request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
-        stream = ResponseStream(inputs.stream, arrival, inputs.prefix_text)
+        stream = ResponseStream(inputs.stream, arrival, inputs.prefix_text, requested_outputs(request))
         callback = self.responder.track(request_id, request, sender, stream)
 
         def submit() -> None:
@@ -159,3 +159,9 @@ def _send_error(sender: Any, exc: Exception) -> None:
     if code == pb_utils.TritonError.INTERNAL:
         logger.error("unexpected error while accepting a request", exc_info=exc)
     send_error(sender, str(exc), code)
+
+
+def requested_outputs(request: Any) -> frozenset[str]:
+    """The generation outputs the client asked for; all of them when it named none (or only unknown ones)."""
+    names = frozenset(request.requested_output_names() or ()) & frozenset(OUTPUT_NAMES)
+    return names or frozenset(OUTPUT_NAMES)

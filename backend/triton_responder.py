@@ -2,7 +2,9 @@
 
 The engine thread only queues outputs here (its callbacks must be quick). This thread owns every in-flight
 request's response sender, so no sender is ever used by two threads. Each request ends with exactly one
-response flagged FINAL: its last tokens, or an error (engine failure, abort, cancellation).
+response flagged FINAL: its last tokens, or an error (engine failure, abort, cancellation). Outputs of one
+request that queued up while this thread was busy go out as one response: under load there are fewer sends
+(each costs a message to the server and holds the GIL the engine thread needs), and none is ever delayed.
 
 Cancellation: a client that cancels its gRPC stream or drops its HTTP SSE connection marks the request
 cancelled in the server. In-flight requests are checked every `check_s` (each check is a cheap message to the
@@ -27,6 +29,8 @@ from slora.backend.triton_errors import FINAL, error_code, send_error
 from slora.backend.triton_metrics import NullMetrics
 
 logger = logging.getLogger(__name__)
+
+MAX_BATCH = 4096  # outputs taken from the queue at once
 
 
 @dataclass
@@ -76,38 +80,68 @@ class Responder:
     def _run(self) -> None:
         swept_at = time.monotonic()
         while True:
-            item: tuple[_InFlight, RequestOutput, float] | None | bool
-            try:
-                item = self._inbox.get(timeout=self._check_s)
-            except queue.Empty:
-                item = False  # no output for a while: time to sweep
-            if item is None:
+            batch, stopping = self._next_batch()
+            self._deliver_batch(batch)
+            if stopping:
                 return
-            if isinstance(item, tuple):
-                self._deliver(*item)
             if time.monotonic() - swept_at >= self._check_s:
                 self._sweep()
                 swept_at = time.monotonic()
 
-    def _deliver(self, entry: _InFlight, output: RequestOutput, at: float) -> None:
+    def _next_batch(self) -> tuple[list[tuple[_InFlight, RequestOutput, float]], bool]:
+        """What is queued now (waiting up to check_s for the first), and whether the stop marker came."""
+        batch: list[tuple[_InFlight, RequestOutput, float]] = []
         try:
-            if output.finish_reason == "error":
-                code = error_code(output.exception) if output.exception else pb_utils.TritonError.INTERNAL
-                send_error(entry.sender, f"request failed: {output.error}", code)
-            elif output.finish_reason == "abort":
-                self._send_abort(entry)
+            item = self._inbox.get(timeout=self._check_s)
+        except queue.Empty:
+            return batch, False  # no output for a while: time to sweep
+        while item is not None:
+            batch.append(item)
+            if len(batch) >= MAX_BATCH:
+                return batch, False
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return batch, False
+        return batch, True
+
+    def _deliver_batch(self, batch: list[tuple[_InFlight, RequestOutput, float]]) -> None:
+        """Outputs that queued up for one request go out as one response (fewer sends when the responder lags)."""
+        by_request: dict[str, tuple[_InFlight, list[tuple[RequestOutput, float]]]] = {}
+        for entry, output, at in batch:
+            by_request.setdefault(entry.request_id, (entry, []))[1].append((output, at))
+        for entry, outputs in by_request.values():
+            self._deliver(entry, outputs)
+
+    def _deliver(self, entry: _InFlight, outputs: list[tuple[RequestOutput, float]]) -> None:
+        last, at = outputs[-1]
+        try:
+            if last.finish_reason in ("error", "abort"):
+                if len(outputs) > 1:
+                    self._reply(entry, outputs[:-1])  # tokens produced before the failure still go out
+                self._send_failure(entry, last)
             else:
-                reply = entry.stream.add(output, at)
-                self._observe(entry.stream)
-                if reply is not None:
-                    self._send(entry, reply)
+                self._reply(entry, outputs)
         except Exception:
             logger.exception("sending a response of request %s failed", entry.request_id)
-        if output.finished:
-            self._metrics.count_finished(output.finish_reason or "error")
+        if last.finished:
+            self._metrics.count_finished(last.finish_reason or "error")
             self.forget(entry.request_id)
         elif at - entry.checked_at >= self._check_s:
             self._check(entry)
+
+    def _reply(self, entry: _InFlight, outputs: list[tuple[RequestOutput, float]]) -> None:
+        reply = entry.stream.add_many(outputs)
+        self._observe(entry.stream)
+        if reply is not None:
+            self._send(entry, reply)
+
+    def _send_failure(self, entry: _InFlight, output: RequestOutput) -> None:
+        if output.finish_reason == "error":
+            code = error_code(output.exception) if output.exception else pb_utils.TritonError.INTERNAL
+            send_error(entry.sender, f"request failed: {output.error}", code)
+        else:
+            self._send_abort(entry)
 
     def _send(self, entry: _InFlight, reply: Reply) -> None:
         tensors = [pb_utils.Tensor(name, array) for name, array in reply.arrays.items()]

@@ -68,6 +68,7 @@ class Client:
 
         self._grpc = grpc_aio.InferenceServerClient(url)
         self.infer_input = grpc_aio.InferInput
+        self.requested_output = grpc_aio.InferRequestedOutput
 
     def stream_infer(self, iterator: Any) -> Any:
         return self._grpc.stream_infer(iterator)
@@ -163,7 +164,16 @@ class StreamReplay:
             self.states[rid] = StreamState(self.max_tokens or r.output_len, prompt_text)
             self.open.add(rid)
             queues[i % len(queues)].put_nowait(
-                encode(r, rid, self.target, self.io, self.client.infer_input, self.text_of, self.max_tokens)
+                encode(
+                    r,
+                    rid,
+                    self.target,
+                    self.io,
+                    self.client.infer_input,
+                    self.text_of,
+                    self.max_tokens,
+                    getattr(self.client, "requested_output", None),
+                )  # fmt: skip
             )
         self._all_sent.set()
         if len(self.open) <= self.unattributed_errors:

@@ -32,6 +32,7 @@ import numpy as np
 from perf.workload import TraceRequest
 
 KINDS = ("tokens", "text")
+TOKEN_OUTPUTS = ("output_ids", "finish_reason")  # what the tokens target reads
 ADAPTER_VIA = ("input", "parameter", "sampling")
 
 
@@ -85,11 +86,14 @@ def encode(
     infer_input: Callable[[str, list[int], str], Any],
     text_of: Callable[[list[int]], str] | None = None,
     max_tokens: int | None = None,
+    requested_output: Callable[[str], Any] | None = None,
 ) -> dict[str, Any]:
     """The dict that tritonclient's `stream_infer` iterator yields for one request.
 
     `infer_input` is tritonclient's InferInput class (passed in so that tests need no server); `text_of` renders
     prompt ids as text for the `text` kind; `max_tokens` overrides the request's output length (warm-up).
+    With `requested_output` (tritonclient's InferRequestedOutput), a `tokens` request names the outputs it reads,
+    TOKEN_OUTPUTS, as a token client would; the server then builds no text outputs for it.
     """
     sampling = {**request.sampling(), **({"max_tokens": max_tokens} if max_tokens else {})}
     tensors: dict[str, np.ndarray] = {}
@@ -123,7 +127,11 @@ def encode(
         tensor = infer_input(name, list(array.shape), _datatype(array))
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
-    return {"model_name": target.model, "inputs": inputs, "request_id": request_id, "parameters": parameters or None}
+    request_dict = {"model_name": target.model, "inputs": inputs, "request_id": request_id,
+                    "parameters": parameters or None}  # fmt: skip
+    if requested_output is not None and target.kind == "tokens":
+        request_dict["outputs"] = [requested_output(name) for name in TOKEN_OUTPUTS]
+    return request_dict
 
 
 def _datatype(array: np.ndarray) -> str:

@@ -129,6 +129,34 @@ def test_unstreamed_request_gets_one_response_with_every_span() -> None:
     assert reply.arrays["num_output_tokens"].tolist() == [2] and reply.arrays["num_input_tokens"].tolist() == [3]
 
 
+def test_queued_outputs_of_a_stream_merge_into_one_response() -> None:
+    """Outputs that queued up while the responder was busy: one response, every token, per-token latencies."""
+    stream = ResponseStream(stream=True, arrival=0.0, prefix_text="P")
+    reply = stream.add_many([(_output([10], TextSpan([10], 0, 2)), 0.5), (_output([11], None), 0.6),
+                             (_output([12], TextSpan([11, 12], 2, 3)), 0.8)])  # fmt: skip
+    assert reply is not None and not reply.final
+    assert reply.arrays["output_ids"].tolist() == [10, 11, 12] and reply.arrays["num_output_tokens"].tolist() == [3]
+    assert reply.arrays["text_span_ids"].tolist() == [10, 11, 12]
+    assert reply.arrays["text_spans"].tolist() == [[1, 0, 2], [2, 2, 3]]
+    assert reply.arrays["prefix_text"].tolist() == [b"P"]
+    assert [k for k, _ in stream.latencies] == ["ttft", "itl", "itl"]
+    assert stream.latencies[2][1] == pytest.approx(0.2)
+    last = stream.add_many([(_output([13], None), 0.9), (_output([14], None, "length"), 1.0)])
+    assert last is not None and last.final and last.arrays["output_ids"].tolist() == [13, 14]
+    assert last.arrays["finish_reason"].tolist() == [b"length"] and last.arrays["prefix_text"].tolist() == [b""]
+
+
+def test_only_the_requested_outputs_are_built() -> None:
+    stream = ResponseStream(stream=True, arrival=0.0, outputs=frozenset({"output_ids", "finish_reason"}))
+    reply = stream.add(_output([10], TextSpan([10], 0, 2), "stop"), at=0.1)
+    assert reply is not None and set(reply.arrays) == {"output_ids", "finish_reason"}
+    spans_only = ResponseStream(stream=True, arrival=0.0, outputs=frozenset({"text_spans"}))
+    reply = spans_only.add(_output([10], TextSpan([10], 0, 2)), at=0.1)
+    assert (
+        reply is not None and set(reply.arrays) == {"text_spans"} and reply.arrays["text_spans"].tolist() == [[1, 0, 2]]
+    )
+
+
 def test_serving_options_split_engine_and_serving_keys(tmp_path) -> None:  # type: ignore[no-untyped-def]
     (tmp_path / "multi_lora.json").write_text("{}")
     parameters = model_config_parameters(

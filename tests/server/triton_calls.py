@@ -21,6 +21,7 @@ class Collected:
     """What one streamed request received."""
 
     token_ids: list[int] = field(default_factory=list)
+    output_names: set[str] = field(default_factory=set)  # every output name seen in its responses
     texts: list[str] = field(default_factory=list)
     finish_reason: str = ""
     responses: int = 0
@@ -80,6 +81,7 @@ def text_inputs(
 def _fold(collected: Collected, result: Any) -> None:
     response = result.get_response()
     collected.responses += 1
+    collected.output_names.update(output.name for output in response.outputs)
     ids = result.as_numpy("output_ids")
     if ids is not None:
         collected.token_ids += ids.tolist()
@@ -99,8 +101,12 @@ def run_streams(
     requests: dict[str, list[grpcclient.InferInput]],
     timeout_s: float = 240.0,
     parameters: dict[str, Any] | None = None,
+    outputs: list[str] | None = None,
 ) -> dict[str, Collected]:
-    """Send every request on one gRPC stream and collect each one's responses until its FINAL flag."""
+    """Send every request on one gRPC stream and collect each one's responses until its FINAL flag.
+
+    `outputs` names the outputs to ask for (default: none named, so the server sends all of them)."""
+    requested = [grpcclient.InferRequestedOutput(name) for name in outputs] if outputs else None
     results = {request_id: Collected() for request_id in requests}
     responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
@@ -108,7 +114,7 @@ def run_streams(
     try:
         for request_id, inputs in requests.items():
             client.async_stream_infer(model, inputs, request_id=request_id, parameters=parameters,
-                                      enable_empty_final_response=True)  # fmt: skip
+                                      outputs=requested, enable_empty_final_response=True)  # fmt: skip
         deadline = time.monotonic() + timeout_s
         while not all(r.final or r.error for r in results.values()):
             result, error = responses.get(timeout=max(deadline - time.monotonic(), 0.1))
