@@ -439,12 +439,19 @@ def adapters(ranks: list[int]) -> list[tuple[int, ...]]:
     return [(r,) * len(LORA_MODULES) for r in ranks]
 
 
+S1 = (8, 8, 8, 8, 0, 0, 0)  # rank 8 on q, k, v, o (perf/make_adapters.py's S1)
+
+
 def lora_cases(mha: Model, gqa: Model, n: int, prompt: int) -> list[Callable[[], LoraCase]]:
-    """n requests decode (n adapters or 4), and a mixed step of 4 prompts of `prompt` tokens + n/2 decodes."""
+    """n requests decode (n adapters or 4), a mixed step of 4 prompts of `prompt` tokens + n/2 decodes, and the
+    engine's S1 mixed step (S1 n = 2000 in perf/RESULTS.md): 4 prompts of `prompt` tokens + 3n decodes, each
+    request with its own S1 adapter."""
     mixed = [MIXED_RANKS[i % len(MIXED_RANKS)] for i in range(n + 4)]
     decode = [(i, 1) for i in range(n)]
     mixed_step = [(i, prompt) for i in range(4)] + [(4 + i, 1) for i in range(n // 2)]
+    s1_step = [(i, prompt) for i in range(4)] + [(4 + i, 1) for i in range(3 * n)]
     return [
+        lambda: lora_case(f"S1 mixed 4x{prompt} prompt + {3 * n} decode, r8 q,k,v,o", mha, [S1] * (4 + 3 * n), s1_step),
         lambda: lora_case(f"decode {n} req, {n} adapters r16", mha, adapters([16] * n), decode),
         lambda: lora_case(f"decode {n} req, {n} adapters mixed r1-128", mha, adapters(mixed[:n]), decode),
         lambda: lora_case(f"decode {n} req, 4 adapters r64", mha, adapters([64] * 4), [(i % 4, 1) for i in range(n)]),
