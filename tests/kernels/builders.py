@@ -28,6 +28,18 @@ HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
 
+@dataclass(frozen=True)
+class Heads:
+    """Attention head counts of a test case (query heads, kv heads, head_dim)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    def __str__(self) -> str:
+        return f"{self.heads}x{self.kv_heads}x{self.head_dim}"
+
+
 def gpu_only(test: Callable[..., None]) -> Callable[..., None]:
     """Full shapes run on the GPU only; the CPU interpreter takes the small cases."""
     return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")(test))

@@ -7,7 +7,6 @@ scrambled order; metadata comes from build_batch. Block sizes 4, 8, 16 and 32; G
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -20,19 +19,16 @@ from slora.kernels.kv_write import write_kv  # noqa: E402
 from slora.kernels.paged_attention import AttentionConfig, paged_attention  # noqa: E402
 from slora.kernels.paged_decode import DecodeConfig, paged_decode_attention  # noqa: E402
 from slora.kernels.triton_ops import TritonOps  # noqa: E402
-from tests.kernels.builders import DEVICE, assert_close, attention_step, gpu_only, scrambled_pool  # noqa: E402
+from tests.kernels.builders import (  # noqa: E402
+    DEVICE,
+    Heads,
+    assert_close,
+    attention_step,
+    gpu_only,
+    scrambled_pool,
+)
 
 BLOCK_SIZES = (4, 8, 16, 32)
-
-
-@dataclass(frozen=True)
-class Heads:
-    heads: int
-    kv_heads: int
-    head_dim: int
-
-    def __str__(self) -> str:
-        return f"{self.heads}x{self.kv_heads}x{self.head_dim}"
 
 
 GQA = Heads(4, 2, 16)

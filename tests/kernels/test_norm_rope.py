@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -24,7 +23,7 @@ from slora.kernels.norm import rms_norm  # noqa: E402
 from slora.kernels.norm_ref import rms_norm_ref  # noqa: E402
 from slora.kernels.rotary import apply_rotary_  # noqa: E402
 from slora.kernels.rotary_ref import apply_rotary_ref  # noqa: E402
-from tests.kernels.builders import DEVICE, gpu_only  # noqa: E402
+from tests.kernels.builders import DEVICE, Heads, gpu_only  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # One unit in the last place, relative to the value: float32 a few ulps (1.2e-7 each), the half types 1 ulp.
@@ -129,16 +128,6 @@ def test_rms_norm_full_shapes(hidden: int, dtype: torch.dtype, with_residual: bo
 
 
 # ---------------------------------------------------------------- rotary
-
-
-@dataclass(frozen=True)
-class Heads:
-    heads: int
-    kv_heads: int
-    head_dim: int
-
-    def __str__(self) -> str:
-        return f"{self.heads}x{self.kv_heads}x{self.head_dim}"
 
 
 # GQA, MHA, a head_dim whose half is not a power of two, and enough heads for several (partial) blocks per token.
