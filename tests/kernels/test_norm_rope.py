@@ -8,10 +8,8 @@ whose v part must come back untouched; positions are scrambled, some repeated.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-import numpy as np
 import pytest
 import torch
 
@@ -32,34 +30,6 @@ CPU_HIDDEN = (576, 2048)
 FULL_HIDDEN = (576, 2048, 4096, 5120, 8192)
 CPU_TOKENS = (1, 3, 17)
 EPS = 1e-5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_rounds_bf16_to_nearest() -> Iterator[None]:
-    """Make the CPU interpreter round float32 → bfloat16 to nearest even, as the GPU and torch do.
-
-    Triton 3.9's interpreter truncates that cast (toward zero), which would make every bf16 result of these
-    kernels differ from torch's by up to an ulp. Undone after this module. (Belongs beside conftest.py's patch.)
-    """
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        yield
-        return
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
-
-    cast_impl = InterpreterBuilder.cast_impl
-
-    def cast(self: InterpreterBuilder, src: TensorHandle, dst_type: tl.dtype) -> TensorHandle:
-        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
-            return cast_impl(self, src, dst_type)
-        bits = np.asarray(src.data, dtype=np.float32).view(np.uint32)
-        rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16
-        quiet_nan = (bits >> 16) | np.uint32(0x40)
-        return TensorHandle(np.where(np.isnan(src.data), quiet_nan, rounded).astype(np.uint16), tl.bfloat16)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(InterpreterBuilder, "cast_impl", cast)
-        yield
 
 
 def assert_within_ulps(actual: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor, ulps: float) -> None:
