@@ -63,3 +63,6 @@ class ModelRunner:
             resident = s.request.resident
             if resident is not None and resident.ready is not None:
                 stream.wait_event(resident.ready)
+                # Everything after this on the compute stream follows the copy: no later step (or eviction)
+                # needs to wait again, so each adapter costs one wait, not one per sequence per step.
+                resident.ready = None
