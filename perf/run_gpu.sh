@@ -14,7 +14,8 @@
 #   serving-s1  engine S1 n=5, n=2000; served `slora` n=5, n=2000; served `ensemble` n=2000               [~8 min]
 #   peft        engine S1 n=5, n=100; PEFT S1 n=5, n=100 (bounded prefixes)                               [~6 min]
 #   served      engine S1 n=2000 (and base model); served `slora` n=2000 (adapters preloaded at start); perf_analyzer slora  [~6 min]
-#   checks      kernel and engine tests on the GPU, then perf.bench_decode_step (CUDA graphs, batch 1/8/64)  [~8 min]
+#   checks      kernel and engine tests on the GPU, then perf.bench_decode_step (CUDA graphs, batch 1/8/64) and
+#               perf.bench_host_step (host time of a 256-sequence decode step)                          [~8 min]
 # Several suites in one call run one after the other under one time budget (BUDGET_S); later ones are skipped
 # when the time is gone, and the results of every finished run are kept.
 #
@@ -269,8 +270,12 @@ suite() {
       root=$(adapters S1)
       # shellcheck disable=SC2086
       SLORA_ALLOW_NO_DEFAULT_MODEL=1 step -m pytest -q -p no:cacheprovider $CHECK_PATHS -k "$CHECK_K"
-      (( DECODE_STEP )) && step -m perf.bench_decode_step --model "$MODEL" --load-format dummy --adapter-root "$root" \
-        --batch 1 8 64 --out "$OUT/decode_step.json" ;;
+      if (( DECODE_STEP )); then
+        step -m perf.bench_decode_step --model "$MODEL" --load-format dummy --adapter-root "$root" \
+          --batch 1 8 64 --out "$OUT/decode_step.json"
+        step -m perf.bench_host_step --model "$MODEL" --adapter-root "$root" --device "$DEVICE" --seqs 256 \
+          --prompt-len 300 --out "$OUT/host_step.json"
+      fi ;;
     peft)
       s1_100=$(trace s1 100)
       engine "$KERNEL" S1 "$s1_5" "$s1_100"

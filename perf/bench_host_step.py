@@ -1,0 +1,116 @@
+"""Host time of an engine decode step: everything but the forward (scheduling, batch and metadata building,
+sampling, token bookkeeping), with the model's forward replaced by one that returns zero logits.
+
+On the GPU this host work runs between CUDA-graph replays while the GPU idles (about 7 ms of a 27 ms S1 decode
+step of ~208 requests in perf/RESULTS.md), so it is worth measuring on its own, on any machine:
+
+    python -m perf.bench_host_step --model /tmp/slora-perf/model --adapter-root /tmp/slora-perf/adapters/S1 \\
+        --seqs 256 --prompt-len 300 --out host_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from slora.backend.batch import ForwardBatch
+from slora.backend.config import EngineConfig
+from slora.backend.engine import LLMEngine
+from slora.backend.page_pool import PagePool
+from slora.backend.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+VOCAB = 1024  # width of the stand-in logits (sampling cost grows with it; the model's vocab is not needed)
+
+
+@dataclass(frozen=True)
+class HostStep:
+    seqs: int
+    adapters: int
+    median_ms: float
+    repeats_ms: list[float]
+
+
+def fill(engine: LLMEngine, seqs: int, prompt_len: int, adapter_names: list[str]) -> None:
+    """`seqs` requests (adapters cycled; none when the list is empty), prefilled with the real forward."""
+    room = engine.max_model_len - prompt_len
+    if room < 2:
+        raise ValueError(f"prompt_len {prompt_len} leaves no room to decode in the model's {engine.max_model_len}")
+    greedy = SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True)
+    for i in range(seqs):
+        adapter = adapter_names[i % len(adapter_names)] if adapter_names else None
+        prompt = [3 + (i * 7919 + j) % 500 for j in range(prompt_len)]
+        engine.add_request(prompt, adapter, greedy, detokenize=False)
+    while any(r.num_computed < len(r.token_ids) - 1 for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+
+
+def stub_forward(engine: LLMEngine) -> None:
+    def forward(batch: ForwardBatch, pool: PagePool) -> torch.Tensor:
+        return torch.zeros((len(batch.sampled), VOCAB), device=pool.storage.device)
+
+    engine.runner.model.forward = forward  # type: ignore[method-assign]
+    engine.runner.graphs = None
+
+
+def measure(engine: LLMEngine, steps: int, repeats: int) -> list[float]:
+    """Milliseconds per step of `repeats` runs of `steps` decode steps each."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        times.append(1000 * (time.perf_counter() - start) / steps)
+    return times
+
+
+def run(args: argparse.Namespace) -> HostStep:
+    root = Path(args.adapter_root) if args.adapter_root else None
+    config = EngineConfig(model=args.model, load_format="dummy", device=args.device, kernel_backend="torch",
+                          adapter_root=str(root) if root else None, max_num_seqs=args.seqs,
+                          max_batch_tokens=max(2048, args.seqs))  # fmt: skip
+    engine = LLMEngine(config)
+    names = sorted(p.name for p in root.iterdir() if (p / "adapter_config.json").is_file()) if root else []
+    names = names[: args.adapters]
+    fill(engine, args.seqs, args.prompt_len, names)
+    stub_forward(engine)
+    measure(engine, args.steps, 1)  # warm
+    times = measure(engine, args.steps, args.repeats)
+    return HostStep(args.seqs, len(names), statistics.median(times), [round(t, 3) for t in times])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="model folder (weights are random: load_format=dummy)")
+    parser.add_argument("--adapter-root", help="adapter folders; without it the requests use the base model")
+    parser.add_argument("--adapters", type=int, default=1 << 30, help="use at most this many of them")
+    parser.add_argument("--seqs", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", type=Path)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> HostStep:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = parse_args(argv)
+    result = run(args)
+    logger.info("host-only decode step, %d sequences, %d adapters: median %.2f ms (runs %s)",
+                result.seqs, result.adapters, result.median_ms, result.repeats_ms)  # fmt: skip
+    if args.out is not None:
+        args.out.write_text(json.dumps(asdict(result), indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
