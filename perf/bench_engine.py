@@ -40,6 +40,7 @@ from perf.workload import Trace, TraceRequest, load_trace
 from slora.backend.config import EngineConfig, parse_size
 from slora.backend.engine import LLMEngine
 from slora.backend.errors import EngineOverloadedError, SloraError
+from slora.kernels.jit_stats import compiled_variants
 
 logger = logging.getLogger(__name__)
 
@@ -253,9 +254,11 @@ def run_one(
     warm_up(engine, trace, options)
     evict_all_adapters(engine)
     before = engine.stats()
+    compiled_before = sum(compiled_variants().values())
     replay = Replay(engine, trace, options)
     duration = replay.run()
     after = engine.stats()
+    compiles = sum(compiled_variants().values()) - compiled_before
     metrics = summarize(list(replay.records.values()), duration, options.window_fraction)
     metrics.update(
         engine_steps=replay.steps,
@@ -267,6 +270,7 @@ def run_one(
         preemptions=after.preemptions - before.preemptions,
         preload_s=preload_s,
         step_kinds={kind: tally.summary() for kind, tally in sorted(replay.kinds.items())},
+        triton_compiles=compiles,  # kernel variants compiled inside the clock (the warm-up missed them)
     )
     options_info = {**asdict(options), "mode": spec.mode, "engine": _engine_info(engine)}
     records = list(replay.records.values())

@@ -1,0 +1,46 @@
+"""How many variants of the project's Triton kernels have been compiled in this process.
+
+Triton compiles a kernel once per specialization (constexprs, integer-argument classes, dtypes). A compile inside
+a measured run costs ~0.5-2 s on the H200 host, so the benchmarks record this count before and after each run:
+a non-zero difference means the warm-up missed a launch shape. Reads Triton's per-device kernel caches; where
+the Triton version lays them out differently, or under the interpreter (nothing is compiled), it counts 0.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+KERNELS = {
+    "slora.kernels.decode_reduce": "_decode_reduce_kernel",
+    "slora.kernels.kv_write": "_kv_write_kernel",
+    "slora.kernels.lora_expand": "_lora_expand_kernel",
+    "slora.kernels.lora_shrink": "_lora_shrink_kernel",
+    "slora.kernels.norm": "_rms_norm_kernel",
+    "slora.kernels.paged_attention": "_paged_attention_kernel",
+    "slora.kernels.paged_decode": "_paged_decode_kernel",
+    "slora.kernels.rotary": "_rotary_kernel",
+}
+
+
+def compiled_variants() -> dict[str, int]:
+    """Kernel name → compiled variants so far, for the kernels whose modules are imported."""
+    counts = {}
+    for module_name, kernel_name in KERNELS.items():
+        try:
+            kernel = getattr(importlib.import_module(module_name), kernel_name)
+        except ImportError:
+            continue
+        counts[kernel_name] = _count(kernel)
+    return counts
+
+
+def _count(kernel: Any) -> int:
+    caches = getattr(kernel, "device_caches", None)
+    if not isinstance(caches, dict):
+        return 0
+    total = 0
+    for entry in caches.values():
+        if isinstance(entry, tuple) and entry and isinstance(entry[0], dict):
+            total += len(entry[0])  # the kernel cache comes first in triton 3.x's per-device tuple
+    return total
