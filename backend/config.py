@@ -42,6 +42,7 @@ class EngineConfig:
     prefetch_adapters: int = 8  # adapters of queued requests loaded ahead into free pages
     kernel_backend: str = "auto"  # auto | torch | triton | bmm (S-LoRA's padded-rank baseline)
     cuda_graphs: bool = False  # replay decode steps as captured CUDA graphs (CUDA + triton kernels; cuda_graphs.py)
+    warmup: bool = False  # run synthetic batches at start, so kernels compile before the first request (warmup.py)
     seed: int = 0  # for requests that give no seed
 
     def __post_init__(self) -> None:

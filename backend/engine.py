@@ -32,6 +32,7 @@ from slora.backend.request import FinishReason, Request
 from slora.backend.sampling_params import SamplingParams
 from slora.backend.scheduler import Scheduler, SchedulerLimits
 from slora.backend.startup import build_components
+from slora.backend.warmup import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class LLMEngine:
         self.finished_requests = 0
         if self.config.preload_adapters:
             self.store.preload()
+        if self.config.warmup:
+            warm_up(self)
 
     # ---- requests -------------------------------------------------------------------------------------------
 

@@ -158,7 +158,7 @@ start_server() {  # start_server SETTING: slora-serve in the background, its log
   local root opts=()
   root=$(adapters "$1")
   # Every adapter is read into host memory before the server reports ready (S-LoRA keeps them all in host memory).
-  for opt in load_format=dummy host_budget_bytes=$HOST_BUDGET preload_adapters=true $ENGINE_OPTS; do
+  for opt in load_format=dummy host_budget_bytes=$HOST_BUDGET preload_adapters=true warmup=true $ENGINE_OPTS; do
     opts+=(--engine-option "$opt")
   done
   log "starting slora-serve (adapters $root)"

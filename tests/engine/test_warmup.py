@@ -1,0 +1,48 @@
+"""`warmup=true`: synthetic batches at start (with host-resident adapters), then an idle, empty engine that
+generates exactly what an engine without warm-up generates."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from slora.backend.config import EngineConfig
+from slora.backend.engine import LLMEngine
+from slora.backend.page_pool import PageKind
+from slora.backend.sampling_params import SamplingParams
+from tests.engine.conftest import ModelWithAdapters
+
+
+def _engine(model: ModelWithAdapters, warmup: bool) -> LLMEngine:
+    config = EngineConfig(model=str(model.base), adapter_root=str(model.adapter_root), device="cpu", dtype="float32",
+                          page_size=8, pool_bytes=4 << 20, max_num_seqs=12, max_batch_tokens=48,
+                          preload_adapters=True, warmup=warmup)  # fmt: skip
+    return LLMEngine(config)
+
+
+def test_warm_engine_is_idle_and_generates_as_a_cold_one(
+    llama: ModelWithAdapters, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="slora.backend.warmup"):
+        warm = _engine(llama, warmup=True)
+    assert "warm-up: 4 waves" in caplog.text
+    assert warm.generated_tokens > 0 and warm.finished_requests == 1 + 8 + 12 + 12  # waves capped at max_num_seqs
+    assert not warm.requests and not warm.scheduler.has_work()
+    assert warm.pool.count(PageKind.KV) == 0 and warm.pool.count(PageKind.ADAPTER) == 0
+    cold = _engine(llama, warmup=False)
+    prompts = [[5, 9, 14, 2, 7], [3] * 30, [11, 12]]
+    adapters = [llama.adapters[0], None, llama.adapters[2]]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    warm_logits, cold_logits = _logits(warm, prompts, adapters, greedy), _logits(cold, prompts, adapters, greedy)
+    assert len(warm_logits) == len(cold_logits)
+    for got, want in zip(warm_logits, cold_logits):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _logits(engine: LLMEngine, prompts: list[list[int]], adapters: list, greedy: SamplingParams) -> list:  # type: ignore[type-arg]
+    logits: list[torch.Tensor] = []
+    engine.runner.logits_hook = lambda x: logits.append(x.detach().clone())
+    engine.generate(prompts, adapters, greedy)
+    return logits
