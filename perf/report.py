@@ -162,6 +162,28 @@ def runs_table(runs: list[Run]) -> list[str]:
     return lines
 
 
+def steps_table(runs: list[Run]) -> list[str]:
+    """Engine runs' steps by kind (graph decode, eager decode, mixed) and compiles inside the clock."""
+    lines = ["| run | graph steps: n, mean ms (seqs) | eager decode steps | mixed steps: n, mean ms (seqs, tokens) "
+             "| Triton compiles in the run |", "|---|---|---|---|---|"]  # fmt: skip
+    for run in runs:
+        m = run["metrics"]
+        kinds = m.get("step_kinds")
+        if not kinds:
+            continue
+        compiles = m.get("triton_compiles")
+        graph, decode, mixed = (_step_cell(kinds.get(k), k == "mixed") for k in ("graph", "decode", "mixed"))
+        lines.append(f"| {run['name']} | {graph} | {decode} | {mixed} | {'–' if compiles is None else compiles} |")
+    return lines if len(lines) > 2 else []
+
+
+def _step_cell(tally: dict[str, float] | None, tokens: bool) -> str:
+    if not tally:
+        return "–"
+    extra = f", {tally['mean_tokens']:.0f}" if tokens else ""
+    return f"{tally['steps']:.0f}, {tally['mean_ms']:.1f} ({tally['mean_seqs']:.0f}{extra})"
+
+
 def checks_table(checks: list[Check]) -> list[str]:
     lines = ["| target | run | compared with | measured | goal | met |", "|---|---|---|---|---|---|"]
     for c in checks:
@@ -179,7 +201,11 @@ def report(*results: Path) -> str:
     envs = sorted({(r["env"].get("commit"), r["env"].get("device"), r["env"].get("date_utc", "")[:10]) for r in runs})
     header = [f"# Results of {', '.join(p.name for p in results)}", ""]
     header += [f"- commit `{c}` on {d}, {day}" for c, d, day in envs]
-    return "\n".join([*header, "", "## Targets", "", *checks_table(checks), "", "## Runs", "", *runs_table(runs)])
+    steps = steps_table(runs)
+    sections = [*header, "", "## Targets", "", *checks_table(checks), "", "## Runs", "", *runs_table(runs)]
+    if steps:
+        sections += ["", "## Engine steps by kind", "", *steps]
+    return "\n".join(sections)
 
 
 def main(argv: list[str] | None = None) -> None:

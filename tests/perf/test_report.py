@@ -78,3 +78,23 @@ def test_runs_of_several_files_are_compared(results: Path, tmp_path: Path) -> No
     append_runs(other, [_run("p-n5", "peft", 5, "lora", 1.0, "s1-n5", "peft")])
     text = report(results, other)
     assert "| vs-peft | e-n5#2 | p-n5#2 | 29.000 x | >= 30 x | NO |" in text
+
+
+def test_engine_steps_by_kind_and_compiles_are_tabled(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    run = _run("e-n2000", "engine", 2000, "lora", 12.0, "s1-n2000", "engine")
+    run["metrics"]["step_kinds"] = {
+        "graph": {"steps": 626, "seconds": 13.2, "mean_ms": 21.14, "mean_seqs": 120.3, "mean_tokens": 120.3},
+        "mixed": {"steps": 189, "seconds": 25.8, "mean_ms": 136.68, "mean_seqs": 230.7, "mean_tokens": 907.3},
+    }
+    run["metrics"]["triton_compiles"] = 3
+    served = _run("s-n2000", "serving", 2000, "lora", 9.0, "s1-n2000", "serving-slora")  # no steps: no row
+    append_runs(path, [run, served])
+    text = report(path)
+    assert "## Engine steps by kind" in text
+    assert "| e-n2000 | 626, 21.1 (120) | – | 189, 136.7 (231, 907) | 3 |" in text
+    assert "| s-n2000 |" not in text.split("## Engine steps by kind")[1]
+
+
+def test_no_steps_section_without_step_kinds(results: Path) -> None:
+    assert "## Engine steps by kind" not in report(results)
