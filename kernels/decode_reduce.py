@@ -16,8 +16,12 @@ import triton.language as tl
 
 from slora.kernels.metadata import AttentionMeta
 
+# Partition lanes of the reduce: one compiled variant covers up to this many partitions per sequence (masked
+# lanes cost nothing worth counting), instead of one variant per power of two as contexts grow.
+MIN_BLOCK_P = 16
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["max_parts"])
 def _decode_reduce_kernel(
     part_m_ptr,  # float32 [num_seqs, heads, max_parts]
     part_l_ptr,  # float32 [num_seqs, heads, max_parts]
@@ -70,6 +74,7 @@ def decode_reduce(
     _decode_reduce_kernel[(num_seqs, heads)](
         part_m, part_l, part_acc, out, out.stride(0), out.stride(1), meta.q_start, meta.seq_lens,
         max_parts, partition_size,
-        HEAD_DIM=head_dim, BLOCK_P=triton.next_power_of_2(max_parts), BLOCK_D=triton.next_power_of_2(head_dim),
+        HEAD_DIM=head_dim, BLOCK_P=max(MIN_BLOCK_P, triton.next_power_of_2(max_parts)),
+        BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=4,
     )  # fmt: skip

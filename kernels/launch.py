@@ -1,8 +1,9 @@
 """Small helpers shared by the kernel launchers.
 
 Triton compiles one variant of a kernel per class of its integer arguments (equal to 1, a multiple of 16, other).
-Arguments that change from step to step without any gain from that (K-split counts, block-table widths) are
-listed in each kernel's do_not_specialize, so that a server does not stall on compiles as its batches change.
+Arguments that change from step to step without any gain from that (K-split counts, block-table widths,
+strides that scale with the number of tokens, partition counts) are listed in each kernel's do_not_specialize,
+so that a server does not stall on compiles as its batches change.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def expand_config(max_segment_len: int) -> ExpandConfig:
     return DECODE if max_segment_len <= DECODE.block_m else PREFILL
 
 
-@triton.jit(do_not_specialize=["split_k"])
+@triton.jit(do_not_specialize=["split_k", "stride_v_split"])
 def _lora_expand_kernel(
     v_ptr,  # float32 [split_k, num_tokens, R]: the shrink kernel's partial sums
     stride_v_split,

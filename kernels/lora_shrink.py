@@ -51,7 +51,7 @@ def shrink_config(max_segment_len: int) -> ShrinkConfig:
     return DECODE if max_segment_len <= DECODE.block_m else PREFILL
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_v_split"])  # num_tokens × rank: its parity changes every step
 def _lora_shrink_kernel(
     x_ptr,  # [num_tokens, in_features], unit column stride
     stride_x,  # row stride of x
