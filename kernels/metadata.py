@@ -14,19 +14,14 @@ import torch
 TILE_COLUMNS = 4  # segment, first row, end row (of the segment), tag
 
 
-def segment_tiles(starts: list[int], block: int, device: torch.device, tags: list[int] | None = None) -> torch.Tensor:
-    """int32 [num_tiles, 4]: (segment g, first row, starts[g+1], tags[g]) of every run of up to `block` rows.
-
-    Segment g covers rows starts[g]:starts[g+1]; empty segments get no tile. Kernels launch one program per tile,
-    so that no program straddles two segments and none is spent on rows of no segment; the segment's end and tag
-    (its adapter, for LoRA) ride along, which saves each program dependent loads. Tags default to g.
-    """
-    tag = tags if tags is not None else list(range(len(starts) - 1))
-    return tiles_of([(g, starts[g], starts[g + 1], tag[g]) for g in range(len(starts) - 1)], block, device)
-
-
 def tiles_of(segments: list[tuple[int, int, int, int]], block: int, device: torch.device) -> torch.Tensor:
-    """The tiles (see segment_tiles) of the given (segment, start row, end row, tag) segments, in their order."""
+    """int32 [num_tiles, 4]: (segment g, first row, end, tag) of every run of up to `block` rows of each
+    (g, start row, end row, tag) segment, in their order.
+
+    Empty segments get no tile. Kernels launch one program per tile, so that no program straddles two segments and
+    none is spent on rows of no segment; the segment's end and tag (its adapter, for LoRA) ride along, which saves
+    each program dependent loads.
+    """
     tiles = [(g, row, end, tag) for g, start, end, tag in segments for row in range(start, end, block)]
     return torch.tensor(tiles, dtype=torch.int32).view(-1, TILE_COLUMNS).to(device, non_blocking=True)
 
@@ -37,6 +32,52 @@ def row_alignment(rows: torch.Tensor, cap: int = 16) -> int:
     while align > 1 and bool((rows % align).any()):
         align //= 2
     return align
+
+
+SHORT_SEGMENT = 16  # segments of up to this many tokens (decodes) are launched apart, with decode-shaped tiles
+
+
+@dataclass
+class SegmentGroup:
+    """Segments of a step launched together, so with one tile shape (picked from their longest segment).
+
+    A segment is a run of rows: one sequence's new tokens (attention) or one adapter's tokens (LoRA). A step that
+    mixes decodes (one token each) with prompts (hundreds) splits its segments into two groups (length_groups):
+    tiles sized for the prompts would spend a 64-row tile, and its programs, on each single decode token.
+    """
+
+    segments: list[tuple[int, int, int, int]]  # (segment g, start row, end row, tag: its adapter for LoRA)
+    device: torch.device
+    static: StaticBounds | None = None
+    _tiles: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+
+    @functools.cached_property
+    def max_segment_len(self) -> int:
+        if self.static is not None:
+            return 1
+        return max((end - start for _, start, end, _ in self.segments), default=0)
+
+    def tiles(self, block: int) -> torch.Tensor:
+        """Tiles of up to `block` rows of one segment, with its tag (see tiles_of), built once."""
+        if self.static is not None:
+            if block != self.static.tile_block:
+                raise ValueError(f"the static tiles were built for {self.static.tile_block}-token tiles, not {block}")
+            return self.static.tiles
+        if block not in self._tiles:
+            self._tiles[block] = tiles_of(self.segments, block, self.device)
+        return self._tiles[block]
+
+
+def length_groups(segments: list[tuple[int, int, int, int]], device: torch.device, split: bool) -> list[SegmentGroup]:
+    """The segments as one group, or (split) those of up to SHORT_SEGMENT rows apart from longer ones when the step
+    has both kinds."""
+    short = [seg for seg in segments if seg[2] - seg[1] <= SHORT_SEGMENT]
+    if not split or len(short) in (0, len(segments)):
+        return [SegmentGroup(segments, device)]
+    return [
+        SegmentGroup(short, device),
+        SegmentGroup([seg for seg in segments if seg[2] - seg[1] > SHORT_SEGMENT], device),
+    ]
 
 
 @dataclass
@@ -58,10 +99,7 @@ class AttentionMeta:
     seq_lens_host: list[int]
     block_tables_host: list[list[int]]
 
-    _tiles: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
-    _split_tiles: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict, repr=False, compare=False
-    )
+    _groups: dict[bool, list[SegmentGroup]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -72,27 +110,16 @@ class AttentionMeta:
         return self.max_q_len == 1
 
     def tiles(self, block: int) -> torch.Tensor:
-        """Query tiles of up to `block` tokens of one sequence (see segment_tiles), built once per step."""
-        if block not in self._tiles:
-            self._tiles[block] = segment_tiles(self.q_start_host, block, self.q_start.device)
-        return self._tiles[block]
+        """Query tiles of up to `block` tokens of one sequence (see tiles_of), built once per step."""
+        return self.groups(split=False)[0].tiles(block)
 
-    def split_tiles(self, short: int, short_block: int, long_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tiles of the sequences with at most `short` new tokens, tiles of the others), each in its own block.
-
-        A step mixing decodes with prompts launches them apart: prompt-sized query tiles would spend their
-        rows, and their dot products, on one decode token each.
-        """
-        key = (short, short_block, long_block)
-        if key not in self._split_tiles:
+    def groups(self, split: bool = True) -> list[SegmentGroup]:
+        """The sequences in launch groups (see length_groups): decodes apart from prompts when a step has both."""
+        if split not in self._groups:
             starts = self.q_start_host
             seqs = [(i, starts[i], starts[i + 1], i) for i in range(len(starts) - 1)]
-            device = self.q_start.device
-            self._split_tiles[key] = (
-                tiles_of([q for q in seqs if q[2] - q[1] <= short], short_block, device),
-                tiles_of([q for q in seqs if q[2] - q[1] > short], long_block, device),
-            )
-        return self._split_tiles[key]
+            self._groups[split] = length_groups(seqs, self.q_start.device, split)
+        return self._groups[split]
 
 
 @dataclass(frozen=True)
@@ -107,39 +134,6 @@ class StaticBounds:
     max_rank: int  # the largest rank of any module of any adapter (EngineConfig.max_lora_rank)
     tiles: torch.Tensor  # int32 [max_tiles, 4], refilled before each replay
     tile_block: int  # tokens per tile the buffer was built for
-
-
-SHORT_SEGMENT = 16  # segments of up to this many tokens (decodes) are launched apart, with decode-shaped tiles
-
-
-@dataclass
-class SegmentGroup:
-    """Segments of a step launched together, so with one tile shape (picked from their longest segment).
-
-    A step that mixes decodes (one token per adapter) with prompts (hundreds) splits its segments into two
-    groups: tiles sized for the prompts would spend a 64-row tile, and its programs, on each single decode token.
-    """
-
-    segments: list[tuple[int, int, int, int]]  # (segment g, start token, end token, adapter)
-    device: torch.device
-    static: StaticBounds | None = None
-    _tiles: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
-
-    @functools.cached_property
-    def max_segment_len(self) -> int:
-        if self.static is not None:
-            return 1
-        return max((end - start for _, start, end, _ in self.segments), default=0)
-
-    def tiles(self, block: int) -> torch.Tensor:
-        """Token tiles of up to `block` tokens of one segment, tagged with its adapter (see segment_tiles)."""
-        if self.static is not None:
-            if block != self.static.tile_block:
-                raise ValueError(f"the static tiles were built for {self.static.tile_block}-token tiles, not {block}")
-            return self.static.tiles
-        if block not in self._tiles:
-            self._tiles[block] = tiles_of(self.segments, block, self.device)
-        return self._tiles[block]
 
 
 @dataclass
@@ -172,16 +166,12 @@ class LoraMeta:
     row_align: int = 1
     static: StaticBounds | None = None  # set for a CUDA-graph step: launch shapes come from here, not the step
     # Built on first use and kept for the step (every layer asks the same): no per-layer Python loops.
-    _groups: dict[str, list[SegmentGroup]] = field(default_factory=dict, repr=False, compare=False)
+    _groups: dict[bool, list[SegmentGroup]] = field(default_factory=dict, repr=False, compare=False)
     _fused_rank: dict[tuple[int, int], int] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_segments(self) -> int:
         return len(self.seg_adapter_host)
-
-    @property
-    def max_segment_len(self) -> int:
-        return self.whole().max_segment_len
 
     def fused_rank(self, first_module: int, num_modules: int) -> int:
         """The largest total rank of modules first_module .. first_module + num_modules - 1 over the adapters."""
@@ -194,7 +184,7 @@ class LoraMeta:
         return self._fused_rank[key]
 
     def tiles(self, block: int) -> torch.Tensor:
-        """Token tiles of up to `block` tokens of one segment, tagged with its adapter (see segment_tiles)."""
+        """Token tiles of up to `block` tokens of one segment, tagged with its adapter (see tiles_of)."""
         return self.whole().tiles(block)
 
     def whole(self) -> SegmentGroup:
@@ -202,20 +192,12 @@ class LoraMeta:
         return self.groups(split=False)[0]
 
     def groups(self, split: bool = True) -> list[SegmentGroup]:
-        """The segments in launch groups: short ones (decodes) apart from long ones, when a step has both."""
-        key = "split" if split else "whole"
-        if key not in self._groups:
-            self._groups[key] = self._make_groups(split)
-        return self._groups[key]
-
-    def _make_groups(self, split: bool) -> list[SegmentGroup]:
-        device = self.seg_start.device
-        if self.static is not None:
-            return [SegmentGroup([], device, self.static)]
-        starts = self.seg_start_host
-        segments = [(g, starts[g], starts[g + 1], a) for g, a in enumerate(self.seg_adapter_host)]
-        short = [seg for seg in segments if seg[2] - seg[1] <= SHORT_SEGMENT]
-        if not split or len(short) in (0, len(segments)):
-            return [SegmentGroup(segments, device)]
-        long = [seg for seg in segments if seg[2] - seg[1] > SHORT_SEGMENT]
-        return [SegmentGroup(short, device), SegmentGroup(long, device)]
+        """The segments in launch groups (see length_groups): decodes apart from prompts when a step has both."""
+        if split not in self._groups:
+            if self.static is not None:
+                self._groups[split] = [SegmentGroup([], self.seg_start.device, self.static)]
+            else:
+                starts = self.seg_start_host
+                segments = [(g, starts[g], starts[g + 1], a) for g, a in enumerate(self.seg_adapter_host)]
+                self._groups[split] = length_groups(segments, self.seg_start.device, split)
+        return self._groups[split]

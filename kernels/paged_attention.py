@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from slora.kernels.launch import LOG2E, dot_precision
-from slora.kernels.metadata import AttentionMeta
+from slora.kernels.metadata import SHORT_SEGMENT, AttentionMeta
 
 
 @dataclass(frozen=True)
@@ -42,11 +42,8 @@ CONFIGS = {
 }
 
 
-SHORT_QUERY = 16  # sequences with up to this many new tokens take the short-query tiles
-
-
 def attention_config(element_size: int, max_q_len: int) -> AttentionConfig:
-    return CONFIGS[(element_size, max_q_len <= SHORT_QUERY)]
+    return CONFIGS[(element_size, max_q_len <= SHORT_SEGMENT)]
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -135,7 +132,9 @@ def paged_attention(
     num_tokens, heads, head_dim = q.shape
     kv_heads, page_size = kv_layer.shape[3], kv_layer.shape[2]
     out = torch.empty_like(q)
-    for cfg, tiles in _launches(q.element_size(), meta, config):
+    for group in meta.groups(split=config is None):  # decodes apart from prompts, each with its own tile shape
+        cfg = config or attention_config(q.element_size(), group.max_segment_len)
+        tiles = group.tiles(cfg.block_m)
         if tiles.shape[0] == 0:
             continue
         grid = (int(tiles.shape[0]), heads)
@@ -150,18 +149,6 @@ def paged_attention(
             DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out
-
-
-def _launches(
-    element_size: int, meta: AttentionMeta, config: AttentionConfig | None
-) -> list[tuple[AttentionConfig, torch.Tensor]]:
-    """(config, query tiles) of each launch: one, or short query runs (decodes) apart from long ones (prompts)."""
-    if config is not None or meta.max_q_len <= SHORT_QUERY:
-        cfg = config or attention_config(element_size, meta.max_q_len)
-        return [(cfg, meta.tiles(cfg.block_m))]
-    short_cfg, long_cfg = attention_config(element_size, 1), attention_config(element_size, meta.max_q_len)
-    short, long = meta.split_tiles(SHORT_QUERY, short_cfg.block_m, long_cfg.block_m)
-    return [(short_cfg, short), (long_cfg, long)]
 
 
 def check_attention_args(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta) -> None:
