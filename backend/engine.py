@@ -165,6 +165,12 @@ class LLMEngine:
             self.check_idle_integrity()
         return outputs
 
+    def evict_adapters(self) -> None:
+        """Empty the pool of (unpinned) adapters, so that the next requests start cold on the GPU; the engine must
+        be idle."""
+        self.cache.evict(self.pool.num_pages)
+        self.check_idle_integrity()
+
     def check_idle_integrity(self) -> None:
         """With nothing running, every page is free or holds an unpinned adapter."""
         self.pool.check_integrity()

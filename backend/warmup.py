@@ -38,8 +38,7 @@ def warm_up(engine: LLMEngine) -> float:
     for size, lengths in waves:
         prompts = [synthetic_prompt(i, lengths[i % len(lengths)], vocab) for i in range(size)]
         engine.generate(prompts, [adapters[i % len(adapters)] for i in range(size)], greedy)
-    engine.cache.evict(engine.pool.num_pages)
-    engine.check_idle_integrity()
+    engine.evict_adapters()
     seconds = time.perf_counter() - start
     logger.info("warm-up: %d waves, adapters %s, prompts of %d/%d/%d tokens in %.1fs", len(waves),
                 [a for a in adapters if a], short, medium, chunked, seconds)  # fmt: skip

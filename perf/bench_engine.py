@@ -121,12 +121,6 @@ def warm_up(engine: LLMEngine, trace: Trace, options: ReplayOptions) -> None:
     logger.info("warm-up: waves of %s requests in %.1fs", options.warmup_requests, time.perf_counter() - start)
 
 
-def evict_all_adapters(engine: LLMEngine) -> None:
-    """Empty the pool of (unpinned) adapters so that the next run starts cold on the GPU."""
-    engine.cache.evict(engine.pool.num_pages)
-    engine.check_idle_integrity()
-
-
 @dataclass
 class StepTally:
     """Steps of one kind (graph, eager decode, mixed): how many, their time, their sequences and tokens."""
@@ -252,7 +246,7 @@ def run_one(
     logger.info("run %s: %s (%d requests, mode %s)", name, spec.trace_path, len(trace), spec.mode)
     preload_s = preload_adapters(engine, trace.adapters(), options.preload_workers) if options.preload else 0.0
     warm_up(engine, trace, options)
-    evict_all_adapters(engine)
+    engine.evict_adapters()
     before = engine.stats()
     compiled_before = sum(compiled_variants().values())
     replay = Replay(engine, trace, options)
@@ -372,7 +366,7 @@ def profile_pass(engine: LLMEngine, spec: RunSpec, starts: list[int], count: int
         profiler.finish()
     for rid in ids:
         engine.abort(rid)
-    evict_all_adapters(engine)
+    engine.evict_adapters()
 
 
 if __name__ == "__main__":

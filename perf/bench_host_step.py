@@ -25,6 +25,7 @@ from slora.backend.config import EngineConfig
 from slora.backend.engine import LLMEngine
 from slora.backend.page_pool import PagePool
 from slora.backend.sampling_params import SamplingParams
+from slora.backend.warmup import synthetic_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def fill(engine: LLMEngine, seqs: int, prompt_len: int, adapter_names: list[str]
     greedy = SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True)
     for i in range(seqs):
         adapter = adapter_names[i % len(adapter_names)] if adapter_names else None
-        prompt = [3 + (i * 7919 + j) % 500 for j in range(prompt_len)]
+        prompt = synthetic_prompt(i, prompt_len, engine.spec.vocab_size)
         engine.add_request(prompt, adapter, greedy, detokenize=False)
     while any(r.num_computed < len(r.token_ids) - 1 for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
