@@ -32,8 +32,7 @@ def numpy_problem(version: str | None = None) -> str | None:
         import numpy
 
         version = numpy.__version__
-    major = int(version.split(".")[0])
-    if major < 2 or os.environ.get(ALLOW_ENV) == "1":
+    if _major(version) < 2 or os.environ.get(ALLOW_ENV) == "1":
         return None
     return (
         f"NumPy {version} is what the Python-backend stub would import, but Triton 2.51's stub is built against "
@@ -68,7 +67,7 @@ def hide_packages_broken_by_numpy() -> list[str]:
     """
     import numpy
 
-    if int(numpy.__version__.split(".")[0]) >= 2:
+    if _major(numpy.__version__) >= 2:
         return []
     try:
         import sklearn.metrics  # noqa: F401
@@ -85,6 +84,10 @@ def hide_packages_broken_by_numpy() -> list[str]:
         )  # fmt: skip
         return list(OPTIONAL_PACKAGES)
     return []
+
+
+def _major(version: str) -> int:
+    return int(version.split(".")[0])
 
 
 def prepare_stub() -> None:
