@@ -154,14 +154,20 @@ class Replay:
             for r in trace.requests
         }
         self.open: set[str] = set()
-        self.steps = 0
-        self.step_time = 0.0
-        self.kinds: dict[str, StepTally] = {}
+        self.kinds: dict[str, StepTally] = {}  # steps by kind (graph, eager decode, mixed)
         self.refusals = 0
         self.start = 0.0
 
     def now(self) -> float:
         return time.perf_counter() - self.start
+
+    @property
+    def steps(self) -> int:
+        return sum(tally.steps for tally in self.kinds.values())
+
+    @property
+    def step_time(self) -> float:
+        return sum(tally.seconds for tally in self.kinds.values())
 
     def run(self) -> float:
         """Replay until every request finished or the time limit; returns the duration (to the last finish)."""
@@ -204,8 +210,6 @@ class Replay:
         began = time.perf_counter()
         outputs = self.engine.step()
         elapsed = time.perf_counter() - began
-        self.step_time += elapsed
-        self.steps += 1
         shape = self.engine.runner.last_step
         self.kinds.setdefault(shape.kind, StepTally()).add(elapsed, shape.num_seqs, shape.num_tokens)
         t = self.now()
