@@ -64,9 +64,7 @@ def time_decode(engine: LLMEngine, batch: int, adapters: list[str], steps: int) 
     """Milliseconds per decode step with `batch` running requests (all prefilled first)."""
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     prompt = [(7 * i) % engine.spec.vocab_size for i in range(PROMPT_TOKENS)]
-    ids = [engine.add_request(prompt, adapters[i % len(adapters)] if adapters else None, params) for i in range(batch)]
-    while any(r.num_computed < r.num_prompt for r in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
+    ids = start_prefilled(engine, [prompt] * batch, adapters, params, detokenize=True)
     engine.step()  # the first step of every bucket may capture or compile
     _sync(engine.device)
     start = time.perf_counter()
@@ -77,6 +75,20 @@ def time_decode(engine: LLMEngine, batch: int, adapters: list[str], steps: int) 
     for request_id in ids:
         engine.abort(request_id)
     return elapsed * 1000
+
+
+def start_prefilled(
+    engine: LLMEngine, prompts: list[list[int]], adapters: list[str], params: SamplingParams, detokenize: bool
+) -> list[str]:
+    """Add one request per prompt (adapters cycled; the base model when there are none) and step the engine until
+    every prompt is computed, so that the next steps only decode. Returns the request ids."""
+    ids = [
+        engine.add_request(p, adapters[i % len(adapters)] if adapters else None, params, detokenize=detokenize)
+        for i, p in enumerate(prompts)
+    ]
+    while any(r.num_computed < r.num_prompt for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    return ids
 
 
 def adapter_dirs(root: str, count: int) -> list[str]:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from perf.bench_decode_step import adapter_dirs, start_prefilled
 from slora.backend.batch import ForwardBatch
 from slora.backend.config import EngineConfig
 from slora.backend.engine import LLMEngine
@@ -46,12 +47,8 @@ def fill(engine: LLMEngine, seqs: int, prompt_len: int, adapter_names: list[str]
     if room < 2:
         raise ValueError(f"prompt_len {prompt_len} leaves no room to decode in the model's {engine.max_model_len}")
     greedy = SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True)
-    for i in range(seqs):
-        adapter = adapter_names[i % len(adapter_names)] if adapter_names else None
-        prompt = synthetic_prompt(i, prompt_len, engine.spec.vocab_size)
-        engine.add_request(prompt, adapter, greedy, detokenize=False)
-    while any(r.num_computed < len(r.token_ids) - 1 for r in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
+    prompts = [synthetic_prompt(i, prompt_len, engine.spec.vocab_size) for i in range(seqs)]
+    start_prefilled(engine, prompts, adapter_names, greedy, detokenize=False)
 
 
 def stub_forward(engine: LLMEngine) -> None:
@@ -79,8 +76,7 @@ def run(args: argparse.Namespace) -> HostStep:
                           adapter_root=str(root) if root else None, max_num_seqs=args.seqs,
                           max_batch_tokens=max(2048, args.seqs))  # fmt: skip
     engine = LLMEngine(config)
-    names = sorted(p.name for p in root.iterdir() if (p / "adapter_config.json").is_file()) if root else []
-    names = names[: args.adapters]
+    names = adapter_dirs(str(root), args.adapters) if root else []
     fill(engine, args.seqs, args.prompt_len, names)
     stub_forward(engine)
     measure(engine, args.steps, 1)  # warm
