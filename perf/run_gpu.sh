@@ -13,6 +13,7 @@
 #   bmm         padded-BMM LoRA (kernel_backend=bmm) and triton side by side, S1 n=5 and n=2000          [~6 min]
 #   serving-s1  engine S1 n=5, n=2000; served `slora` n=5, n=2000; served `ensemble` n=2000               [~8 min]
 #   peft        engine S1 n=5, n=100; PEFT S1 n=5, n=100 (bounded prefixes)                               [~6 min]
+#   peft-only   PEFT S1 n=5, n=100 alone (run after engine-s1 in the same call)                          [~3 min]
 #   served      engine S1 n=2000 (and base model); served `slora` n=2000 (adapters preloaded at start); perf_analyzer slora  [~6 min]
 #   checks      kernel and engine tests on the GPU, then perf.bench_decode_step (CUDA graphs, batch 1/8/64) and
 #               perf.bench_host_step (host time of a 256-sequence decode step)                          [~8 min]
@@ -280,8 +281,11 @@ suite() {
       s1_100=$(trace s1 100)
       engine "$KERNEL" S1 "$s1_5" "$s1_100"
       peft "$s1_5" "$s1_100" ;;
+    peft-only)  # after engine-s1 in the same call, which has the engine runs on the same n = 5 and 100 traces
+      s1_100=$(trace s1 100)
+      peft "$s1_5" "$s1_100" ;;
     *)
-      log "unknown suite $1 (all, headline, engine-s1, engine-s2, bmm, serving-s1, served, checks, peft)"; return 2 ;;
+      log "unknown suite $1 (all, headline, engine-s1, engine-s2, bmm, serving-s1, served, checks, peft, peft-only)"; return 2 ;;
   esac
 }
 
