@@ -56,6 +56,7 @@ class LaunchOptions:
     lora_info_metric: bool = False
     cancel_check_s: float | None = None
     adapter_admin: bool = True
+    engine_process: bool = True
     workspace: str | None = None
     log_verbose: int = 0
     ready_timeout_s: float = 900.0
@@ -101,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cancel-check-s", type=float,
                         help="seconds between cancellation checks of each in-flight request (0.2)")  # fmt: skip
     parser.add_argument("--no-adapter-admin", action="store_true", help="refuse adapter load/unload/list requests")
+    parser.add_argument("--engine-in-stub", action="store_true",
+                        help="run the engine on a thread of the Python stub, not in a process of its own")  # fmt: skip
     parser.add_argument("--workspace", help="folder for the rendered repository (default: a temporary folder)")
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the models")
@@ -132,6 +135,7 @@ def parse_options(argv: Sequence[str] | None = None) -> LaunchOptions:
         lora_info_metric=args.lora_info_metric,
         cancel_check_s=args.cancel_check_s,
         adapter_admin=not args.no_adapter_admin,
+        engine_process=not args.engine_in_stub,
         workspace=args.workspace,
         log_verbose=args.log_verbose,
         ready_timeout_s=args.ready_timeout,
@@ -155,6 +159,7 @@ def repository_parameters(options: LaunchOptions, model_path: Path) -> dict[str,
         **engine,
         "adapter_admin": str(options.adapter_admin).lower(),
         "lora_info_metric": str(options.lora_info_metric).lower(),
+        "engine_process": str(options.engine_process).lower(),
     }
     if options.default_max_tokens is not None:
         slora["default_max_tokens"] = str(options.default_max_tokens)

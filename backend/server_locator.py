@@ -147,6 +147,7 @@ def _environment(wheel_libs: Path | None) -> dict[str, str]:
         "PYTHONPATH": _join(packages, os.environ.get("PYTHONPATH")),
         "SLORA_SITE_DIRS": os.pathsep.join(packages),
         "PATH": _join([str(Path(sys.executable).parent)], os.environ.get("PATH")),
+        "SLORA_PYTHON": sys.executable,  # the engine process's interpreter (engine_process.py)
     }
 
 

@@ -23,6 +23,7 @@ class ServingOptions:
     adapter_admin: bool = True  # accept adapter_command requests (load/unload/list)
     lora_info_metric: bool = False  # export vllm:lora_requests_info (Gateway API Inference Extension)
     cancel_check_s: float = 0.2  # how often in-flight requests are checked for client cancellation
+    engine_process: bool = True  # run the engine in a process of its own (else on a thread of the stub)
 
     def __post_init__(self) -> None:
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
@@ -37,7 +38,7 @@ class ServingOptions:
         if "default_max_tokens" in values:
             text = values.pop("default_max_tokens")
             serving["default_max_tokens"] = _int(text, "default_max_tokens") if text else None
-        for key in ("adapter_admin", "lora_info_metric"):
+        for key in ("adapter_admin", "lora_info_metric", "engine_process"):
             if key in values:
                 serving[key] = _bool(values.pop(key), key)
         if "cancel_check_s" in values:

@@ -1,11 +1,13 @@
-"""The `slora` Triton model: a decoupled Python-backend model that owns one engine in its stub process.
+"""The `slora` Triton model: a decoupled Python-backend model that serves one engine.
 
-    execute(requests) ──► parse (request_inputs) ──► EngineLoop.submit ──► engine thread: step, step, ...
-          │ returns at once                                              │ callbacks queue outputs
-          └─ bad request: one error response, FINAL                      ▼
-                                                     responder thread: responses (FINAL on the last),
-                                                     client cancellation → abort (pages freed)
+    execute(requests) ──► parse (request_inputs) ──► engine.submit ──► engine: step, step, ...
+          │ returns at once                                        │ one callback per request and step
+          └─ malformed request: one error response, FINAL          ▼
+                                              responder thread: responses (FINAL on the last; refusals by the
+                                              engine as errors), client cancellation → abort (pages freed)
 
+The engine runs in a process of its own by default (`engine_process=true`, engine_process.py), so that its
+Python work and the responder's do not share one GIL; `engine_process=false` runs it on a thread of the stub.
 Control requests (`adapter_command` input: list | load | unload) are answered from a worker thread with one
 response holding `adapter_result` (JSON). This module and the other `triton_*` modules are the only code that
 imports triton_python_backend_utils; the engine knows nothing of Triton.
@@ -24,9 +26,9 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from slora.backend.adapter_admin import run_adapter_command
 from slora.backend.engine import LLMEngine
-from slora.backend.engine_loop import EngineLoop
+from slora.backend.engine_process import EngineProcess
+from slora.backend.engine_service import EngineService, LocalEngine, Submission
 from slora.backend.request_inputs import (
     RawRequest,
     is_adapter_command,
@@ -43,8 +45,6 @@ from slora.backend.triton_responder import Responder
 
 logger = logging.getLogger(__name__)
 
-INTAKE_THREADS = 4  # requests whose adapter must first be read from disk are taken in off Triton's thread
-
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, Any]) -> None:
@@ -58,20 +58,18 @@ class TritonPythonModel:
             raise ValueError("the slora model must be decoupled (model_transaction_policy { decoupled: true })")
         version_dir = Path(args["model_repository"]) / str(args["model_version"])
         self.options = ServingOptions.from_parameters(model_config_parameters(model_config), version_dir)
-        logger.info("starting the engine: %s", self.options.engine)
+        where = "in a process of its own" if self.options.engine_process else "in the stub process"
+        logger.info("starting the engine %s: %s", where, self.options.engine)
         started = time.monotonic()
-        engine = LLMEngine(self.options.engine)
-        self.loop = EngineLoop(engine)
-        self.metrics = _metrics(self.options, engine)
-        self.loop.step_listeners.append(lambda _engine, _outputs: self.metrics.update_stats(self.loop.stats()))
-        self.responder = Responder(self.loop, self.metrics, self.options.cancel_check_s)
+        self.engine = _start_engine(self.options)
+        self.metrics = _metrics(self.options)
+        self.engine.on_stats(self.metrics.update_stats)
+        self.responder = Responder(self.engine, self.metrics, self.options.cancel_check_s)
         self.admin = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slora-admin")
-        self.intake = ThreadPoolExecutor(max_workers=INTAKE_THREADS, thread_name_prefix="slora-intake")
         self._ids = itertools.count()
-        self.loop.start()
+        info = self.engine.info
         logger.info("engine ready in %.1f s: %d pool pages, context %d tokens, %d adapters known",
-                    time.monotonic() - started, engine.pool.num_pages, engine.max_model_len,
-                    len(engine.list_adapters()))  # fmt: skip
+                    time.monotonic() - started, info.num_pages, info.max_model_len, info.adapters_known)  # fmt: skip
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -81,8 +79,7 @@ class TritonPythonModel:
     def finalize(self) -> None:
         logger.info("stopping the engine (%d requests in flight)", self.responder.in_flight())
         self.admin.shutdown(wait=True)
-        self.intake.shutdown(wait=True)
-        self.loop.stop()
+        self.engine.stop()
         self.responder.stop()
         self.metrics.close()
 
@@ -102,41 +99,34 @@ class TritonPythonModel:
             _send_error(sender, exc)
 
     def _submit(self, request: Any, sender: Any, raw: RawRequest, arrival: float) -> None:
-        """Hand a request to the engine; if its adapter must be read from disk, do that in the intake pool so
-        that the requests after it are taken in meanwhile."""
+        """Hand a well-formed request to the engine; what the engine refuses comes back through the responder."""
         inputs = parse_generate(raw, self.options.default_max_tokens)
         request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
         stream = ResponseStream(inputs.stream, arrival, inputs.prefix_text, requested_outputs(request))
         callback = self.responder.track(request_id, request, sender, stream)
-
-        def submit() -> None:
-            try:
-                self.loop.submit(
-                    inputs.prompt_ids, callback, inputs.adapter, inputs.sampling, request_id, inputs.wants_text
-                )
-            except Exception as exc:
-                self.responder.forget(request_id)
-                _send_error(sender, exc)
-
-        if inputs.adapter and not self.loop.engine.store.in_host(inputs.adapter):
-            self.intake.submit(submit)
-        else:
-            submit()
+        job = Submission(request_id, inputs.prompt_ids, inputs.adapter, inputs.sampling, inputs.wants_text)
+        self.engine.submit(job, callback)
 
     def _run_command(self, request: Any, sender: Any, command: Any) -> None:
         try:
             if not self.options.adapter_admin:
                 raise PermissionError("adapter commands are disabled on this server (adapter_admin=false)")
-            result = run_adapter_command(self.loop, command)
+            result = self.engine.command(command)
             tensor = pb_utils.Tensor("adapter_result", np.asarray([json.dumps(result).encode()], dtype=np.object_))
             sender.send(pb_utils.InferenceResponse(output_tensors=[tensor]), flags=FINAL)
         except Exception as exc:
             _send_error(sender, exc)
 
 
-def _metrics(options: ServingOptions, engine: LLMEngine) -> NullMetrics:
+def _start_engine(options: ServingOptions) -> EngineService:
+    if options.engine_process:
+        return EngineProcess(options.engine)
+    return LocalEngine(LLMEngine(options.engine))
+
+
+def _metrics(options: ServingOptions) -> NullMetrics:
     try:
-        return TritonMetrics(max_lora=engine.config.max_num_seqs, lora_info=options.lora_info_metric)
+        return TritonMetrics(max_lora=options.engine.max_num_seqs, lora_info=options.lora_info_metric)
     except pb_utils.TritonModelException as exc:  # the server runs with --allow-metrics=false
         logger.info("metrics are off: %s", exc)
         return NullMetrics()

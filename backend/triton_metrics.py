@@ -9,7 +9,7 @@
     slora_adapter_evictions_total                   counter    adapters evicted from the pool
     slora_preemptions_total                         counter    requests preempted (pool full) and recomputed
     slora_generated_tokens_total                    counter    tokens sampled
-    slora_requests_finished_total{reason=...}       counter    reason: length|stop|abort|error
+    slora_requests_finished_total{reason=...}       counter    reason: length|stop|abort|error|rejected
     slora_time_to_first_token_seconds               histogram  arrival at the model → first token
     slora_inter_token_latency_seconds               histogram  between two tokens of one request
     vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}   gauge (opt-in)
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
-FINISH_REASONS = ("length", "stop", "abort", "error")
+FINISH_REASONS = ("length", "stop", "abort", "error", "rejected")
 LORA_INFO_METRIC = "vllm:lora_requests_info"
 
 

@@ -22,7 +22,8 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from slora.backend.engine_loop import EngineLoop, OutputCallback
+from slora.backend.engine_loop import OutputCallback
+from slora.backend.engine_service import EngineService
 from slora.backend.outputs import RequestOutput
 from slora.backend.response_stream import Reply, ResponseStream
 from slora.backend.triton_errors import FINAL, error_code, send_error
@@ -44,8 +45,8 @@ class _InFlight:
 
 
 class Responder:
-    def __init__(self, loop: EngineLoop, metrics: NullMetrics, check_s: float = 0.2) -> None:
-        self._loop = loop
+    def __init__(self, engine: EngineService, metrics: NullMetrics, check_s: float = 0.2) -> None:
+        self._engine = engine
         self._metrics = metrics
         self._check_s = check_s
         self._lock = threading.Lock()
@@ -116,7 +117,7 @@ class Responder:
     def _deliver(self, entry: _InFlight, outputs: list[tuple[RequestOutput, float]]) -> None:
         last, at = outputs[-1]
         try:
-            if last.finish_reason in ("error", "abort"):
+            if last.finish_reason in ("error", "abort", "rejected"):
                 if len(outputs) > 1:
                     self._reply(entry, outputs[:-1])  # tokens produced before the failure still go out
                 self._send_failure(entry, last)
@@ -137,8 +138,10 @@ class Responder:
             self._send(entry, reply)
 
     def _send_failure(self, entry: _InFlight, output: RequestOutput) -> None:
-        if output.finish_reason == "error":
-            code = error_code(output.exception) if output.exception else pb_utils.TritonError.INTERNAL
+        code = error_code(output.exception) if output.exception else pb_utils.TritonError.INTERNAL
+        if output.finish_reason == "rejected":  # refused before it ran: the message names what is wrong
+            send_error(entry.sender, output.error or "request refused", code)
+        elif output.finish_reason == "error":
             send_error(entry.sender, f"request failed: {output.error}", code)
         else:
             self._send_abort(entry)
@@ -177,4 +180,4 @@ class Responder:
         if cancelled:
             logger.info("request %s was cancelled by the client; aborting it", entry.request_id)
             entry.cancelled = True
-            self._loop.abort(entry.request_id)
+            self._engine.abort(entry.request_id)

@@ -215,9 +215,10 @@ perf_analyzer() {  # perf_analyzer TARGET: streaming, one adapter id per request
   local left=$(( $(remaining) - 45 )) dir=$WORK/perf_analyzer
   if (( left < 60 )) || [[ -z ${PERF_ANALYZER:-} ]]; then log "SKIPPED perf_analyzer (time or binary missing)"; return 1; fi
   log "perf_analyzer $1 (up to ${left}s)"
-  PY=$PY OUT=$dir CONCURRENCY=${PA_CONCURRENCY:-64} ROWS=512 PROMPT_TOKENS=128 MAX_TOKENS=128 \
+  PY=$PY OUT=$dir CONCURRENCY=${PA_CONCURRENCY:-64} ROWS=512 PROMPT_TOKENS=128 MAX_TOKENS=128 REQUEST_COUNT=640 WARMUP=64 \
     timeout --kill-after=10 "$left" bash perf/perf_analyzer.sh "$1" >>"$LOG" 2>&1 || log "perf_analyzer exited with $?"
   [[ -f $dir/$1.csv ]] && cp "$dir/$1.csv" "$OUT/perf_analyzer_$1.csv"
+  [[ -f $dir/$1.txt ]] && cp "$dir/$1.txt" "$OUT/perf_analyzer_$1.txt"
 }
 
 peft() {  # peft TRACE...
