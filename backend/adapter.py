@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 
 from slora.backend.errors import AdapterError
@@ -202,8 +203,9 @@ def _collect(
         assert match is not None  # checked in _check_tensor
         pairs.setdefault((int(match[1]), match[3]), {})[match[4]] = tensor
     per_module: dict[str, dict[int, tuple[int, float]]] = {m: {} for m in LORA_MODULES}
+    weights = path / WEIGHTS_FILE
     for (layer, module), sides in sorted(pairs.items()):
-        where = f"adapter {name!r}: {path / WEIGHTS_FILE}: layer {layer} {module}"
+        where = f"adapter {name!r}: {weights}: layer {layer} {module}"
         if set(sides) != {"A", "B"}:
             raise AdapterError(f"{where} has lora_{''.join(sides)} without its lora_{'B' if 'A' in sides else 'A'}")
         rank = sides["A"].shape[0]
@@ -250,6 +252,16 @@ class _RowGroup:
         index = torch.arange(row, row + count, dtype=torch.int64)
         return (self.first_page + index // self.per_page) * page_elems + (index % self.per_page) * self.width
 
+    def pieces(self, row: int, count: int) -> list[tuple[int, int, int, int]]:
+        """Rows row .. row+count-1 of this group page by page: (page, first row in it, first of the rows, rows)."""
+        pieces, done = [], 0
+        while done < count:
+            page, start = divmod(row + done, self.per_page)
+            rows = min(count - done, self.per_page - start)
+            pieces.append((self.first_page + page, start, done, rows))
+            done += rows
+        return pieces
+
 
 def _layout(ranks: tuple[int, ...], spec: ModelSpec, geometry: PoolGeometry) -> list[_RowGroup]:
     """Group rows by width (so none straddles a page): per module, its A rows then its Bᵀ rows."""
@@ -288,24 +300,56 @@ def _fill_image(
     per_module: dict[str, dict[int, tuple[int, float]]],
     scales: tuple[float, ...],
 ) -> None:
-    """Write each group's rows for all layers at once: [layers, rows, width] → its pages of `image`."""
+    """Write each block's rows for all layers at once ([layers, rank, width]) straight into its group's pages.
+
+    A few large tensor operations per block, not several per layer and tensor: thousands of small operations per
+    adapter cost far more than its bytes, and their Python overhead holds the GIL, so threads cannot hide it.
+    """
     keys = {(int(match[1]), match[3], match[4]): k for k in tensors if (match := _KEY.match(k))}
-    num_layers, _, page_elems = image.shape
+    num_layers = image.shape[0]
     for group in groups:
-        rows = torch.zeros((num_layers, group.num_pages * group.per_page, group.width), dtype=image.dtype)
         row = 0
         for m, side, rank in group.blocks:
             module = LORA_MODULES[m]
-            for layer, (layer_rank, scale) in per_module[module].items():
-                key = keys[(layer, module, side)]
-                weight = tensors[key]
-                # A float64 sum is NaN or infinite exactly when some element is (it cannot overflow).
-                if not torch.isfinite(weight.sum(dtype=torch.float64)):
-                    raise AdapterError(f"tensor {key!r} holds NaN or infinite values")
-                if side == "B":
-                    weight = weight.t().to(torch.float32) * (scale / scales[m])  # Bᵀ [rank, out]; layer scale folded
-                rows[layer, row : row + layer_rank] = weight
+            block_keys = [keys[(layer, module, side)] for layer in per_module[module]]
+            weights = {layer: tensors[key] for layer, key in zip(per_module[module], block_keys)}
+            block = _stack_layers(weights, side, rank, num_layers)
+            # Any NaN or infinite element makes the sum NaN or infinite, so a finite sum clears the whole block.
+            # Otherwise (or a float64 block, whose sums may overflow) the exact check finds the tensor to name.
+            if block.dtype == torch.float64 or not torch.isfinite(block.sum()):
+                _check_finite(tensors, block_keys)
+            if side == "B":
+                block = _fold_layer_scales(block, per_module[module], scales[m])
+            elif block.dtype != image.dtype and block.element_size() == 2:
+                block = block.to(torch.float32)  # 16-bit to another 16-bit type: exact through float32, and faster
+            for page, start, first, count in group.pieces(row, rank):
+                rows = image[:, page, start * group.width : (start + count) * group.width]
+                rows.unflatten(1, (count, group.width)).copy_(block[:, first : first + count])
             row += rank
-        span = group.per_page * group.width
-        pages = slice(group.first_page, group.first_page + group.num_pages)
-        image[:, pages, :span] = rows.view(num_layers, group.num_pages, span)
+
+
+def _stack_layers(weights: dict[int, torch.Tensor], side: str, rank: int, num_layers: int) -> torch.Tensor:
+    """[layers, rank, width]: each layer's lora_A or lora_Bᵀ, zero rows past its rank and for layers it skips."""
+    rows = {layer: weight if side == "A" else weight.t() for layer, weight in weights.items()}
+    for layer, weight in rows.items():
+        if weight.shape[0] < rank:
+            rows[layer] = F.pad(weight, (0, 0, 0, rank - weight.shape[0]))
+    some = next(iter(rows.values()))
+    absent = some.new_zeros((rank, some.shape[1]))
+    return torch.stack([rows.get(layer, absent) for layer in range(num_layers)])
+
+
+def _fold_layer_scales(block: torch.Tensor, layers: dict[int, tuple[int, float]], scale: float) -> torch.Tensor:
+    """Bᵀ rows in float32, each layer's scale relative to the module's `scale` folded in."""
+    block = block.to(torch.float32)
+    ratios = [layers[layer][1] / scale if layer in layers else 1.0 for layer in range(block.shape[0])]
+    if any(ratio != 1.0 for ratio in ratios):
+        block = block * torch.tensor(ratios, dtype=torch.float32).view(-1, 1, 1)
+    return block
+
+
+def _check_finite(tensors: dict[str, torch.Tensor], keys: list[str]) -> None:
+    for key in keys:
+        # A float64 sum of 16- or 32-bit floats is NaN or infinite exactly when some element is (no overflow).
+        if not torch.isfinite(tensors[key].sum(dtype=torch.float64)):
+            raise AdapterError(f"tensor {key!r} holds NaN or infinite values")

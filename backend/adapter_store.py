@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from slora.backend.adapter import CONFIG_FILE, HostAdapter
 from slora.backend.errors import AdapterError, AdapterNotFoundError
@@ -32,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 ROOT_LISTING_TTL_S = 10.0  # the adapter root is listed at most this often for statistics
+MAX_PRELOAD_WORKERS = 8  # preload's threads at most (their Python work shares the GIL)
 
 AdapterLoader = Callable[[str, Path, int], HostAdapter]
 
@@ -42,6 +47,26 @@ class AdapterInfo:
     path: str
     in_host: bool
     ranks: dict[str, int] | None  # None until the adapter has been loaded once
+
+
+def preload_workers() -> int:
+    """Threads for AdapterStore.preload: one per core this process may use, at most MAX_PRELOAD_WORKERS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_PRELOAD_WORKERS, cores))
+
+
+@contextmanager
+def _intra_op_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to `count` for this thread and threads started within, restored after.
+
+    torch.set_num_threads is process-wide: meant for start-up, before other threads run tensor work.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def validate_adapter_name(name: object) -> str:
@@ -138,17 +163,25 @@ class AdapterStore:
                 self._insert(adapter)
         return adapter
 
-    def preload(self, workers: int = 8) -> int:
-        """Load every known adapter into host memory (threads; stops adding beyond the budget). Returns count."""
+    def preload(self, workers: int | None = None) -> int:
+        """Load every known adapter into host memory, `workers` threads at a time (default: one per core, at most
+        MAX_PRELOAD_WORKERS); stops adding beyond the budget. Returns count.
+
+        The loads run their tensor operations on one intra-op thread each: spread over torch's intra-op threads,
+        every operation waits for all of them, so one core busy with anything else stalls each of them (3-10x
+        slower loads on a shared 2-core machine), and several loading threads would oversubscribe the cores.
+        """
         names = [info.name for info in self.list() if not info.in_host]
-        loaded = 0
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        workers = preload_workers() if workers is None else max(1, workers)
+        loaded, start = 0, time.monotonic()
+        with _intra_op_threads(1), ThreadPoolExecutor(max_workers=workers) as pool:
             for name, error in zip(names, pool.map(self._try_get, names)):
                 if error:
                     logger.warning("preload: adapter %r skipped: %s", name, error)
                 else:
                     loaded += 1
-        logger.info("preloaded %d adapters into host memory (%d bytes)", loaded, self.host_bytes)
+        logger.info("preloaded %d adapters into host memory (%d bytes) in %.1f s with %d threads", loaded,
+                    self.host_bytes, time.monotonic() - start, workers)  # fmt: skip
         return loaded
 
     def _try_get(self, name: str) -> str | None:

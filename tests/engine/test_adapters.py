@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from slora.backend.adapter import load_peft_adapter, peft_scale
-from slora.backend.adapter_store import AdapterStore, validate_adapter_name
+from slora.backend.adapter_store import MAX_PRELOAD_WORKERS, AdapterStore, preload_workers, validate_adapter_name
 from slora.backend.errors import AdapterError, AdapterNotFoundError
 from slora.backend.model_spec import LORA_MODULES, ModelSpec
 from slora.backend.page_pool import PoolGeometry
@@ -73,6 +74,56 @@ def test_rows_in_pages_hold_peft_weights_scaled(
                 assert torch.equal(flat[a_off : a_off + in_f], weights[key + "A.weight"][j])
                 assert torch.equal(flat[b_off : b_off + out_f], weights[key + "B.weight"][:, j])
         first += rank
+
+
+def _write_adapter(path: Path, weights: dict[str, torch.Tensor], **config: object) -> None:
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", **config}))
+    save_file(weights, str(path / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize(("file_dtype", "dtype"), [(torch.float16, torch.bfloat16), (torch.float32, torch.float16)])
+def test_per_layer_ranks_scales_and_skipped_layers(
+    spec: ModelSpec, geometry: PoolGeometry, tmp_path: Path, file_dtype: torch.dtype, dtype: torch.dtype
+) -> None:
+    """Rows are padded to the module's largest rank, layers an adapter skips stay zero, and a layer's own scale is
+    folded into its Bᵀ; rows run across page boundaries. Checked against a row-by-row reference image."""
+    layer_ranks = {"q_proj": {0: 3, 1: 2}, "v_proj": {1: 4}, "o_proj": {0: 6, 1: 6}}
+    alpha_pattern = {"layers.1.self_attn.q_proj": 5, "model.layers.0.self_attn.o_proj": 2}
+    generator = torch.Generator().manual_seed(0)
+    weights = {}
+    for module, layers in layer_ranks.items():
+        in_f, out_f = spec.module_shape(module)
+        for layer, rank in layers.items():
+            key = f"base_model.model.model.layers.{layer}.self_attn.{module}.lora_"
+            weights[key + "A.weight"] = torch.randn(rank, in_f, generator=generator).to(file_dtype)
+            weights[key + "B.weight"] = torch.randn(out_f, rank, generator=generator).to(file_dtype)
+    _write_adapter(tmp_path / "mixed", weights, lora_alpha=8, alpha_pattern=alpha_pattern)
+    adapter = load_peft_adapter("mixed", tmp_path / "mixed", spec, geometry, dtype)
+
+    expected = torch.zeros_like(adapter.image).view(spec.num_layers, -1)
+    first = 0
+    for m, module in enumerate(LORA_MODULES):
+        layers = layer_ranks.get(module, {})
+        assert adapter.ranks[m] == max(layers.values(), default=0)
+        config = {"lora_alpha": 8, "alpha_pattern": alpha_pattern}
+        scales = {}
+        for layer, rank in layers.items():
+            scales[layer] = peft_scale(config, f"model.layers.{layer}.self_attn.{module}", rank)
+        if layers:
+            assert adapter.scales[m] == scales[min(layers)]
+        for layer, rank in layers.items():
+            key = f"base_model.model.model.layers.{layer}.self_attn.{module}.lora_"
+            in_f, out_f = spec.module_shape(module)
+            for j in range(rank):
+                a_off, b_off = int(adapter.a_local[first + j]), int(adapter.b_local[first + j])
+                b_row = weights[key + "B.weight"][:, j].to(torch.float32) * (scales[layer] / adapter.scales[m])
+                expected[layer, a_off : a_off + in_f] = weights[key + "A.weight"][j].to(dtype)
+                expected[layer, b_off : b_off + out_f] = b_row.to(dtype)
+        first += adapter.ranks[m]
+    assert adapter.image.dtype == dtype
+    assert adapter.num_pages > 2  # the width-64 rows (3+3+4+6+6 per layer) fill more than two 8-row pages
+    assert torch.equal(adapter.image.view(spec.num_layers, -1).view(torch.int16), expected.view(torch.int16))
 
 
 def test_pages_grow_with_rank_not_max_rank(llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry) -> None:
@@ -142,6 +193,12 @@ def _rewrite_tensors(path: Path, change) -> None:  # type: ignore[no-untyped-def
             lambda t: t.update({k: v.clone().fill_(float("nan")) for k, v in t.items() if "lora_B" in k}),
             "NaN or infinite",
         ),
+        (
+            lambda t: t.update(
+                {k: v.clone().fill_(float("inf")) for k, v in t.items() if "1.self_attn.v_proj.lora_A" in k}
+            ),
+            r"layers\.1\.self_attn\.v_proj\.lora_A\.weight' holds NaN or infinite",
+        ),  # the one tensor is named, not just its layer and module
         (lambda t: [t.pop(k) for k in list(t) if "q_proj.lora_B" in k], "without its lora_B"),
         (lambda t: t.update({k.replace("layers.0", "layers.9"): v.clone() for k, v in list(t.items())}), "layer 9"),
     ],
@@ -232,3 +289,26 @@ def test_preload_fills_host_memory_and_skips_bad_ones(
     assert store.preload(workers=3) == len(llama.adapters) - 1
     in_host = {a.name for a in store.list() if a.in_host}
     assert in_host == set(llama.adapters) - {"r5-ko"}
+    assert store.preload() == 0  # all in host memory already
+
+
+def test_preload_threads_follow_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    for cores, workers in ((1, 1), (2, 2), (64, MAX_PRELOAD_WORKERS)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
+        assert preload_workers() == workers
+
+
+def test_preload_loads_on_one_intra_op_thread_and_restores_torch_threads(
+    llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry, tmp_path: Path
+) -> None:
+    seen: list[int] = []
+
+    def load(name: str, path: Path, generation: int):  # type: ignore[no-untyped-def]
+        seen.append(torch.get_num_threads())
+        return load_peft_adapter(name, path, spec, geometry, torch.float32, generation=generation)
+
+    previous = torch.get_num_threads()
+    store = AdapterStore(load, 1 << 30, llama.adapter_root)
+    assert store.preload(workers=2) == len(llama.adapters)
+    assert seen == [1] * len(llama.adapters)
+    assert torch.get_num_threads() == previous
