@@ -83,8 +83,8 @@ class TorchOps:
         lora_ref(y, x, flat_layer, meta, modules, out_offsets, out_widths)
 
 
-class PaddedBmmOps(TorchOps):
-    """S-LoRA's padded-bmm LoRA baseline (kernels/lora_padded.py) with the torch attention reference."""
+class PaddedLora:
+    """S-LoRA's padded-bmm LoRA baseline (kernels/lora_padded.py), mixed into an Ops class for everything else."""
 
     name = "bmm"
 
@@ -101,10 +101,22 @@ class PaddedBmmOps(TorchOps):
         lora_padded_bmm(y, x, flat_layer, meta, modules, out_offsets, out_widths)
 
 
+class PaddedBmmOps(PaddedLora, TorchOps):
+    """The padded-bmm LoRA with the torch references for the rest (CPU, or CUDA without triton)."""
+
+
 def make_ops(backend: str, device: torch.device) -> Ops:
-    """'torch', 'triton', 'bmm' (S-LoRA's padded baseline), or 'auto' (Triton on CUDA when importable, else torch)."""
+    """'torch', 'triton', 'auto' (Triton on CUDA when importable, else torch), or 'bmm': S-LoRA's padded LoRA
+    baseline with the Triton kernels for everything else on CUDA (so that only the LoRA differs from 'triton'),
+    with the torch references elsewhere."""
     if backend == "bmm":
-        return PaddedBmmOps()
+        if device.type != "cuda":
+            return PaddedBmmOps()
+        try:
+            from slora.kernels.triton_ops import TritonPaddedBmmOps
+        except ImportError:
+            return PaddedBmmOps()
+        return TritonPaddedBmmOps()
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return TorchOps()
     try:

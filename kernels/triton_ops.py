@@ -18,6 +18,7 @@ from slora.kernels.lora_expand import lora_expand
 from slora.kernels.lora_shrink import lora_shrink
 from slora.kernels.metadata import AttentionMeta, LoraMeta
 from slora.kernels.norm import rms_norm
+from slora.kernels.ops import PaddedLora
 from slora.kernels.paged_attention import paged_attention
 from slora.kernels.paged_decode import paged_decode_attention
 from slora.kernels.rotary import apply_rotary_
@@ -74,3 +75,7 @@ def consecutive_runs(
         if run_ends:
             yield modules[start], tuple(out_offsets[start:i]), tuple(out_widths[start:i])
             start = i
+
+
+class TritonPaddedBmmOps(PaddedLora, TritonOps):
+    """kernel_backend='bmm' on CUDA: the padded-bmm LoRA baseline, every other op the Triton kernels'."""

@@ -10,7 +10,7 @@
 #   headline    engine S1 n=5, n=2000, n=2000 base model                                              [~4 min]
 #   engine-s1   engine S1 n=5, 100, 1000, 2000, n=2000 base model, n=2000 single adapter                [~6 min]
 #   engine-s2   engine S2 n=5, 100, 1000, 2000, n=2000 base model                                       [~6 min]
-#   bmm         padded-BMM LoRA (kernel_backend=bmm) and triton side by side, S1 n=5 and n=2000          [~6 min]
+#   bmm         padded-BMM LoRA (kernel_backend=bmm) and triton side by side, S1 n=5 and n=2000, no graphs [~6 min]
 #   serving-s1  engine S1 n=5, n=2000; served `slora` n=5, n=2000; served `ensemble` n=2000               [~8 min]
 #   peft        engine S1 n=5, n=100; PEFT S1 n=5, n=100 (bounded prefixes)                               [~6 min]
 #   peft-only   PEFT S1 n=5, n=100 alone (run after engine-s1 in the same call)                          [~3 min]
@@ -245,13 +245,17 @@ suite() {
     engine-s2)
       s2_5=$(trace s2 5); s2_100=$(trace s2 100); s2_1000=$(trace s2 1000); s2_big=$(trace s2 "$N_BIG")
       engine "$KERNEL" S2 "$s2_5" "$s2_100" "$s2_1000" "$s2_big" "$s2_big@base" ;;
-    bmm)
+    bmm)  # both backends under the same conditions: without CUDA graphs, which need the Triton backend
+      local saved=$ENGINE_OPTS
+      ENGINE_OPTS=$(tr ' ' '\n' <<<"$ENGINE_OPTS" | grep -v '^cuda_graphs=' | tr '\n' ' ')
+      [[ $saved != "$ENGINE_OPTS" ]] && log "bmm suite: cuda_graphs dropped from ENGINE_OPTS for both backends"
       if backend_available bmm; then
         engine bmm S1 "$s1_5" "$s1_big"
       else
         log "SKIPPED bmm: this engine has no kernel_backend=bmm yet"
       fi
-      engine "$KERNEL" S1 "$s1_5" "$s1_big" ;;
+      engine "$KERNEL" S1 "$s1_5" "$s1_big"
+      ENGINE_OPTS=$saved ;;
     serving-s1)
       engine "$KERNEL" S1 "$s1_5" "$s1_big"
       start_server S1 || { stop_server; return 1; }
