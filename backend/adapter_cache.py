@@ -2,13 +2,12 @@
 
 An adapter is pinned while a running request uses it (refcount > 0) and is never evicted then. Unpinned resident
 adapters stay, for reuse, until their pages are wanted: `evict` frees least recently used ones first. Copies from
-host memory go on a side CUDA stream, so loading an adapter for the next batch overlaps the current forward; the
-runner waits on the adapter's `ready` event before a batch that reads it.
+host memory run on the copier's thread (adapter_copier.py), so loading an adapter for the next batch overlaps the
+current step; the runner waits for an adapter's copy before the first batch that reads it.
 
 Host images are ordinary (pageable) memory unless `pin_host_adapters` is set: page-locking each adapter costs far
-more than the copy (2000 7B rank-8 adapters, 33.5 GB, took 148 s to pin on the H200 host). Instead one page-locked
-staging buffer, grown to the largest adapter, takes each image with a CPU copy, from which the GPU copy runs
-asynchronously; the next load waits for that copy before reusing the buffer.
+more than the copy (2000 7B rank-8 adapters, 33.5 GB, took 148 s to pin on the H200 host). The copier stages
+them through a few page-locked buffers instead.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from slora.backend.adapter import HostAdapter
+from slora.backend.adapter_copier import AdapterCopier, CopyDone
 from slora.backend.page_pool import PageKind, PagePool
 
 logger = logging.getLogger(__name__)
@@ -32,13 +32,23 @@ class ResidentAdapter:
     pages: list[int]
     a_rows: torch.Tensor  # int64 [sum(ranks)] on CPU: element offset of each lora_A row in a flat pool layer
     b_rows: torch.Tensor  # int64 [sum(ranks)] on CPU: element offset of each lora_Bᵀ row
-    ready: torch.cuda.Event | None = None
+    ready: CopyDone | None = None  # the copy into the pool, until a batch has waited for it
     refcount: int = 0
     last_used: int = 0
 
     @property
     def key(self) -> AdapterKey:
         return self.host.key
+
+    def wait_copied(self, device: torch.device) -> None:
+        """Wait until the copy into the pool is issued and, on CUDA, make the current stream follow it. Work
+        queued after this on that stream follows the copy too, so each adapter needs this once."""
+        if self.ready is None:
+            return
+        event = self.ready.result()
+        if event is not None:
+            torch.cuda.current_stream(device).wait_event(event)
+        self.ready = None
 
 
 class AdapterCache:
@@ -48,9 +58,7 @@ class AdapterCache:
         self._clock = 0
         self.loads = 0
         self.evictions = 0
-        self._copy_stream = torch.cuda.Stream(pool.storage.device) if pool.storage.is_cuda else None
-        self._staging: torch.Tensor | None = None  # page-locked, flat, model dtype
-        self._staging_done: torch.cuda.Event | None = None  # the last copy out of the staging buffer
+        self.copier = AdapterCopier(pool.storage)
 
     def __contains__(self, key: AdapterKey) -> bool:
         return key in self._resident
@@ -119,9 +127,7 @@ class AdapterCache:
                 self._evict(resident)
 
     def _evict(self, resident: ResidentAdapter) -> None:
-        if resident.ready is not None:
-            # A copy into these pages may still be in flight on the side stream.
-            torch.cuda.current_stream(self.pool.storage.device).wait_event(resident.ready)
+        resident.wait_copied(self.pool.storage.device)  # a copy into these pages may still be in flight
         self.pool.free(resident.pages, ("adapter", resident.key))
         del self._resident[resident.key]
         self.evictions += 1
@@ -132,28 +138,6 @@ class AdapterCache:
         page_index = torch.tensor(pages, dtype=torch.int64)
         a_rows = page_index[host.a_local // page_elems] * page_elems + host.a_local % page_elems
         b_rows = page_index[host.b_local // page_elems] * page_elems + host.b_local % page_elems
-        storage = self.pool.storage
-        if self._copy_stream is None:
-            storage.index_copy_(1, page_index.to(storage.device), host.image.to(storage.device))
-            return ResidentAdapter(host, pages, a_rows, b_rows)
         # No wait on the compute stream: these pages were free before this step was scheduled, and the engine
         # synchronizes at the end of every step, so no kernel in flight reads or writes them.
-        source = host.image if host.image.is_pinned() else self._stage(host.image)
-        with torch.cuda.stream(self._copy_stream):
-            image = source.to(storage.device, non_blocking=True)
-            storage.index_copy_(1, page_index.to(storage.device, non_blocking=True), image)
-            ready = torch.cuda.Event()
-            ready.record(self._copy_stream)
-        if source is not host.image:
-            self._staging_done = ready
-        return ResidentAdapter(host, pages, a_rows, b_rows, ready=ready)
-
-    def _stage(self, image: torch.Tensor) -> torch.Tensor:
-        """`image` copied into the page-locked staging buffer (after the previous copy out of it finished)."""
-        if self._staging_done is not None:
-            self._staging_done.synchronize()
-        if self._staging is None or self._staging.numel() < image.numel():
-            self._staging = torch.empty(image.numel(), dtype=image.dtype, pin_memory=True)
-        staged = self._staging[: image.numel()].view(image.shape)
-        staged.copy_(image)
-        return staged
+        return ResidentAdapter(host, pages, a_rows, b_rows, ready=self.copier.submit(host.image, pages))

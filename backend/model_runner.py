@@ -55,14 +55,9 @@ class ModelRunner:
         return [(s.request, token) for s, token in zip(sampled, tokens)]
 
     def _wait_for_adapters(self, batch: ForwardBatch) -> None:
-        # Adapter copies run on a side stream; the forward must not read pages still being filled.
-        if not self.device.type == "cuda":
-            return
-        stream = torch.cuda.current_stream(self.device)
+        # Adapter copies run on the copier's thread (and a side stream): the forward must not read pages still
+        # being filled. Each adapter is waited for once: later work on the compute stream follows the copy.
         for s in batch.seqs:
             resident = s.request.resident
             if resident is not None and resident.ready is not None:
-                stream.wait_event(resident.ready)
-                # Everything after this on the compute stream follows the copy: no later step (or eviction)
-                # needs to wait again, so each adapter costs one wait, not one per sequence per step.
-                resident.ready = None
+                resident.wait_copied(self.device)

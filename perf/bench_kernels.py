@@ -274,6 +274,9 @@ def lora_case(
         torch.cuda.synchronize()  # adapter copies run on a side stream: images and pool must be written first
     cache = AdapterCache(pool)
     residents = [cache.load(h) for h in hosts]
+    for resident in residents:
+        if resident is not None:
+            resident.wait_copied(pool.storage.device)  # the copies run on the copier's thread (and a side stream)
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     seqs = [ScheduledSeq(request(i, n, 0, None if a is None else residents[a]), n) for i, (a, n) in enumerate(step)]

@@ -160,8 +160,10 @@ def make_resident(pool: PagePool, adapters: list[HostAdapter]) -> list[ResidentA
         resident = cache.load(host)
         assert resident is not None, "test pool too small"
         residents.append(resident)
+    for resident in residents:
+        resident.wait_copied(pool.storage.device)  # the copies run on the copier's thread (and a side stream)
     if HAS_CUDA:
-        torch.cuda.synchronize()  # adapter copies run on a side stream
+        torch.cuda.synchronize()
     return residents
 
 

@@ -1,0 +1,38 @@
+"""Adapter copies run on the copier's thread: each lands in exactly its pages of every layer once its Future
+is done, many in a row reuse the staging buffers safely (CUDA), and nothing else in the pool changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slora.backend.adapter_copier import AdapterCopier
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("staging_buffers", [1, 2])
+def test_copies_land_in_their_pages_only(device: str, staging_buffers: int) -> None:
+    layers, pages, page_elems = 3, 40, 64
+    storage = torch.full((layers, pages, page_elems), -1.0, device=device)
+    copier = AdapterCopier(storage, staging_buffers)
+    generator = torch.Generator().manual_seed(0)
+    order = torch.randperm(pages, generator=generator).tolist()
+    placed: list[tuple[list[int], torch.Tensor]] = []
+    for size in (3, 1, 5, 2, 4, 3, 6, 2):  # more copies than buffers, of different sizes
+        chosen, order = order[:size], order[size:]
+        image = torch.randn((layers, size, page_elems), generator=generator)
+        placed.append((chosen, image))
+    done = [copier.submit(image, chosen) for chosen, image in placed]
+    for future in done:
+        event = future.result(timeout=60)
+        assert (event is None) == (device == "cpu")
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+    result = storage.cpu()
+    for chosen, image in placed:
+        torch.testing.assert_close(result[:, chosen], image, rtol=0, atol=0)
+    untouched = [p for p in range(pages) if p in order]
+    assert torch.all(result[:, untouched] == -1.0)
+    copier.close()
