@@ -23,12 +23,17 @@ GATHER_BYTES = 256 << 20  # at most this much of per-token padded weights is mat
 def padded_rows(
     flat_layer: torch.Tensor, rows: torch.Tensor, meta: LoraMeta, module: int, width: int, max_rank: int
 ) -> torch.Tensor:
-    """[num_adapters, max_rank, width]: each adapter's rows of `module`, zero past its own rank."""
+    """[num_adapters, max_rank, width]: each adapter's rows of `module`, zero past its own rank.
+
+    Rows are gathered whole (one index per row, not per element) from a view of the layer in which row i starts
+    at element i.
+    """
     j = torch.arange(max_rank, device=rows.device)
     index = meta.row_start[:, module, None].long() + j  # [num_adapters, max_rank]
     valid = j < meta.ranks[:, module, None]
     offsets = rows[index.clamp(max=rows.numel() - 1)]  # [num_adapters, max_rank]
-    stack = flat_layer[offsets[..., None] + torch.arange(width, device=rows.device)]
+    starts = flat_layer.as_strided((flat_layer.numel() - width + 1, width), (1, 1))
+    stack = starts.index_select(0, offsets.reshape(-1)).view(*offsets.shape, width)
     return stack * valid[..., None].to(stack.dtype)
 
 
