@@ -20,6 +20,7 @@ import shutil
 import sys
 import threading
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +29,13 @@ from slora.backend.engine_loop import OutputCallback
 from slora.backend.engine_service import EngineInfo, StatsListener, Submission, rejected
 from slora.backend.engine_worker import worker_main
 from slora.backend.errors import EngineOverloadedError
-from slora.backend.outputs import EngineStats, RequestOutput
+from slora.backend.outputs import STATS_COUNTERS, EngineStats, RequestOutput
 from slora.backend.request_inputs import AdapterCommand
 
 logger = logging.getLogger(__name__)
 
 PYTHON_ENV = "SLORA_PYTHON"  # the interpreter for the engine process (slora-serve sets it)
+MAX_RESTARTS = 3  # engine processes started again after one exits unexpectedly, in the life of the server
 
 
 def interpreter() -> str:
@@ -50,33 +52,50 @@ def interpreter() -> str:
 
 
 class EngineProcess:
-    def __init__(self, config: EngineConfig, python: str | None = None, command_timeout_s: float = 300.0) -> None:
-        context = multiprocessing.get_context("spawn")
-        context.set_executable(python or interpreter())
-        requests_reader, self._requests = context.Pipe(duplex=False)
-        self._outputs, outputs_writer = context.Pipe(duplex=False)
-        self._process = context.Process(
-            target=worker_main, args=(config, requests_reader, outputs_writer), name="slora-engine", daemon=True
-        )
-        self._process.start()
-        requests_reader.close()
-        outputs_writer.close()
+    def __init__(
+        self,
+        config: EngineConfig,
+        python: str | None = None,
+        command_timeout_s: float = 300.0,
+        max_restarts: int = MAX_RESTARTS,
+    ) -> None:
+        self._config = config
+        self._context = multiprocessing.get_context("spawn")
+        self._context.set_executable(python or interpreter())
         self._command_timeout_s = command_timeout_s
+        self._restarts_left = max_restarts
+        self.restarts = 0
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._callbacks: dict[str, OutputCallback] = {}
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
         self._listeners: list[StatsListener] = []
-        self._closed: str | None = None  # why requests are refused, once the process is gone
+        self._closed: str | None = None  # why requests are refused while no engine process serves them
         self._stopping = False
-        self.info, self._stats = self._wait_ready()
-        self._receiver = threading.Thread(target=self._receive, name="slora-engine-receiver", daemon=True)
-        self._receiver.start()
+        self._counted_before = {key: 0 for key in STATS_COUNTERS}  # by engine processes that exited
+        self._start()
 
     @property
     def pid(self) -> int | None:
         return self._process.pid
+
+    def _start(self) -> None:
+        """Start an engine process and wait until it is ready (raises if it fails); then receive its outputs."""
+        requests_reader, requests = self._context.Pipe(duplex=False)
+        outputs, outputs_writer = self._context.Pipe(duplex=False)
+        process = self._context.Process(
+            target=worker_main, args=(self._config, requests_reader, outputs_writer), name="slora-engine", daemon=True
+        )
+        process.start()
+        requests_reader.close()
+        outputs_writer.close()
+        with self._send_lock:
+            self._process, self._requests, self._outputs = process, requests, outputs
+        self.info, stats = self._wait_ready()
+        self._stats = self._cumulative(stats)
+        self._receiver = threading.Thread(target=self._receive, name="slora-engine-receiver", daemon=True)
+        self._receiver.start()
 
     def submit(self, job: Submission, callback: OutputCallback) -> None:
         with self._lock:
@@ -156,6 +175,8 @@ class EngineProcess:
                 break
         self._process.join(5 if self._stopping else 1)
         self._close()
+        if not self._stopping and self._restarts_left > 0:
+            self._restart()
 
     def _deliver(self, outputs: list[RequestOutput], stats: EngineStats | None) -> None:
         for output in outputs:
@@ -168,7 +189,7 @@ class EngineProcess:
             except Exception:
                 logger.exception("output callback of request %s failed", output.request_id)
         if stats is not None:
-            self._stats = stats
+            self._stats = stats = self._cumulative(stats)
             for listener in self._listeners:
                 listener(stats)
 
@@ -184,12 +205,11 @@ class EngineProcess:
 
     def _close(self) -> None:
         """The process is gone: end every request and command still waiting on it."""
-        reason = (
-            "the engine has stopped"
-            if self._stopping
-            else f"the engine process exited unexpectedly (exit code {self._process.exitcode})"
-        )
-        if not self._stopping:
+        if self._stopping:
+            reason = "the engine has stopped"
+        else:
+            reason = f"the engine process exited unexpectedly (exit code {self._process.exitcode})"
+            reason += "; restarting it" if self._restarts_left else ""
             logger.error("%s; failing the requests in flight", reason)
         with self._lock:
             self._closed = reason
@@ -201,6 +221,29 @@ class EngineProcess:
                                    exception=failure))  # fmt: skip
         for future in calls.values():
             future.set_exception(failure)
+
+    def _restart(self) -> None:
+        """Start a new engine process (on this, the old receiver's, thread); requests wait for none meanwhile:
+        they are refused (UNAVAILABLE) until it is ready."""
+        self._restarts_left -= 1
+        self.restarts += 1
+        self._counted_before = {key: getattr(self._stats, key) for key in STATS_COUNTERS}
+        logger.warning("starting a new engine process (%d more restarts allowed)", self._restarts_left)
+        try:
+            self._start()
+        except Exception as exc:
+            logger.error("the engine could not be restarted: %s", exc)
+            with self._lock:
+                self._closed = f"the engine process exited and could not be restarted: {exc}"
+            return
+        with self._lock:
+            self._closed = None
+        logger.info("the engine process is serving again (restart %d)", self.restarts)
+
+    def _cumulative(self, stats: EngineStats) -> EngineStats:
+        """`stats` with the counters continued from engine processes that exited, and the restart count."""
+        counters = {key: getattr(stats, key) + self._counted_before[key] for key in STATS_COUNTERS}
+        return replace(stats, engine_restarts=self.restarts, **counters)
 
     def _send(self, message: tuple[Any, ...]) -> None:
         with self._send_lock:

@@ -47,5 +47,10 @@ class EngineStats:
     preemptions: int
     generated_tokens: int
     finished_requests: int
+    engine_restarts: int = 0  # engine processes started again after one exited unexpectedly (engine_process.py)
     running_adapters: list[str] = field(default_factory=list)
     waiting_adapters: list[str] = field(default_factory=list)
+
+
+# EngineStats fields that only grow over the life of a server (an engine process started again continues them).
+STATS_COUNTERS = ("adapter_loads", "adapter_evictions", "preemptions", "generated_tokens", "finished_requests")

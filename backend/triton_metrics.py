@@ -9,6 +9,7 @@
     slora_adapter_evictions_total                   counter    adapters evicted from the pool
     slora_preemptions_total                         counter    requests preempted (pool full) and recomputed
     slora_generated_tokens_total                    counter    tokens sampled
+    slora_engine_restarts_total                     counter    engine processes started again after a crash
     slora_requests_finished_total{reason=...}       counter    reason: length|stop|abort|error|rejected
     slora_time_to_first_token_seconds               histogram  arrival at the model → first token
     slora_inter_token_latency_seconds               histogram  between two tokens of one request
@@ -77,6 +78,9 @@ class TritonMetrics(NullMetrics):
             ),
             "preemptions": self._family("slora_preemptions_total", "Requests preempted and recomputed", counter),
             "generated_tokens": self._family("slora_generated_tokens_total", "Tokens generated", counter),
+            "engine_restarts": self._family(
+                "slora_engine_restarts_total", "Engine processes started again after one exited unexpectedly", counter
+            ),
         }
         self.counters = {key: family.Metric(labels={}) for key, family in self.counters.items()}
         finished = self._family("slora_requests_finished_total", "Requests finished, by reason", counter)

@@ -8,6 +8,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -113,14 +114,10 @@ def test_abort_ends_a_running_request(service: EngineService) -> None:
 
 
 def test_a_dead_engine_process_fails_requests_instead_of_hanging(llama: ModelWithAdapters) -> None:
-    engine = EngineProcess(_config(llama))
+    engine = EngineProcess(_config(llama), max_restarts=0)
     got = Collector()
     try:
-        engine.submit(Submission("doomed", [4, 5, 6], None, replace(GREEDY, max_tokens=200)), got.callback)
-        got.wait_started()
-        assert engine.pid is not None
-        os.kill(engine.pid, signal.SIGKILL)
-        got.wait(1)
+        _kill_while_running(engine, got, "doomed")
         doomed = got.last("doomed")
         assert doomed.finish_reason == "error" and "exited unexpectedly" in (doomed.error or "")
         engine.submit(Submission("after", [1, 2], None, GREEDY), got.callback)
@@ -130,6 +127,53 @@ def test_a_dead_engine_process_fails_requests_instead_of_hanging(llama: ModelWit
             engine.command(AdapterCommand("list"))
     finally:
         engine.stop(timeout=5)
+
+
+def test_a_dead_engine_process_is_started_again(llama: ModelWithAdapters) -> None:
+    engine = EngineProcess(_config(llama), max_restarts=1)
+    got = Collector()
+    try:
+        _finish_one(engine, "before")
+        finished_before = _stats_reach(engine, 1)
+        first_pid = engine.pid
+        _kill_while_running(engine, got, "doomed")
+        assert "restarting it" in (got.last("doomed").error or "")
+        deadline = time.monotonic() + 120
+        while engine.pid == first_pid or engine.stats().engine_restarts == 0:
+            assert time.monotonic() < deadline, "no new engine process"
+            time.sleep(0.1)
+        expected = LLMEngine(_config(llama)).generate([PROMPTS[0]], [llama.adapters[1]], GREEDY)[0].token_ids
+        served = _finish_one(engine, "after", llama.adapters[1])
+        assert served.tokens("after") == expected
+        assert _stats_reach(engine, finished_before + 1) >= finished_before + 1  # counters continue
+        assert engine.stats().engine_restarts == 1
+    finally:
+        engine.stop(timeout=5)
+
+
+def _stats_reach(engine: EngineProcess, finished: int) -> int:
+    """Finished requests in the statistics, once they count at least `finished` (they follow the outputs)."""
+    deadline = time.monotonic() + 30
+    while engine.stats().finished_requests < finished:
+        assert time.monotonic() < deadline, f"statistics stuck at {engine.stats().finished_requests} finished"
+        time.sleep(0.05)
+    return engine.stats().finished_requests
+
+
+def _finish_one(engine: EngineProcess, request_id: str, adapter: str | None = None) -> Collector:
+    got = Collector()
+    engine.submit(Submission(request_id, PROMPTS[0], adapter, GREEDY, detokenize=False), got.callback)
+    got.wait(1)
+    assert got.last(request_id).finish_reason == "length"
+    return got
+
+
+def _kill_while_running(engine: EngineProcess, got: Collector, request_id: str) -> None:
+    engine.submit(Submission(request_id, [4, 5, 6], None, replace(GREEDY, max_tokens=200)), got.callback)
+    got.wait_started()
+    assert engine.pid is not None
+    os.kill(engine.pid, signal.SIGKILL)
+    got.wait(1)
 
 
 def test_an_engine_that_cannot_start_says_why(tmp_path: os.PathLike) -> None:
