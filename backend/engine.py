@@ -159,8 +159,9 @@ class LLMEngine:
         sampled = self.runner.run(plan.seqs)
         for seq in plan.seqs:
             seq.request.num_computed += seq.num_tokens
+        now = time.monotonic()
         for request, token in sampled:
-            outputs.append(self._append_token(request, token))
+            outputs.append(self._append_token(request, token, now))
         if not self.scheduler.running:
             self.check_idle_integrity()
         return outputs
@@ -177,8 +178,7 @@ class LLMEngine:
         if self.pool.count(PageKind.KV) != 0:
             raise AssertionError(f"{self.pool.count(PageKind.KV)} KV pages are held with no request running")
 
-    def _append_token(self, request: Request, token: int) -> RequestOutput:
-        now = time.monotonic()
+    def _append_token(self, request: Request, token: int, now: float) -> RequestOutput:
         request.first_token_time = request.first_token_time or now
         request.last_token_time = now
         request.token_ids.append(token)
