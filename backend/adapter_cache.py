@@ -13,7 +13,7 @@ them through a few page-locked buffers instead.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,10 +35,10 @@ class ResidentAdapter:
     ready: CopyDone | None = None  # the copy into the pool, until a batch has waited for it
     refcount: int = 0
     last_used: int = 0
+    key: AdapterKey = field(init=False)  # the host adapter's (name, generation), read many times a step
 
-    @property
-    def key(self) -> AdapterKey:
-        return self.host.key
+    def __post_init__(self) -> None:
+        self.key = self.host.key
 
     def wait_copied(self, device: torch.device) -> None:
         """Wait until the copy into the pool is issued and, on CUDA, make the current stream follow it. Work

@@ -20,11 +20,6 @@ class ScheduledSeq:
     request: Request
     num_tokens: int
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the request's tokens, so its last logits are sampled."""
-        return self.request.num_computed + self.num_tokens == len(self.request.token_ids)
-
 
 @dataclass
 class ForwardBatch:
@@ -34,14 +29,11 @@ class ForwardBatch:
     lora: LoraMeta | None  # None when no token of the step uses an adapter
     sample_index: torch.Tensor  # int64 [num_sampled]: row of each sampled sequence's last token
     seqs: list[ScheduledSeq]  # in the order of the rows (grouped by adapter)
+    sampled: list[ScheduledSeq]  # the seqs that sample, in the order of sample_index
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
-
-    @property
-    def sampled(self) -> list[ScheduledSeq]:
-        return [s for s in self.seqs if s.samples]
 
 
 def order_by_adapter(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
@@ -62,17 +54,24 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device)
     seq_lens: list[int] = []
     tables: list[list[int]] = []
     sample_rows: list[int] = []
+    sampled: list[ScheduledSeq] = []
     for s in seqs:
         r = s.request
         begin, end = r.num_computed, r.num_computed + s.num_tokens
-        input_ids += r.token_ids[begin:end]
-        positions += range(begin, end)
-        slots += [r.pages[p // block_size] * block_size + p % block_size for p in range(begin, end)]
+        if s.num_tokens == 1:  # a decode: most sequences of most steps
+            input_ids.append(r.token_ids[begin])
+            positions.append(begin)
+            slots.append(r.pages[begin // block_size] * block_size + begin % block_size)
+        else:
+            input_ids += r.token_ids[begin:end]
+            positions += range(begin, end)
+            slots += [r.pages[p // block_size] * block_size + p % block_size for p in range(begin, end)]
         q_start.append(q_start[-1] + s.num_tokens)
         seq_lens.append(end)
         tables.append(r.pages[: -(-end // block_size)])
-        if s.samples:
+        if end == len(r.token_ids):  # the step reaches the last token: its logits are sampled
             sample_rows.append(q_start[-1] - 1)
+            sampled.append(s)
     width = max(len(t) for t in tables)
     attn = AttentionMeta(
         q_start=_tensor(q_start, torch.int32, device),
@@ -93,6 +92,7 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device)
         lora=build_lora_meta(seqs, q_start, device),
         sample_index=_tensor(sample_rows, torch.int64, device),
         seqs=seqs,
+        sampled=sampled,
     )
 
 

@@ -90,6 +90,7 @@ class StaticDecode:
             lora=self.lora,
             sample_index=torch.arange(size, dtype=torch.int64, device=device),
             seqs=[],
+            sampled=[],
         )
 
     @staticmethod
