@@ -28,4 +28,5 @@ def test_bench_kernels_smoke(tmp_path: Path) -> None:
         assert r["ms"] > 0 and r["min_bytes"] > 0 and math.isfinite(r["gbps"])
         if r["max_rel_err"] is not None:
             assert r["max_rel_err"] < 0.05, r
+        assert (r["same_size_copy_ms"] is not None) == (r["impl"] == "triton"), r  # the copy of the op's own size
     assert result["targets"], "no target was checked"
