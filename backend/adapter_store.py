@@ -163,15 +163,16 @@ class AdapterStore:
                 self._insert(adapter)
         return adapter
 
-    def preload(self, workers: int | None = None) -> int:
-        """Load every known adapter into host memory, `workers` threads at a time (default: one per core, at most
-        MAX_PRELOAD_WORKERS); stops adding beyond the budget. Returns count.
+    def preload(self, workers: int | None = None, names: list[str] | None = None) -> int:
+        """Load every known adapter (or those of `names`) into host memory, `workers` threads at a time (default:
+        one per core, at most MAX_PRELOAD_WORKERS); stops adding beyond the budget. Returns count.
 
         The loads run their tensor operations on one intra-op thread each: spread over torch's intra-op threads,
         every operation waits for all of them, so one core busy with anything else stalls each of them (3-10x
         slower loads on a shared 2-core machine), and several loading threads would oversubscribe the cores.
         """
-        names = [info.name for info in self.list() if not info.in_host]
+        wanted = None if names is None else set(names)
+        names = [info.name for info in self.list() if not info.in_host and (wanted is None or info.name in wanted)]
         workers = preload_workers() if workers is None else max(1, workers)
         loaded, start = 0, time.monotonic()
         with _intra_op_threads(1), ThreadPoolExecutor(max_workers=workers) as pool:

@@ -28,7 +28,6 @@ import argparse
 import logging
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -55,16 +54,17 @@ class ReplayOptions:
     warmup_requests: tuple[int, ...] = (8, 64, 256)
     warmup_tokens: int = 8
     preload: bool = True
-    preload_workers: int = 8
+    preload_workers: int | None = None  # the store's default: one per core, at most 8
     progress_interval_s: float = 5.0
     window_fraction: float = 0.25
 
     def __post_init__(self) -> None:
         if not self.time_limit_s > 0:
             raise ValueError(f"time_limit_s must be > 0, got {self.time_limit_s}")
-        for name in ("warmup_tokens", "preload_workers"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.warmup_tokens < 0:
+            raise ValueError(f"warmup_tokens must be >= 0, got {self.warmup_tokens}")
+        if self.preload_workers is not None and self.preload_workers < 1:
+            raise ValueError(f"preload_workers must be >= 1, got {self.preload_workers}")
         if any(n < 0 for n in self.warmup_requests):
             raise ValueError(f"warmup_requests must be >= 0, got {self.warmup_requests}")
         if not 0.0 <= self.window_fraction < 1.0:
@@ -94,12 +94,12 @@ class RunSpec:
         return trace
 
 
-def preload_adapters(engine: LLMEngine, names: list[str], workers: int) -> float:
-    """Read adapters into the host store (in threads: the reads and copies release the GIL); returns seconds."""
+def preload_adapters(engine: LLMEngine, names: list[str], workers: int | None) -> float:
+    """Read adapters into the host store as the server's preload does (threads of one intra-op thread each;
+    default: one per core, at most 8); returns seconds."""
     start = time.perf_counter()
     if names:
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            list(pool.map(engine.store.get, names))
+        engine.store.preload(workers, names)
     loaded = sum(1 for a in engine.store.list() if a.in_host and a.name in set(names))
     if loaded < len(names):
         logger.warning("only %d of %d adapters fit in the host budget (%d bytes); the rest reload from disk",
@@ -313,7 +313,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup-requests", type=int, nargs="+", default=[8, 64, 256],
                         help="warm-up waves: requests per wave (0 for none)")  # fmt: skip
     parser.add_argument("--no-preload", action="store_true", help="load adapters on first use, inside the clock")
-    parser.add_argument("--preload-workers", type=int, default=8)
+    parser.add_argument("--preload-workers", type=int, help="threads reading adapters (default: one per core, <= 8)")
     parser.add_argument("--profile", type=int, nargs="+", default=[], metavar="START... COUNT",
                         help="after the runs, profile COUNT steps from each step START of an unmeasured pass "
                              "(say 20 100 3: prefill-heavy mixed steps, then decode steps)")  # fmt: skip

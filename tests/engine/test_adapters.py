@@ -292,6 +292,15 @@ def test_preload_fills_host_memory_and_skips_bad_ones(
     assert store.preload() == 0  # all in host memory already
 
 
+def test_preload_of_named_adapters_loads_only_those(
+    llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry
+) -> None:
+    store = _store(llama, spec, geometry, budget=1 << 30, root=llama.adapter_root)
+    chosen = list(llama.adapters[1:3])
+    assert store.preload(workers=2, names=chosen) == 2
+    assert {a.name for a in store.list() if a.in_host} == set(chosen)
+
+
 def test_preload_threads_follow_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     for cores, workers in ((1, 1), (2, 2), (64, MAX_PRELOAD_WORKERS)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
