@@ -12,8 +12,11 @@ and the launchers read fixed bounds instead of the step's values (kernels/metada
 context bound max_model_len for the split of decode attention. Every kernel skips what lies beyond the real
 ranks, tiles and lengths, so padding costs launches of idle programs, not wrong results.
 
-Two graphs per bucket: with LoRA and without (steps of base-model requests only). All graphs share one memory
-pool and are captured largest first, so smaller ones reuse its blocks. Only the Triton kernel backend can be
+Graphs are keyed by bucket and by the LoRA modules the step's adapters target: a graph launches the LoRA kernels
+of those modules only (an attention-only adapter set, S-LoRA's S1, skips the MLP calls, whose idle programs would
+otherwise cost launches on every layer). At start each bucket is captured without LoRA and with all seven
+modules; other module sets are captured on first use. All graphs share one memory pool and are captured largest
+first, so smaller ones reuse its blocks. Only the Triton kernel backend can be
 captured (the torch reference reads host-side lists).
 """
 
@@ -34,6 +37,10 @@ from slora.kernels.metadata import TILE_COLUMNS, AttentionMeta, LoraMeta, Static
 logger = logging.getLogger(__name__)
 
 TILE_BLOCK = 16  # tokens per decode tile (the LoRA kernels' decode configs)
+Modules = frozenset[int]  # LoRA modules (indices into LORA_MODULES) the adapters of a graph's steps may target
+ALL_MODULES: Modules = frozenset(range(len(LORA_MODULES)))
+NO_MODULES: Modules = frozenset()
+GraphKey = tuple[int, Modules]  # (bucket size, modules)
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -56,7 +63,7 @@ class GraphLimits:
 class StaticDecode:
     """The static buffers of one bucket and the ForwardBatch built on them."""
 
-    def __init__(self, size: int, limits: GraphLimits, pool: PagePool, row_align: int, lora: bool) -> None:
+    def __init__(self, size: int, limits: GraphLimits, pool: PagePool, row_align: int, modules: Modules) -> None:
         device = pool.storage.device
         block_size = pool.geometry.block_size
         max_blocks = -(-limits.max_model_len // block_size)
@@ -82,7 +89,7 @@ class StaticDecode:
             seq_lens_host=[1] * size,
             block_tables_host=[[] for _ in range(size)],
         )
-        self.lora = self._lora_meta(size, limits, row_align, device) if lora else None
+        self.lora = self._lora_meta(size, limits, row_align, modules, device) if modules else None
         self.batch = ForwardBatch(
             input_ids=self.input_ids,
             positions=self.positions,
@@ -94,20 +101,20 @@ class StaticDecode:
         )
 
     @staticmethod
-    def _lora_meta(size: int, limits: GraphLimits, row_align: int, device: torch.device) -> LoraMeta:
+    def _lora_meta(size: int, limits: GraphLimits, row_align: int, modules: Modules, device: torch.device) -> LoraMeta:
         # Adapter rows 0 .. size-1 for the step's adapters, row `size` the null adapter (all zeros, never written).
-        modules = len(LORA_MODULES)
+        columns = len(LORA_MODULES)
         tiles = torch.zeros((size, TILE_COLUMNS), dtype=torch.int32, device=device)
         tiles[:, 3] = size
         return LoraMeta(
             token_adapter=torch.full((size,), -1, dtype=torch.int32, device=device),
             seg_start=torch.zeros(size + 1, dtype=torch.int32, device=device),
             seg_adapter=torch.zeros(size, dtype=torch.int32, device=device),
-            ranks=torch.zeros((size + 1, modules), dtype=torch.int32, device=device),
-            scales=torch.zeros((size + 1, modules), dtype=torch.float32, device=device),
-            row_start=torch.zeros((size + 1, modules), dtype=torch.int32, device=device),
-            a_rows=torch.zeros(size * modules * limits.max_lora_rank, dtype=torch.int64, device=device),
-            b_rows=torch.zeros(size * modules * limits.max_lora_rank, dtype=torch.int64, device=device),
+            ranks=torch.zeros((size + 1, columns), dtype=torch.int32, device=device),
+            scales=torch.zeros((size + 1, columns), dtype=torch.float32, device=device),
+            row_start=torch.zeros((size + 1, columns), dtype=torch.int32, device=device),
+            a_rows=torch.zeros(size * columns * limits.max_lora_rank, dtype=torch.int64, device=device),
+            b_rows=torch.zeros(size * columns * limits.max_lora_rank, dtype=torch.int64, device=device),
             max_rank=limits.max_lora_rank,
             seg_start_host=[],
             seg_adapter_host=[],
@@ -115,7 +122,7 @@ class StaticDecode:
             scales_host=[],
             row_start_host=[],
             row_align=row_align,
-            static=StaticBounds(limits.max_lora_rank, tiles, TILE_BLOCK),
+            static=StaticBounds(limits.max_lora_rank, tiles, TILE_BLOCK, modules),
         )
 
     def fill(self, batch: ForwardBatch) -> None:
@@ -138,12 +145,8 @@ class StaticDecode:
 
     def _fill_lora(self, meta: LoraMeta | None, n: int) -> None:
         static = self.lora
-        assert static is not None and static.static is not None
+        assert static is not None and static.static is not None and meta is not None  # keyed by the step's modules
         tiles = static.static.tiles
-        if meta is None:
-            tiles[:, 1:3].zero_()
-            tiles[:, 3].fill_(self.size)
-            return
         adapters = meta.ranks.shape[0]
         rows = meta.a_rows.shape[0]
         static.ranks[:adapters].copy_(meta.ranks)
@@ -172,9 +175,9 @@ class DecodeGraphs:
         widths = [pool.geometry.page_elems, spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size]
         self.row_align = row_alignment(torch.tensor(widths, dtype=torch.int64))
         self.sizes = bucket_sizes(limits.max_num_seqs)
-        self._static: dict[tuple[int, bool], StaticDecode] = {}
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self._logits: dict[tuple[int, bool], torch.Tensor] = {}
+        self._static: dict[GraphKey, StaticDecode] = {}
+        self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[GraphKey, torch.Tensor] = {}
         self._pool_handle: Any = None  # one memory pool for every graph
 
     def fits(self, batch: ForwardBatch) -> bool:
@@ -185,35 +188,35 @@ class DecodeGraphs:
         if not self.capture:
             return
         for size in reversed(self.sizes):
-            for lora in (True, False):
-                self._capture(size, lora)
+            for modules in (ALL_MODULES, NO_MODULES):
+                self._capture((size, modules))
         logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self._graphs), self.sizes)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [num_tokens, vocab] of a decode step, from the smallest bucket that holds it."""
         size = next(s for s in self.sizes if s >= batch.num_tokens)
-        key = (size, batch.lora is not None)
-        static = self._buffers(*key)
+        key = (size, batch.lora.targeted_modules() if batch.lora is not None else NO_MODULES)
+        static = self._buffers(key)
         static.fill(batch)
         if self.capture:
             if key not in self._graphs:
-                self._capture(size, key[1])
+                logger.info("capturing the decode graph of %d sequences with LoRA modules %s", size, sorted(key[1]))
+                self._capture(key)
             self._graphs[key].replay()
             logits = self._logits[key]
         else:
             logits = self.model.forward(static.batch, self.pool)
         return logits[: batch.num_tokens]
 
-    def _buffers(self, size: int, lora: bool) -> StaticDecode:
-        key = (size, lora)
+    def _buffers(self, key: GraphKey) -> StaticDecode:
         if key not in self._static:
-            self._static[key] = StaticDecode(size, self.limits, self.pool, self.row_align, lora)
+            self._static[key] = StaticDecode(key[0], self.limits, self.pool, self.row_align, key[1])
         return self._static[key]
 
-    def _capture(self, size: int, lora: bool) -> None:
+    def _capture(self, key: GraphKey) -> None:
         if self._pool_handle is None:
             self._pool_handle = torch.cuda.graph_pool_handle()
-        static = self._buffers(size, lora)
+        static = self._buffers(key)
         # Warm-up outside the graph compiles the kernels; the padding writes nothing to the pool (slots -1).
         stream = torch.cuda.Stream(self.pool.storage.device)
         stream.wait_stream(torch.cuda.current_stream())
@@ -222,5 +225,5 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool_handle):
-            self._logits[(size, lora)] = self.model.forward(static.batch, self.pool)
-        self._graphs[(size, lora)] = graph
+            self._logits[key] = self.model.forward(static.batch, self.pool)
+        self._graphs[key] = graph

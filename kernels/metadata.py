@@ -127,13 +127,15 @@ class StaticBounds:
     """Fixed launch parameters for a captured CUDA graph (backend/cuda_graphs.py).
 
     A graph replays the grids and buffer shapes it was captured with, so the launchers must not derive them from
-    the step: with these bounds, `fused_rank` is max_rank × modules, `max_segment_len` is 1 (decode tiles) and
-    `tiles` is the static buffer, whose unused rows name a null adapter of rank 0 and cover no token.
+    the step: with these bounds, `fused_rank` is max_rank × the modules of the call in `modules` (0 for a call no
+    adapter of the graph's steps targets: that call is not launched at all), `max_segment_len` is 1 (decode
+    tiles) and `tiles` is the static buffer, whose unused rows name a null adapter of rank 0 and cover no token.
     """
 
     max_rank: int  # the largest rank of any module of any adapter (EngineConfig.max_lora_rank)
     tiles: torch.Tensor  # int32 [max_tiles, 4], refilled before each replay
     tile_block: int  # tokens per tile the buffer was built for
+    modules: frozenset[int] = frozenset(range(7))  # the only modules any adapter of a replayed step may target
 
 
 @dataclass
@@ -173,10 +175,15 @@ class LoraMeta:
     def num_segments(self) -> int:
         return len(self.seg_adapter_host)
 
+    def targeted_modules(self) -> frozenset[int]:
+        """The modules some adapter of the step targets (rank > 0)."""
+        return frozenset(m for ranks in self.ranks_host for m, rank in enumerate(ranks) if rank)
+
     def fused_rank(self, first_module: int, num_modules: int) -> int:
         """The largest total rank of modules first_module .. first_module + num_modules - 1 over the adapters."""
         if self.static is not None:
-            return self.static.max_rank * num_modules
+            targeted = sum(1 for m in range(first_module, first_module + num_modules) if m in self.static.modules)
+            return self.static.max_rank * targeted
         key = (first_module, num_modules)
         if key not in self._fused_rank:
             ranks = (sum(r[first_module : first_module + num_modules]) for r in self.ranks_host)

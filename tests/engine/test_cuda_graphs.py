@@ -15,6 +15,7 @@ from slora.backend.config import EngineConfig
 from slora.backend.cuda_graphs import DecodeGraphs, GraphLimits, bucket_sizes
 from slora.backend.engine import LLMEngine
 from slora.backend.sampling_params import SamplingParams
+from slora.kernels import triton_ops
 from tests.engine.conftest import ModelWithAdapters
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -62,6 +63,29 @@ def test_static_decode_batches_match_eager(llama: ModelWithAdapters, device: str
     for got, want in zip(graph_logits, eager_logits):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     engine.check_idle_integrity()
+
+
+@pytest.mark.parametrize("device", ["cuda" if torch.cuda.is_available() else "cpu"])
+def test_graphs_launch_the_lora_of_targeted_modules_only(
+    llama: ModelWithAdapters, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attention-only adapters (S-LoRA's S1 kind): decode graphs are keyed by the targeted modules and launch no
+    LoRA kernel for the MLP; tokens equal the eager engine's."""
+    engine = _engine(llama, device)
+    jobs = [([3, 14, 15, 92], "r1-qv"), ([6, 5, 35], "r12-qkv"), ([8, 9, 79, 3, 2], "r5-ko"), ([2, 7], None)]
+    eager_tokens, _ = _run(engine, jobs)
+    limits = GraphLimits(engine.config.max_num_seqs, engine.max_model_len, engine.config.max_lora_rank)
+    graphs = DecodeGraphs(engine.model, engine.pool, limits, capture=device == "cuda")
+    engine.runner.graphs = graphs
+    launched: list[int] = []
+    shrink = triton_ops.lora_shrink
+    monkeypatch.setattr(triton_ops, "lora_shrink", lambda x, flat, meta, first, *rest: launched.append(first)
+                        or shrink(x, flat, meta, first, *rest))  # fmt: skip
+    graph_tokens, _ = _run(engine, jobs)
+    assert graph_tokens == eager_tokens
+    keys = set(graphs._static)  # noqa: SLF001 - which graphs the steps used
+    assert any(modules == frozenset({0, 1, 2, 3}) for _, modules in keys), keys
+    assert launched and not {4, 5, 6} & set(launched), sorted(set(launched))
 
 
 def test_cuda_graphs_need_cuda_and_triton(llama: ModelWithAdapters) -> None:
