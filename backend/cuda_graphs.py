@@ -8,23 +8,24 @@ buffers; before a replay the step's tensors are copied into them, padded to the 
     rows n .. size-1     padding: token 0, K/V slot -1 (not written), context of 1 token on page 0, no adapter
 
 and the launchers read fixed bounds instead of the step's values (kernels/metadata.StaticBounds): decode tiles of
-16 tokens whose unused rows name a null adapter of rank 0, fused ranks of max_lora_rank per module, and the
+16 tokens whose unused rows name a null adapter of rank 0, fused ranks of the graph's rank bound per module, and the
 context bound max_model_len for the split of decode attention. Every kernel skips what lies beyond the real
 ranks, tiles and lengths, so padding costs launches of idle programs, not wrong results.
 
-Graphs are keyed by bucket and by the LoRA modules the step's adapters target: a graph launches the LoRA kernels
-of those modules only (an attention-only adapter set, S-LoRA's S1, skips the MLP calls, whose idle programs would
-otherwise cost launches on every layer). At start each bucket is captured without LoRA and with all seven
-modules; other module sets are captured on first use. All graphs share one memory pool and are captured largest
-first, so smaller ones reuse its blocks. Only the Triton kernel backend can be
-captured (the torch reference reads host-side lists).
+Graphs are keyed by bucket, by the LoRA modules the step's adapters target and by a power-of-two bound on their
+ranks: a graph launches the LoRA kernels of those modules only (an attention-only adapter set, S-LoRA's S1, skips
+the MLP calls) with grids sized for that bound, not for max_lora_rank (256 by default: rank-8 adapters would run
+in grids of idle rank programs and no K split). At start each bucket is captured without LoRA and with all seven
+modules at max_lora_rank; other keys are captured on first use (a one-time stall of that step). All graphs share
+one memory pool and are captured largest first, so smaller ones reuse its blocks. Only the Triton kernel backend
+can be captured (the torch reference reads host-side lists).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -40,7 +41,18 @@ TILE_BLOCK = 16  # tokens per decode tile (the LoRA kernels' decode configs)
 Modules = frozenset[int]  # LoRA modules (indices into LORA_MODULES) the adapters of a graph's steps may target
 ALL_MODULES: Modules = frozenset(range(len(LORA_MODULES)))
 NO_MODULES: Modules = frozenset()
-GraphKey = tuple[int, Modules]  # (bucket size, modules)
+MIN_RANK_BOUND = 16  # the LoRA kernels' rank chunk: smaller bounds would not shrink any grid
+
+
+class GraphKey(NamedTuple):
+    size: int  # bucket: sequences in the step, padded up to it
+    modules: Modules  # LoRA modules some adapter of the step targets (empty: no adapter)
+    max_rank: int  # bound on the step's adapter ranks: launch grids and row buffers are sized by it
+
+
+def rank_bound(max_rank: int, limit: int) -> int:
+    """The power of two (at least MIN_RANK_BOUND, at most `limit`) that bounds a step's largest rank."""
+    return min(limit, max(MIN_RANK_BOUND, 1 << (max(max_rank, 1) - 1).bit_length()))
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -63,7 +75,8 @@ class GraphLimits:
 class StaticDecode:
     """The static buffers of one bucket and the ForwardBatch built on them."""
 
-    def __init__(self, size: int, limits: GraphLimits, pool: PagePool, row_align: int, modules: Modules) -> None:
+    def __init__(self, key: GraphKey, limits: GraphLimits, pool: PagePool, row_align: int) -> None:
+        size = key.size
         device = pool.storage.device
         block_size = pool.geometry.block_size
         max_blocks = -(-limits.max_model_len // block_size)
@@ -89,7 +102,7 @@ class StaticDecode:
             seq_lens_host=[1] * size,
             block_tables_host=[[] for _ in range(size)],
         )
-        self.lora = self._lora_meta(size, limits, row_align, modules, device) if modules else None
+        self.lora = self._lora_meta(key, row_align, device) if key.modules else None
         self.batch = ForwardBatch(
             input_ids=self.input_ids,
             positions=self.positions,
@@ -101,9 +114,9 @@ class StaticDecode:
         )
 
     @staticmethod
-    def _lora_meta(size: int, limits: GraphLimits, row_align: int, modules: Modules, device: torch.device) -> LoraMeta:
+    def _lora_meta(key: GraphKey, row_align: int, device: torch.device) -> LoraMeta:
         # Adapter rows 0 .. size-1 for the step's adapters, row `size` the null adapter (all zeros, never written).
-        columns = len(LORA_MODULES)
+        size, columns = key.size, len(LORA_MODULES)
         tiles = torch.zeros((size, TILE_COLUMNS), dtype=torch.int32, device=device)
         tiles[:, 3] = size
         return LoraMeta(
@@ -113,16 +126,16 @@ class StaticDecode:
             ranks=torch.zeros((size + 1, columns), dtype=torch.int32, device=device),
             scales=torch.zeros((size + 1, columns), dtype=torch.float32, device=device),
             row_start=torch.zeros((size + 1, columns), dtype=torch.int32, device=device),
-            a_rows=torch.zeros(size * columns * limits.max_lora_rank, dtype=torch.int64, device=device),
-            b_rows=torch.zeros(size * columns * limits.max_lora_rank, dtype=torch.int64, device=device),
-            max_rank=limits.max_lora_rank,
+            a_rows=torch.zeros(size * columns * key.max_rank, dtype=torch.int64, device=device),
+            b_rows=torch.zeros(size * columns * key.max_rank, dtype=torch.int64, device=device),
+            max_rank=key.max_rank,
             seg_start_host=[],
             seg_adapter_host=[],
             ranks_host=[],
             scales_host=[],
             row_start_host=[],
             row_align=row_align,
-            static=StaticBounds(limits.max_lora_rank, tiles, TILE_BLOCK, modules),
+            static=StaticBounds(key.max_rank, tiles, TILE_BLOCK, key.modules),
         )
 
     def fill(self, batch: ForwardBatch) -> None:
@@ -188,19 +201,19 @@ class DecodeGraphs:
         if not self.capture:
             return
         for size in reversed(self.sizes):
-            for modules in (ALL_MODULES, NO_MODULES):
-                self._capture((size, modules))
+            self._capture(GraphKey(size, ALL_MODULES, self.limits.max_lora_rank))
+            self._capture(GraphKey(size, NO_MODULES, 0))
         logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self._graphs), self.sizes)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [num_tokens, vocab] of a decode step, from the smallest bucket that holds it."""
-        size = next(s for s in self.sizes if s >= batch.num_tokens)
-        key = (size, batch.lora.targeted_modules() if batch.lora is not None else NO_MODULES)
+        key = self.key(batch)
         static = self._buffers(key)
         static.fill(batch)
         if self.capture:
             if key not in self._graphs:
-                logger.info("capturing the decode graph of %d sequences with LoRA modules %s", size, sorted(key[1]))
+                logger.info("capturing the decode graph of %d sequences, LoRA modules %s, ranks up to %d", key.size,
+                            sorted(key.modules), key.max_rank)  # fmt: skip
                 self._capture(key)
             self._graphs[key].replay()
             logits = self._logits[key]
@@ -208,9 +221,17 @@ class DecodeGraphs:
             logits = self.model.forward(static.batch, self.pool)
         return logits[: batch.num_tokens]
 
+    def key(self, batch: ForwardBatch) -> GraphKey:
+        """The graph a decode step replays: its bucket, its adapters' modules and the bound on their ranks."""
+        size = next(s for s in self.sizes if s >= batch.num_tokens)
+        if batch.lora is None:
+            return GraphKey(size, NO_MODULES, 0)
+        bound = rank_bound(batch.lora.max_rank, self.limits.max_lora_rank)
+        return GraphKey(size, batch.lora.targeted_modules(), bound)
+
     def _buffers(self, key: GraphKey) -> StaticDecode:
         if key not in self._static:
-            self._static[key] = StaticDecode(key[0], self.limits, self.pool, self.row_align, key[1])
+            self._static[key] = StaticDecode(key, self.limits, self.pool, self.row_align)
         return self._static[key]
 
     def _capture(self, key: GraphKey) -> None:

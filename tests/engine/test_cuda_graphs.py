@@ -12,13 +12,18 @@ import pytest
 import torch
 
 from slora.backend.config import EngineConfig
-from slora.backend.cuda_graphs import DecodeGraphs, GraphLimits, bucket_sizes
+from slora.backend.cuda_graphs import DecodeGraphs, GraphLimits, bucket_sizes, rank_bound
 from slora.backend.engine import LLMEngine
 from slora.backend.sampling_params import SamplingParams
 from slora.kernels import triton_ops
 from tests.engine.conftest import ModelWithAdapters
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def test_rank_bounds_are_powers_of_two_within_the_limit() -> None:
+    assert [rank_bound(r, 256) for r in (0, 1, 8, 16, 17, 64, 65, 256)] == [16, 16, 16, 16, 32, 64, 128, 256]
+    assert rank_bound(100, 64) == 64
 
 
 def test_bucket_sizes() -> None:
@@ -84,7 +89,7 @@ def test_graphs_launch_the_lora_of_targeted_modules_only(
     graph_tokens, _ = _run(engine, jobs)
     assert graph_tokens == eager_tokens
     keys = set(graphs._static)  # noqa: SLF001 - which graphs the steps used
-    assert any(modules == frozenset({0, 1, 2, 3}) for _, modules in keys), keys
+    assert any(key.modules == frozenset({0, 1, 2, 3}) and key.max_rank == 16 for key in keys), keys
     assert launched and not {4, 5, 6} & set(launched), sorted(set(launched))
 
 
