@@ -245,6 +245,8 @@ class DecodeGraphs:
             self.model.forward(static.batch, self.pool)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool_handle):
+        # thread_local: captures also happen while serving (keys first seen then), when the adapter copier's
+        # thread may be allocating pinned buffers or waiting on its events; only this thread's calls are checked.
+        with torch.cuda.graph(graph, pool=self._pool_handle, capture_error_mode="thread_local"):
             self._logits[key] = self.model.forward(static.batch, self.pool)
         self._graphs[key] = graph
