@@ -16,7 +16,9 @@ Graphs are keyed by bucket, by the LoRA modules the step's adapters target and b
 ranks: a graph launches the LoRA kernels of those modules only (an attention-only adapter set, S-LoRA's S1, skips
 the MLP calls) with grids sized for that bound, not for max_lora_rank (256 by default: rank-8 adapters would run
 in grids of idle rank programs and no K split). At start each bucket is captured without LoRA and with all seven
-modules at max_lora_rank; other keys are captured on first use (a one-time stall of that step). All graphs share
+modules at max_lora_rank, and for the adapters in host memory (`add_family`: their modules and largest rank); a
+step replays the cheapest of these that covers it, and a step that only the first covers gets a graph of its own
+keys, captured on first use (a one-time stall of that step). All graphs share
 one memory pool and are captured largest first, so smaller ones reuse its blocks. Only the Triton kernel backend
 can be captured (the torch reference reads host-side lists).
 """
@@ -192,6 +194,8 @@ class DecodeGraphs:
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._logits: dict[GraphKey, torch.Tensor] = {}
         self._pool_handle: Any = None  # one memory pool for every graph
+        self.generic = (ALL_MODULES, limits.max_lora_rank)  # covers every step; captured at start
+        self._families: list[tuple[Modules, int]] = [self.generic]  # (modules, rank bound) captured for all buckets
 
     def fits(self, batch: ForwardBatch) -> bool:
         return batch.attn.decode_only and batch.num_tokens <= self.sizes[-1]
@@ -221,13 +225,28 @@ class DecodeGraphs:
             logits = self.model.forward(static.batch, self.pool)
         return logits[: batch.num_tokens]
 
+    def add_family(self, modules: Modules, max_rank: int) -> None:
+        """Capture every bucket for adapters of these modules and ranks up to max_rank (e.g. those in host
+        memory), so that their steps replay graphs sized for them without a capture while serving."""
+        family = (frozenset(modules), rank_bound(max_rank, self.limits.max_lora_rank))
+        if not family[0] or family in self._families:
+            return
+        self._families.append(family)
+        if self.capture:
+            for size in reversed(self.sizes):
+                self._capture(GraphKey(size, *family))
+            logger.info("captured decode graphs for LoRA modules %s, ranks up to %d", sorted(family[0]), family[1])
+
     def key(self, batch: ForwardBatch) -> GraphKey:
-        """The graph a decode step replays: its bucket, its adapters' modules and the bound on their ranks."""
+        """The graph a decode step replays: its bucket, and the cheapest captured family (modules, rank bound)
+        that covers the step's adapters; the step's own family when only the generic one would."""
         size = next(s for s in self.sizes if s >= batch.num_tokens)
         if batch.lora is None:
             return GraphKey(size, NO_MODULES, 0)
-        bound = rank_bound(batch.lora.max_rank, self.limits.max_lora_rank)
-        return GraphKey(size, batch.lora.targeted_modules(), bound)
+        modules, bound = batch.lora.targeted_modules(), rank_bound(batch.lora.max_rank, self.limits.max_lora_rank)
+        covering = [f for f in self._families if f[0] >= modules and f[1] >= bound]
+        best = min(covering, key=lambda f: (len(f[0]) * f[1], f[1]))
+        return GraphKey(size, *((modules, bound) if best == self.generic else best))
 
     def _buffers(self, key: GraphKey) -> StaticDecode:
         if key not in self._static:

@@ -26,6 +26,7 @@ from slora.backend.config import EngineConfig
 from slora.backend.detokenizer import IncrementalDetokenizer
 from slora.backend.errors import CapacityError, EngineOverloadedError, InvalidRequestError
 from slora.backend.model_runner import ModelRunner
+from slora.backend.model_spec import LORA_MODULES
 from slora.backend.outputs import Completion, EngineStats, RequestOutput
 from slora.backend.page_pool import PageKind
 from slora.backend.request import FinishReason, Request
@@ -63,6 +64,7 @@ class LLMEngine:
         self.finished_requests = 0
         if self.config.preload_adapters:
             self.store.preload()
+        self.capture_graphs_for_host_adapters()
         if self.config.warmup:
             warm_up(self)
 
@@ -165,6 +167,16 @@ class LLMEngine:
         if not self.scheduler.running:
             self.check_idle_integrity()
         return outputs
+
+    def capture_graphs_for_host_adapters(self) -> None:
+        """With CUDA graphs: capture decode graphs sized for the adapters now in host memory (their modules and
+        largest rank), so that steps of them need no capture while serving (see cuda_graphs.py)."""
+        graphs = self.runner.graphs
+        loaded = [info.ranks for info in self.store.list() if info.in_host and info.ranks]
+        if graphs is None or not loaded:
+            return
+        modules = frozenset(LORA_MODULES.index(m) for ranks in loaded for m, rank in ranks.items() if rank)
+        graphs.add_family(modules, max(rank for ranks in loaded for rank in ranks.values()))
 
     def evict_adapters(self) -> None:
         """Empty the pool of (unpinned) adapters, so that the next requests start cold on the GPU; the engine must

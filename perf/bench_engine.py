@@ -249,6 +249,7 @@ def run_one(
     trace = spec.load()
     logger.info("run %s: %s (%d requests, mode %s)", name, spec.trace_path, len(trace), spec.mode)
     preload_s = preload_adapters(engine, trace.adapters(), options.preload_workers) if options.preload else 0.0
+    engine.capture_graphs_for_host_adapters()  # as a server does after its preload (no-op without graphs)
     warm_up(engine, trace, options)
     engine.evict_adapters()
     before = engine.stats()

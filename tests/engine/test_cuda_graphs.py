@@ -93,6 +93,23 @@ def test_graphs_launch_the_lora_of_targeted_modules_only(
     assert launched and not {4, 5, 6} & set(launched), sorted(set(launched))
 
 
+@pytest.mark.parametrize("device", ["cuda" if torch.cuda.is_available() else "cpu"])
+def test_steps_replay_the_family_of_the_host_adapters(llama: ModelWithAdapters, device: str) -> None:
+    """After add_family (what the engine does for the adapters in host memory), steps whose adapters it covers
+    replay its graphs instead of graphs of their own; tokens stay the eager engine's."""
+    engine = _engine(llama, device)
+    jobs = [([3, 14, 15, 92], "r1-qv"), ([6, 5, 35], "r12-qkv"), ([2, 7], "r1-qv"), ([8, 9, 79], None)]
+    eager_tokens, _ = _run(engine, jobs)
+    limits = GraphLimits(engine.config.max_num_seqs, engine.max_model_len, engine.config.max_lora_rank)
+    graphs = DecodeGraphs(engine.model, engine.pool, limits, capture=device == "cuda")
+    graphs.add_family(frozenset({0, 1, 2, 3}), 12)
+    engine.runner.graphs = graphs
+    graph_tokens, _ = _run(engine, jobs)
+    assert graph_tokens == eager_tokens
+    lora_keys = {key for key in graphs._static if key.modules}  # noqa: SLF001 - which graphs the steps used
+    assert lora_keys and all(key.modules == frozenset({0, 1, 2, 3}) and key.max_rank == 16 for key in lora_keys)
+
+
 def test_cuda_graphs_need_cuda_and_triton(llama: ModelWithAdapters) -> None:
     with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device and the triton kernel backend"):
         LLMEngine(EngineConfig(model=str(llama.base), device="cpu", cuda_graphs=True, pool_bytes=1 << 20))
