@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from slora.backend.engine import LLMEngine
 from slora.backend.errors import EngineOverloadedError
-from slora.backend.outputs import EngineStats, RequestOutput
+from slora.backend.outputs import EngineStats, RequestOutput, failed_output
 from slora.backend.request import Request
 from slora.backend.sampling_params import SamplingParams
 
@@ -138,7 +138,7 @@ class EngineLoop:
         try:
             self.engine.submit(item.request)
         except Exception as exc:  # refused by the engine (duplicate id, full queue): tell this request only
-            item.callback(_error_output(item.request.request_id, exc))
+            item.callback(failed_output(item.request.request_id, exc))
             return
         self._callbacks[item.request.request_id] = item.callback
 
@@ -149,7 +149,7 @@ class EngineLoop:
             logger.exception("engine step failed; failing the requests in flight")
             failure = RuntimeError(f"engine failure: {exc}")
             outputs = [
-                _error_output(rid, failure) for rid in list(self.engine.requests) if self.engine.abort(rid) is not None
+                failed_output(rid, failure) for rid in list(self.engine.requests) if self.engine.abort(rid) is not None
             ]
         self._deliver(outputs)
         self._stats = self.engine.stats()
@@ -167,7 +167,3 @@ class EngineLoop:
                 callback(output)
             except Exception:
                 logger.exception("output callback of request %s failed", output.request_id)
-
-
-def _error_output(request_id: str, exc: Exception) -> RequestOutput:
-    return RequestOutput(request_id, [], finished=True, finish_reason="error", error=str(exc), exception=exc)

@@ -26,10 +26,10 @@ from typing import Any
 
 from slora.backend.config import EngineConfig
 from slora.backend.engine_loop import OutputCallback
-from slora.backend.engine_service import EngineInfo, StatsListener, Submission, rejected
+from slora.backend.engine_service import EngineInfo, StatsListener, Submission
 from slora.backend.engine_worker import worker_main
 from slora.backend.errors import EngineOverloadedError
-from slora.backend.outputs import STATS_COUNTERS, EngineStats, RequestOutput
+from slora.backend.outputs import STATS_COUNTERS, EngineStats, RequestOutput, failed_output
 from slora.backend.request_inputs import AdapterCommand
 
 logger = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class EngineProcess:
             if closed is None:
                 self._callbacks[job.request_id] = callback
         if closed is not None:
-            callback(rejected(job.request_id, EngineOverloadedError(closed)))
+            callback(failed_output(job.request_id, EngineOverloadedError(closed), "rejected"))
             return
         self._send(("submit", job))
 
@@ -217,8 +217,7 @@ class EngineProcess:
             calls, self._calls = self._calls, {}
         failure = RuntimeError(reason)
         for request_id, callback in callbacks.items():
-            callback(RequestOutput(request_id, [], finished=True, finish_reason="error", error=reason,
-                                   exception=failure))  # fmt: skip
+            callback(failed_output(request_id, failure))
         for future in calls.values():
             future.set_exception(failure)
 

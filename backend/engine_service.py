@@ -21,7 +21,7 @@ from slora.backend.adapter_admin import run_adapter_command
 from slora.backend.engine import LLMEngine
 from slora.backend.engine_loop import EngineLoop, OutputCallback
 from slora.backend.errors import SloraError
-from slora.backend.outputs import EngineStats, RequestOutput
+from slora.backend.outputs import EngineStats, failed_output
 from slora.backend.request_inputs import AdapterCommand
 from slora.backend.sampling_params import SamplingParams
 
@@ -65,11 +65,6 @@ class EngineService(Protocol):
     def stop(self) -> None: ...
 
 
-def rejected(request_id: str, exc: Exception) -> RequestOutput:
-    """The final output of a request the engine refused before running it."""
-    return RequestOutput(request_id, [], finished=True, finish_reason="rejected", error=str(exc), exception=exc)
-
-
 class LocalEngine:
     """The engine loop on a thread of this process; cold adapters are read in a small intake pool."""
 
@@ -109,4 +104,4 @@ class LocalEngine:
         except Exception as exc:  # this request only: its callback gets the message
             if not isinstance(exc, (SloraError, ValueError)):
                 logger.error("unexpected error while taking in request %s", job.request_id, exc_info=exc)
-            callback(rejected(job.request_id, exc))
+            callback(failed_output(job.request_id, exc, "rejected"))

@@ -53,5 +53,10 @@ class EngineStats:
     waiting_adapters: list[str] = field(default_factory=list)
 
 
+def failed_output(request_id: str, exc: Exception, reason: str = "error") -> RequestOutput:
+    """The final output of a request that failed ("error") or was refused before it ran ("rejected")."""
+    return RequestOutput(request_id, [], finished=True, finish_reason=reason, error=str(exc), exception=exc)
+
+
 # EngineStats fields that only grow over the life of a server (an engine process started again continues them).
 STATS_COUNTERS = ("adapter_loads", "adapter_evictions", "preemptions", "generated_tokens", "finished_requests")
