@@ -13,6 +13,4 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from slora.kernels.interpreter import patch_interpreter  # noqa: E402
-
-patch_interpreter()  # slora.kernels applies it on import too; here it also covers tests that import no kernel
+import slora.kernels  # noqa: E402, F401 - with TRITON_INTERPRET set, its import fixes the interpreter (interpreter.py)
