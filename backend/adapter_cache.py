@@ -140,4 +140,4 @@ class AdapterCache:
         b_rows = page_index[host.b_local // page_elems] * page_elems + host.b_local % page_elems
         # No wait on the compute stream: these pages were free before this step was scheduled, and the engine
         # synchronizes at the end of every step, so no kernel in flight reads or writes them.
-        return ResidentAdapter(host, pages, a_rows, b_rows, ready=self.copier.submit(host.image, pages))
+        return ResidentAdapter(host, pages, a_rows, b_rows, ready=self.copier.submit(host.image, page_index))

@@ -32,9 +32,10 @@ class AdapterCopier:
         self._turn = 0
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slora-adapter-copy")
 
-    def submit(self, image: torch.Tensor, pages: list[int]) -> CopyDone:
-        """Copy `image` ([num_layers, len(pages), page_elems], host) into `pages` of every layer."""
-        return self._thread.submit(self._copy, image, torch.tensor(pages, dtype=torch.int64))
+    def submit(self, image: torch.Tensor, page_index: torch.Tensor) -> CopyDone:
+        """Copy `image` ([num_layers, len(pages), page_elems], host) into the pages of every layer that
+        `page_index` (int64, host) names."""
+        return self._thread.submit(self._copy, image, page_index)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)

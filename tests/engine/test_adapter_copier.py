@@ -24,7 +24,7 @@ def test_copies_land_in_their_pages_only(device: str, staging_buffers: int) -> N
         chosen, order = order[:size], order[size:]
         image = torch.randn((layers, size, page_elems), generator=generator)
         placed.append((chosen, image))
-    done = [copier.submit(image, chosen) for chosen, image in placed]
+    done = [copier.submit(image, torch.tensor(chosen, dtype=torch.int64)) for chosen, image in placed]
     for future in done:
         event = future.result(timeout=60)
         assert (event is None) == (device == "cpu")
