@@ -172,8 +172,10 @@ class LLMEngine:
         """With CUDA graphs: capture decode graphs sized for the adapters now in host memory (their modules and
         largest rank), so that steps of them need no capture while serving (see cuda_graphs.py)."""
         graphs = self.runner.graphs
+        if graphs is None:
+            return
         loaded = [info.ranks for info in self.store.list() if info.in_host and info.ranks]
-        if graphs is None or not loaded:
+        if not loaded:
             return
         modules = frozenset(LORA_MODULES.index(m) for ranks in loaded for m, rank in ranks.items() if rank)
         graphs.add_family(modules, max(rank for ranks in loaded for rank in ranks.values()))
