@@ -205,7 +205,7 @@ class DecodeGraphs:
         if not self.capture:
             return
         for size in reversed(self.sizes):
-            self._capture(GraphKey(size, ALL_MODULES, self.limits.max_lora_rank))
+            self._capture(GraphKey(size, *self.generic))
             self._capture(GraphKey(size, NO_MODULES, 0))
         logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self._graphs), self.sizes)
 
