@@ -77,7 +77,7 @@ class DecoderModel:
         inter = self.spec.intermediate_size
         gate_up = F.linear(x, w.gate_up)  # [num_tokens, 2 * intermediate]
         self._lora(i, gate_up, x, batch, pool, (GATE_PROJ, UP_PROJ), (0, inter))
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        act = self.ops.silu_mul(gate_up, inter)
         out = F.linear(act, w.down)  # [num_tokens, hidden]
         self._lora(i, out, act, batch, pool, (DOWN_PROJ,), (0,))
         return out

@@ -23,6 +23,7 @@ import triton.language as tl
 from slora.kernels.launch import dot_precision
 from slora.kernels.lora_shrink import MODULES, NUM_MODULES
 from slora.kernels.metadata import LoraMeta, SegmentGroup
+from slora.kernels.relaunch import Relaunch
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,23 @@ def lora_expand(
 
     Only the tokens of `group`'s segments (default: all), whose rows of v the shrink of that group wrote.
     """
+    launch = expand_launch(y, v, flat_layer, meta, first_module, out_offsets, out_widths, group)
+    if launch is not None:
+        launch(flat_layer, y)
+
+
+def expand_launch(
+    y: torch.Tensor,
+    v: torch.Tensor,
+    flat_layer: torch.Tensor,
+    meta: LoraMeta,
+    first_module: int,
+    out_offsets: tuple[int, ...],
+    out_widths: tuple[int, ...],
+    group: SegmentGroup | None = None,
+) -> Relaunch | None:
+    """The launch that adds v's products into y, called as launch(flat_layer, y) for any pool layer and y shaped
+    like these (every layer of a step; v stays the one given here); None when the group has no token."""
     num_slices = len(out_widths)
     _check(y, v, flat_layer, meta, first_module, out_offsets, out_widths)
     group = group if group is not None else meta.whole()
@@ -141,20 +159,23 @@ def lora_expand(
     tiles = group.tiles(cfg.block_m)
     num_tiles = int(tiles.shape[0])
     if num_tiles == 0:
-        return
+        return None
     offsets = tuple(out_offsets) + (0,) * (3 - num_slices)
     widths = tuple(out_widths) + (0,) * (3 - num_slices)
     block_n = expand_block_n(cfg, num_tiles, max(out_widths))
-    grid = (num_tiles, triton.cdiv(max(out_widths), block_n))
-    _lora_expand_kernel[grid](
-        v, v.stride(0), v.stride(1), v.shape[0], flat_layer, y, y.stride(0),
-        tiles, meta.ranks, meta.scales, meta.row_start, meta.b_rows,
-        *offsets, *widths,
-        FIRST_MODULE=first_module, NUM_SLICES=num_slices,
-        ROW_ALIGN=meta.row_align,
-        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(y.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    args = dict(
+        v_ptr=v, stride_v_split=v.stride(0), stride_v_tok=v.stride(1), split_k=v.shape[0],
+        pool_ptr=flat_layer, y_ptr=y, stride_y=y.stride(0),
+        tiles_ptr=tiles, ranks_ptr=meta.ranks, scales_ptr=meta.scales, row_start_ptr=meta.row_start,
+        b_rows_ptr=meta.b_rows,
+        offset0=offsets[0], offset1=offsets[1], offset2=offsets[2],
+        width0=widths[0], width1=widths[1], width2=widths[2],
+        FIRST_MODULE=first_module, NUM_SLICES=num_slices, ROW_ALIGN=meta.row_align,
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=block_n, DOT_PRECISION=dot_precision(y.dtype),
     )  # fmt: skip
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (num_tiles, triton.cdiv(max(out_widths), block_n))
+    return Relaunch(_lora_expand_kernel, grid, args, options, changing=("pool_ptr", "y_ptr"))
 
 
 def expand_block_n(cfg: ExpandConfig, num_tiles: int, width: int) -> int:

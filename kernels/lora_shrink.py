@@ -25,6 +25,7 @@ import triton.language as tl
 
 from slora.kernels.launch import dot_precision
 from slora.kernels.metadata import LoraMeta, SegmentGroup
+from slora.kernels.relaunch import Relaunch
 
 NUM_MODULES = 7  # q, k, v, o, gate, up, down: the columns of LoraMeta's tables
 MODULES = tl.constexpr(NUM_MODULES)  # the same, readable inside kernels
@@ -117,6 +118,22 @@ def lora_shrink(
 
     Only the tokens of `group`'s segments (default: all) are computed; v's other rows are left unwritten.
     """
+    v, launch = shrink_launch(x, flat_layer, meta, first_module, num_slices, group)
+    if launch is not None:
+        launch(x, flat_layer)
+    return v
+
+
+def shrink_launch(
+    x: torch.Tensor,
+    flat_layer: torch.Tensor,
+    meta: LoraMeta,
+    first_module: int,
+    num_slices: int,
+    group: SegmentGroup | None = None,
+) -> tuple[torch.Tensor, Relaunch | None]:
+    """v (allocated here) and the launch that writes it, called as launch(x, flat_layer) for any x and pool layer
+    shaped like these (every layer of a step); None when the group has no token or the modules no rank."""
     _check(x, flat_layer, meta, first_module, num_slices)
     group = group if group is not None else meta.whole()
     cfg = shrink_config(group.max_segment_len)
@@ -127,17 +144,18 @@ def lora_shrink(
     rank_programs, split_k, k_per_split = shrink_grid(cfg, num_tiles, fused_rank, in_features)
     v = torch.empty((split_k, x.shape[0], max(fused_rank, 1)), dtype=torch.float32, device=x.device)
     if num_tiles == 0 or fused_rank == 0:
-        return v
-    grid = (num_tiles, rank_programs, split_k)
-    _lora_shrink_kernel[grid](
-        x, x.stride(0), flat_layer, v, v.stride(0), v.stride(1),
-        tiles, meta.ranks, meta.row_start, meta.a_rows,
-        in_features, k_per_split,
+        return v, None
+    args = dict(
+        x_ptr=x, stride_x=x.stride(0), pool_ptr=flat_layer, v_ptr=v,
+        stride_v_split=v.stride(0), stride_v_tok=v.stride(1),
+        tiles_ptr=tiles, ranks_ptr=meta.ranks, row_start_ptr=meta.row_start, a_rows_ptr=meta.a_rows,
+        in_features=in_features, k_per_split=k_per_split,
         FIRST_MODULE=first_module, NUM_SLICES=num_slices, ROW_ALIGN=meta.row_align,
-        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
-        DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, DOT_PRECISION=dot_precision(x.dtype),
     )  # fmt: skip
-    return v
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (num_tiles, rank_programs, split_k)
+    return v, Relaunch(_lora_shrink_kernel, grid, args, options, changing=("x_ptr", "pool_ptr"))
 
 
 def shrink_grid(cfg: ShrinkConfig, num_tiles: int, fused_rank: int, in_features: int) -> tuple[int, int, int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -100,6 +101,8 @@ class AttentionMeta:
     block_tables_host: list[list[int]]
 
     _groups: dict[bool, list[SegmentGroup]] = field(default_factory=dict, repr=False, compare=False)
+    # Kernel launches built by the first layer of the step, reused by the others (kernels/paged_attention.py).
+    launches: dict[object, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -170,6 +173,8 @@ class LoraMeta:
     # Built on first use and kept for the step (every layer asks the same): no per-layer Python loops.
     _groups: dict[bool, list[SegmentGroup]] = field(default_factory=dict, repr=False, compare=False)
     _fused_rank: dict[tuple[int, int], int] = field(default_factory=dict, repr=False, compare=False)
+    # Kernel launches built by the first layer of the step, reused by the others (kernels/lora_call.py).
+    launches: dict[object, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_segments(self) -> int:

@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from slora.kernels.activation_ref import silu_mul_ref
 from slora.kernels.attention_ref import paged_attention_ref, write_kv_ref
 from slora.kernels.lora_padded import lora_padded_bmm
 from slora.kernels.lora_ref import lora_ref
@@ -48,6 +49,10 @@ class Ops(Protocol):
         """Rotate q [T, heads, d] and k [T, kv_heads, d] in place by their positions' rows of the cos/sin tables."""
         ...
 
+    def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+        """SiLU(gate) · up of the fused gate/up output [gate | up] (kernels/activation.py)."""
+        ...
+
 
 class TorchOps:
     name = "torch"
@@ -63,6 +68,9 @@ class TorchOps:
         rotated_q, rotated_k = apply_rotary_ref(q, k, positions, cos, sin)
         q.copy_(rotated_q)
         k.copy_(rotated_k)
+
+    def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+        return silu_mul_ref(gate_up, inter)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta) -> None:
         write_kv_ref(k, v, kv_layer, meta.slot_mapping)

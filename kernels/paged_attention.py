@@ -23,6 +23,7 @@ import triton.language as tl
 
 from slora.kernels.launch import LOG2E, dot_precision
 from slora.kernels.metadata import SHORT_SEGMENT, AttentionMeta
+from slora.kernels.relaunch import Relaunch
 
 
 @dataclass(frozen=True)
@@ -127,28 +128,53 @@ def paged_attention(
     scale: float,
     config: AttentionConfig | None = None,
 ) -> torch.Tensor:
-    """Causal attention of every new token over its sequence's context (cached + new); q: [num_tokens, heads, d]."""
+    """Causal attention of every new token over its sequence's context (cached + new); q: [num_tokens, heads, d].
+
+    The launches are built by the step's first layer and reused by the others (kernels/relaunch.py)."""
     check_attention_args(q, kv_layer, meta)
-    num_tokens, heads, head_dim = q.shape
-    kv_heads, page_size = kv_layer.shape[3], kv_layer.shape[2]
     out = torch.empty_like(q)
-    for group in meta.groups(split=config is None):  # decodes apart from prompts, each with its own tile shape
+    key = ("paged_attention", q.shape, q.stride(), kv_layer.shape, kv_layer.stride(), q.dtype, scale, config)
+    launches = meta.launches.get(key)
+    if launches is None:
+        launches = meta.launches[key] = _launches(q, kv_layer, out, meta, scale, config)
+    for launch in launches:
+        launch(q, kv_layer, out)
+    return out
+
+
+def _launches(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    out: torch.Tensor,
+    meta: AttentionMeta,
+    scale: float,
+    config: AttentionConfig | None,
+) -> list[Relaunch]:
+    """One launch per group of sequences (decodes apart from prompts, each with its own tile shape)."""
+    _, heads, head_dim = q.shape
+    kv_heads, page_size = kv_layer.shape[3], kv_layer.shape[2]
+    launches = []
+    for group in meta.groups(split=config is None):
         cfg = config or attention_config(q.element_size(), group.max_segment_len)
         tiles = group.tiles(cfg.block_m)
         if tiles.shape[0] == 0:
             continue
-        grid = (int(tiles.shape[0]), heads)
-        _paged_attention_kernel[grid](
-            q, q.stride(0), q.stride(1),
-            kv_layer, kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
-            out, out.stride(0), out.stride(1),
-            tiles, meta.q_start, meta.seq_lens, meta.block_tables, meta.block_tables.stride(0),
-            scale * LOG2E,
+        args = dict(
+            q_ptr=q, stride_q_tok=q.stride(0), stride_q_head=q.stride(1),
+            kv_ptr=kv_layer, stride_page=kv_layer.stride(0), stride_kv=kv_layer.stride(1),
+            stride_slot=kv_layer.stride(2), stride_head=kv_layer.stride(3),
+            out_ptr=out, stride_o_tok=out.stride(0), stride_o_head=out.stride(1),
+            tiles_ptr=tiles, q_start_ptr=meta.q_start, seq_lens_ptr=meta.seq_lens,
+            block_tables_ptr=meta.block_tables, stride_bt=meta.block_tables.stride(0),
+            qk_scale=scale * LOG2E,
             GROUP=heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-            DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            DOT_PRECISION=dot_precision(q.dtype),
         )  # fmt: skip
-    return out
+        options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        grid = (int(tiles.shape[0]), heads)
+        launches.append(Relaunch(_paged_attention_kernel, grid, args, options, ("q_ptr", "kv_ptr", "out_ptr")))
+    return launches
 
 
 def check_attention_args(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta) -> None:

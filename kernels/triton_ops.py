@@ -1,5 +1,5 @@
 """The Ops interface on Triton-language kernels: paged K/V writes, paged attention, heterogeneous LoRA, and the
-fused elementwise work (RMSNorm with the residual add, RoPE of q and k in place).
+fused elementwise work (RMSNorm with the residual add, RoPE of q and k in place, SiLU · up).
 
 Attention: steps that only decode use flash-decoding (paged_decode.py, split along the sequence); any step with a
 prompt or a chunk uses the general kernel (paged_attention.py), which serves its decodes too. LoRA: one shrink
@@ -9,21 +9,17 @@ and ranks; the kernels pick decode- or prefill-shaped tiles from the step's long
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
+from slora.kernels.activation import silu_mul
 from slora.kernels.kv_write import write_kv
-from slora.kernels.lora_expand import lora_expand
-from slora.kernels.lora_shrink import lora_shrink
+from slora.kernels.lora_call import lora_calls
 from slora.kernels.metadata import AttentionMeta, LoraMeta
 from slora.kernels.norm import rms_norm
 from slora.kernels.ops import PaddedLora
 from slora.kernels.paged_attention import paged_attention
 from slora.kernels.paged_decode import paged_decode_attention
 from slora.kernels.rotary import apply_rotary_
-
-MAX_FUSED = 3  # modules the expand kernel adds in one launch
 
 
 class TritonOps:
@@ -38,6 +34,9 @@ class TritonOps:
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> None:
         apply_rotary_(q, k, positions, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+        return silu_mul(gate_up, inter)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta) -> None:
         write_kv(k, v, kv_layer, meta.slot_mapping)
@@ -57,24 +56,12 @@ class TritonOps:
         out_offsets: tuple[int, ...],
         out_widths: tuple[int, ...],
     ) -> None:
-        for first, offsets, widths in consecutive_runs(modules, out_offsets, out_widths):
-            if meta.fused_rank(first, len(widths)) == 0:
-                continue  # no adapter of the step targets these modules
-            for group in meta.groups():  # decodes apart from prompts: each gets its own tile shape
-                v = lora_shrink(x, flat_layer, meta, first, len(widths), group)
-                lora_expand(y, v, flat_layer, meta, first, offsets, widths, group)
-
-
-def consecutive_runs(
-    modules: tuple[int, ...], out_offsets: tuple[int, ...], out_widths: tuple[int, ...]
-) -> Iterator[tuple[int, tuple[int, ...], tuple[int, ...]]]:
-    """(first module, offsets, widths) of each run of up to MAX_FUSED consecutive modules, in order."""
-    start = 0
-    for i in range(1, len(modules) + 1):
-        run_ends = i == len(modules) or modules[i] != modules[i - 1] + 1 or i - start == MAX_FUSED
-        if run_ends:
-            yield modules[start], tuple(out_offsets[start:i]), tuple(out_widths[start:i])
-            start = i
+        key = (modules, out_offsets, out_widths, x.shape, x.stride(0), y.shape, y.stride(0), x.dtype)
+        calls = meta.launches.get(key)
+        if calls is None:
+            calls = meta.launches[key] = lora_calls(y, x, flat_layer, meta, modules, out_offsets, out_widths)
+        for call in calls:
+            call(y, x, flat_layer)
 
 
 class TritonPaddedBmmOps(PaddedLora, TritonOps):

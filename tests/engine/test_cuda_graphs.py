@@ -15,7 +15,7 @@ from slora.backend.config import EngineConfig
 from slora.backend.cuda_graphs import DecodeGraphs, GraphLimits, bucket_sizes, rank_bound
 from slora.backend.engine import LLMEngine
 from slora.backend.sampling_params import SamplingParams
-from slora.kernels import triton_ops
+from slora.kernels import lora_call
 from tests.engine.conftest import ModelWithAdapters
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -83,8 +83,8 @@ def test_graphs_launch_the_lora_of_targeted_modules_only(
     graphs = DecodeGraphs(engine.model, engine.pool, limits, capture=device == "cuda")
     engine.runner.graphs = graphs
     launched: list[int] = []
-    shrink = triton_ops.lora_shrink
-    monkeypatch.setattr(triton_ops, "lora_shrink", lambda x, flat, meta, first, *rest: launched.append(first)
+    shrink = lora_call.shrink_launch
+    monkeypatch.setattr(lora_call, "shrink_launch", lambda x, flat, meta, first, *rest: launched.append(first)
                         or shrink(x, flat, meta, first, *rest))  # fmt: skip
     graph_tokens, _ = _run(engine, jobs)
     assert graph_tokens == eager_tokens

@@ -24,7 +24,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from slora.kernels import decode_reduce, kv_write, lora_expand, lora_shrink, paged_attention, paged_decode
+from slora.kernels import (
+    activation,
+    decode_reduce,
+    kv_write,
+    lora_expand,
+    lora_shrink,
+    paged_attention,
+    paged_decode,
+)
 from slora.kernels.triton_ops import TritonOps
 from tests.kernels.builders import Shape, attention_step
 from tests.kernels.test_attention import Heads, make_pool
@@ -40,6 +48,7 @@ KERNELS = {
     paged_attention: "_paged_attention_kernel",
     paged_decode: "_paged_decode_kernel",
     decode_reduce: "_decode_reduce_kernel",
+    activation: "_silu_mul_kernel",
 }
 MAX_SHARED = 227 * 1024  # bytes of shared memory one block may use on sm_90
 POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32"}
@@ -49,17 +58,17 @@ LLAMA_7B = Shape(4096, 11008, 32, 32, 128)
 
 
 class Launch:
-    """One captured `kernel[grid](*args, **kwargs)` call."""
+    """One captured `kernel[grid](*args, **kwargs)` call (arguments by position or by name)."""
 
     def __init__(self, kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.fn = JITFunction(kernel.fn)
         self.options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-        self.constexprs = kwargs
-        self.args = args
+        named = dict(zip(self.fn.arg_names, args)) | kwargs
+        self.constexprs = {p.name: named[p.name] for p in self.fn.params if p.is_constexpr}
+        self.values = {p.name: named[p.name] for p in self.fn.params if not p.is_constexpr}
 
     def signature(self) -> tuple[dict[str, str], dict[tuple[int, ...], list[list[Any]]]]:
-        runtime = [name for name in self.fn.arg_names if name not in self.constexprs]
-        values = dict(zip(runtime, self.args))
+        values = self.values
         signature, attrs = {}, {}
         for i, name in enumerate(self.fn.arg_names):
             if name in self.constexprs:
@@ -89,6 +98,8 @@ def capture(run: Callable[[], object]) -> list[Launch]:
     class Recorder:
         def __init__(self, kernel: Any) -> None:
             self.kernel = kernel
+            self.arg_names = kernel.arg_names
+            self.__name__ = kernel.__name__
 
         def __getitem__(self, grid: object) -> Callable[..., None]:
             return lambda *args, **kwargs: launches.append(Launch(self.kernel, args, kwargs))
@@ -140,6 +151,7 @@ SCENARIOS = {
     "attention-decode-split-bf16": lambda: attention(Heads(32, 8, 128), 16, torch.bfloat16, [(1, 4000)]),
     "attention-mixed-bf16": lambda: attention(Heads(32, 32, 128), 32, torch.bfloat16, [(100, 300), (1, 50)]),
     "attention-decode-fp32": lambda: attention(Heads(9, 3, 64), 4, torch.float32, [(1, 30), (1, 7)]),
+    "silu-mul-bf16": lambda: lambda: TritonOps().silu_mul(torch.zeros((5, 2 * 11008), dtype=torch.bfloat16), 11008),
 }
 
 

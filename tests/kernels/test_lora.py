@@ -21,10 +21,11 @@ pytest.importorskip("triton")
 from slora.backend.adapter import load_peft_adapter  # noqa: E402
 from slora.backend.page_pool import PoolGeometry  # noqa: E402
 from slora.kernels import lora_shrink  # noqa: E402
+from slora.kernels.lora_call import consecutive_runs  # noqa: E402
 from slora.kernels.lora_padded import lora_padded_bmm  # noqa: E402
 from slora.kernels.lora_ref import lora_ref  # noqa: E402
 from slora.kernels.metadata import LoraMeta  # noqa: E402
-from slora.kernels.triton_ops import TritonOps, consecutive_runs  # noqa: E402
+from slora.kernels.triton_ops import TritonOps  # noqa: E402
 from tests.kernels.builders import (  # noqa: E402
     DEVICE,
     DOWN,
@@ -146,6 +147,17 @@ def check_layer(case: LayerCase, impl: str, seed: int) -> None:
 def test_lora_matches_reference(step: str, dtype: torch.dtype) -> None:
     case = build_case(TINY, dtype, list(TINY_ADAPTERS), TINY_STEPS[step], seed=3)
     check_layer(case, "triton", seed=4)
+
+
+def test_lora_launches_are_reused_by_every_layer() -> None:
+    """The launches built by a step's first layer serve its later layers with new x, y (on CUDA straight to the
+    compiled kernels): each layer still gets its own inputs' delta."""
+    case = build_case(TINY, torch.bfloat16, list(TINY_ADAPTERS), TINY_STEPS["mixed"], seed=23)
+    check_layer(case, "triton", seed=24)
+    built = dict(case.meta.launches)
+    assert len(built) == 4, "one entry per call site of the layer"
+    check_layer(case, "triton", seed=25)
+    assert case.meta.launches == built, "the second layer built no launch of its own"
 
 
 @pytest.mark.parametrize("step", sorted(TINY_STEPS))

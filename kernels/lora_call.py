@@ -1,0 +1,66 @@
+"""The LoRA launches of one call site (q/k/v, o, gate/up or down) for one step, built once and reused by every layer.
+
+Every layer of a step calls the same LoRA modules with the same metadata and tensor shapes; only x, y and the pool
+layer change. A LoraCall holds the shrink and expand launches of one run of fused modules and one segment group
+(see metadata.SegmentGroup) together with their partial-sum buffer v, so that a layer's call costs two direct
+kernel launches (kernels/relaunch.py) instead of re-deriving tiles, grids and buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from slora.kernels.lora_expand import expand_launch
+from slora.kernels.lora_shrink import shrink_launch
+from slora.kernels.metadata import LoraMeta
+from slora.kernels.relaunch import Relaunch
+
+MAX_FUSED = 3  # modules the expand kernel adds in one launch
+
+
+class LoraCall:
+    """Shrink into v, then expand v into y, for x, y and a pool layer shaped like the ones it was built for."""
+
+    def __init__(self, shrink: Relaunch, expand: Relaunch) -> None:
+        self._shrink = shrink
+        self._expand = expand
+
+    def __call__(self, y: torch.Tensor, x: torch.Tensor, flat_layer: torch.Tensor) -> None:
+        self._shrink(x, flat_layer)
+        self._expand(flat_layer, y)
+
+
+def lora_calls(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    flat_layer: torch.Tensor,
+    meta: LoraMeta,
+    modules: tuple[int, ...],
+    out_offsets: tuple[int, ...],
+    out_widths: tuple[int, ...],
+) -> list[LoraCall]:
+    """The launches of one call site, in order: per run of consecutive modules, decodes apart from prompts."""
+    calls = []
+    for first, offsets, widths in consecutive_runs(modules, out_offsets, out_widths):
+        if meta.fused_rank(first, len(widths)) == 0:
+            continue  # no adapter of the step targets these modules
+        for group in meta.groups():  # decodes apart from prompts: each gets its own tile shape
+            v, shrink = shrink_launch(x, flat_layer, meta, first, len(widths), group)
+            expand = expand_launch(y, v, flat_layer, meta, first, offsets, widths, group)
+            if shrink is not None and expand is not None:
+                calls.append(LoraCall(shrink, expand))
+    return calls
+
+
+def consecutive_runs(
+    modules: tuple[int, ...], out_offsets: tuple[int, ...], out_widths: tuple[int, ...]
+) -> Iterator[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """(first module, offsets, widths) of each run of up to MAX_FUSED consecutive modules, in order."""
+    start = 0
+    for i in range(1, len(modules) + 1):
+        run_ends = i == len(modules) or modules[i] != modules[i - 1] + 1 or i - start == MAX_FUSED
+        if run_ends:
+            yield modules[start], tuple(out_offsets[start:i]), tuple(out_widths[start:i])
+            start = i

@@ -1,0 +1,68 @@
+"""One Triton kernel launched again and again with the same scalars and grid, only a few tensors changing.
+
+Every layer of a step launches the same LoRA and attention kernels with the same metadata, grids and constexprs;
+only the layer's tensors (its activations, its pool layer) change. Triton's `kernel[grid](...)` binds and
+specializes all ~25 arguments on every launch, which costs tens of microseconds of host time: an eager step with
+prompts launches hundreds of such kernels and spends more time launching them than the GPU spends running them.
+
+A Relaunch goes through Triton's JIT for its first launch (which compiles or finds the variant and returns the
+compiled kernel) and calls that compiled kernel directly afterwards. The only part of a variant's key that can
+change between its launches is the 16-byte alignment of the changing tensors (Triton specializes pointers on
+it), so that is checked on every launch and a change goes back through the JIT. Under TRITON_INTERPRET=1 the JIT
+returns no compiled kernel and every launch takes the JIT path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from triton.compiler import CompiledKernel
+
+POINTER_ALIGN = 16  # bytes: Triton compiles a variant for pointers aligned to this and one for the others
+
+
+class Relaunch:
+    """Launches `kernel` over `grid` with `args` (every kernel argument by name, constexprs included) and
+    `options` (num_warps, num_stages), replacing the arguments named in `changing` on each call."""
+
+    def __init__(
+        self,
+        kernel: Any,
+        grid: tuple[int, ...],
+        args: dict[str, Any],
+        options: dict[str, Any],
+        changing: Sequence[str],
+    ) -> None:
+        names = list(kernel.arg_names)
+        missing = set(names) - set(args)
+        if missing or set(args) - set(names):
+            raise ValueError(
+                f"{kernel.__name__}: arguments {sorted(missing)} missing, {sorted(set(args) - set(names))} unknown"
+            )
+        self._kernel = kernel
+        self._grid = grid
+        self._names = names
+        self._values = [args[name] for name in names]
+        self._options = options
+        self._slots = [names.index(name) for name in changing]
+        self._compiled: CompiledKernel | None = None
+        self._aligned: tuple[bool, ...] = ()
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        values = self._values
+        for slot, tensor in zip(self._slots, tensors, strict=True):
+            values[slot] = tensor
+        aligned = tuple(t.data_ptr() % POINTER_ALIGN == 0 for t in tensors)
+        if self._compiled is not None and aligned == self._aligned:
+            self._compiled[self._grid](*values)
+            return
+        compiled = self._kernel[self._grid](**dict(zip(self._names, values)), **self._options)
+        self._compiled = compiled if isinstance(compiled, CompiledKernel) else None
+        self._aligned = aligned
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the next launch with equally aligned tensors goes straight to the compiled kernel."""
+        return self._compiled is not None
