@@ -42,7 +42,7 @@ class Relaunch:
                 f"{kernel.__name__}: arguments {sorted(missing)} missing, {sorted(set(args) - set(names))} unknown"
             )
         self._kernel = kernel
-        self._grid = grid
+        self._grid = tuple(grid) + (1,) * (3 - len(grid))  # the compiled kernel's runner reads three axes
         self._names = names
         self._values = [args[name] for name in names]
         self._options = options

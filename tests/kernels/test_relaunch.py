@@ -52,7 +52,7 @@ def test_later_launches_go_to_the_compiled_kernel_with_the_new_tensors() -> None
     launch(second)
     assert kernel.compiled is not None
     ((grid, args),) = kernel.compiled.launches
-    assert grid == (3, 1) and args[0] is second and args[1:] == [8, 16], "every argument, in the kernel's order"
+    assert grid == (3, 1, 1) and args[0] is second and args[1:] == [8, 16], "every argument, in the kernel's order"
     assert len(kernel.jit_launches) == 1
 
 
