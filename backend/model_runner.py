@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,12 +15,17 @@ from slora.backend.page_pool import PagePool
 from slora.backend.request import Request
 from slora.backend.sampler import sample
 
+PHASES = ("build", "wait", "launch", "sample")
+
 
 @dataclass(frozen=True)
 class StepShape:
     kind: str  # "graph" (a replayed decode graph), "decode" (eager, one token per sequence) or "mixed"
     num_seqs: int
     num_tokens: int
+    # Host seconds of each PHASE: building the batch, waiting for adapter copies, launching the forward (eager:
+    # every kernel launch; the GPU runs behind), sampling (which waits for the GPU to finish the forward).
+    phases: tuple[float, ...] = (0.0,) * len(PHASES)
 
 
 def step_kind(batch: ForwardBatch, graph: bool) -> str:
@@ -39,19 +45,24 @@ class ModelRunner:
 
     def run(self, seqs: list[ScheduledSeq]) -> list[tuple[Request, int]]:
         """Compute the scheduled tokens; return (request, next token) for each sequence that samples."""
+        began = time.perf_counter()
         batch = build_batch(seqs, self.pool.geometry.block_size, self.device)
+        built = time.perf_counter()
         self._wait_for_adapters(batch)
+        waited = time.perf_counter()
         graph = False
         if self.graphs is not None and self.graphs.fits(batch):
             graph = True
             logits = self.graphs.forward(batch)  # [num_sampled, vocab]: every decode sequence samples
         else:
             logits = self.model.forward(batch, self.pool)  # [num_sampled, vocab]
-        self.last_step = StepShape(step_kind(batch, graph), len(batch.seqs), batch.num_tokens)
+        launched = time.perf_counter()
         if self.logits_hook is not None:
             self.logits_hook(logits)
         sampled = batch.sampled
         tokens = sample(logits, [s.request.sampling for s in sampled], [s.request.generator for s in sampled])
+        phases = (built - began, waited - built, launched - waited, time.perf_counter() - launched)
+        self.last_step = StepShape(step_kind(batch, graph), len(batch.seqs), batch.num_tokens, phases)
         return [(s.request, token) for s, token in zip(sampled, tokens)]
 
     def _wait_for_adapters(self, batch: ForwardBatch) -> None:

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from slora.kernels.metadata import AttentionMeta
+from slora.kernels.relaunch import launch_cached
 
 # Partition lanes of the reduce: one compiled variant covers up to this many partitions per sequence (masked
 # lanes cost nothing worth counting), instead of one variant per power of two as contexts grow.
@@ -71,7 +72,7 @@ def decode_reduce(
         raise ValueError("partition buffers must be contiguous")
     if out.dim() != 3 or out.shape[1:] != (heads, head_dim) or out.stride(2) != 1:
         raise ValueError(f"out {tuple(out.shape)} is not [num_tokens, {heads}, {head_dim}] with unit last stride")
-    _decode_reduce_kernel[(num_seqs, heads)](
+    launch_cached(_decode_reduce_kernel, (num_seqs, heads),
         part_m, part_l, part_acc, out, out.stride(0), out.stride(1), meta.q_start, meta.seq_lens,
         max_parts, partition_size,
         HEAD_DIM=head_dim, BLOCK_P=max(MIN_BLOCK_P, triton.next_power_of_2(max_parts)),

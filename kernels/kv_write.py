@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from slora.kernels.relaunch import launch_cached
+
 
 @triton.jit
 def _kv_write_kernel(
@@ -53,7 +55,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapp
     num_tokens, kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    _kv_write_kernel[(num_tokens,)](
+    launch_cached(_kv_write_kernel, (num_tokens,),
         k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv_layer, kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         slot_mapping,

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from slora.kernels.relaunch import launch_cached
+
 NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -61,7 +63,7 @@ def rms_norm(
     if num_tokens == 0:
         return out, s
     block = triton.next_power_of_2(hidden)
-    _rms_norm_kernel[(num_tokens,)](
+    launch_cached(_rms_norm_kernel, (num_tokens,),
         x, x.stride(0), x if residual is None else residual, 0 if residual is None else residual.stride(0),
         weight, out, s, eps,
         HIDDEN=hidden, HAS_RESIDUAL=residual is not None, BLOCK=block,

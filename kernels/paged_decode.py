@@ -24,6 +24,7 @@ from slora.kernels.decode_reduce import decode_reduce
 from slora.kernels.launch import LOG2E, dot_precision, num_sms
 from slora.kernels.metadata import AttentionMeta
 from slora.kernels.paged_attention import check_attention_args
+from slora.kernels.relaunch import launch_cached
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ def paged_decode_attention(
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty((meta.num_seqs, heads, parts, head_dim), dtype=torch.float32, device=q.device)
     grid = (meta.num_seqs, kv_heads, parts)
-    _paged_decode_kernel[grid](
+    launch_cached(_paged_decode_kernel, grid,
         q, q.stride(0), q.stride(1),
         kv_layer, kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         meta.q_start, meta.seq_lens, meta.block_tables, meta.block_tables.stride(0),

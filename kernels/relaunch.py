@@ -14,6 +14,7 @@ returns no compiled kernel and every launch takes the JIT path.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,14 +56,56 @@ class Relaunch:
         for slot, tensor in zip(self._slots, tensors, strict=True):
             values[slot] = tensor
         aligned = tuple(t.data_ptr() % POINTER_ALIGN == 0 for t in tensors)
-        if self._compiled is not None and aligned == self._aligned:
-            self._compiled[self._grid](*values)
-            return
-        compiled = self._kernel[self._grid](**dict(zip(self._names, values)), **self._options)
-        self._compiled = compiled if isinstance(compiled, CompiledKernel) else None
-        self._aligned = aligned
+        try:
+            if self._compiled is not None and aligned == self._aligned:
+                self._compiled[self._grid](*values)
+                return
+            compiled = self._kernel[self._grid](**dict(zip(self._names, values)), **self._options)
+            self._compiled = compiled if isinstance(compiled, CompiledKernel) else None
+            self._aligned = aligned
+        finally:
+            for slot in self._slots:  # hold no layer's activations until the next launch
+                values[slot] = None
 
     @property
     def compiled(self) -> bool:
         """Whether the next launch with equally aligned tensors goes straight to the compiled kernel."""
         return self._compiled is not None
+
+
+OPTIONS = ("num_warps", "num_stages")  # launch options, not kernel arguments
+
+
+class LaunchCache:
+    """Relaunches of small kernels whose every tensor changes between launches (norms, RoPE, K/V writes):
+    keyed by the kernel, the grid, the options, every scalar and constexpr and every tensor's dtype, so that a
+    launch like an earlier one (the next layer's) goes straight to the compiled kernel. Least recently used
+    entries are dropped beyond `size` (grids change with the number of tokens)."""
+
+    def __init__(self, size: int = 256) -> None:
+        self._size = size
+        self._launches: OrderedDict[tuple[Any, ...], tuple[Relaunch, tuple[str, ...]]] = OrderedDict()
+
+    def __call__(self, kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+        """Like kernel[grid](*args, **kwargs)."""
+        named = dict(zip(kernel.arg_names, args))
+        named.update(kwargs)
+        options = {name: named.pop(name) for name in OPTIONS if name in named}
+        key = (kernel, grid, tuple(options.items()), *(_key(name, value) for name, value in named.items()))
+        entry = self._launches.get(key)
+        if entry is None:
+            tensors = tuple(name for name, value in named.items() if isinstance(value, torch.Tensor))
+            entry = self._launches[key] = (Relaunch(kernel, grid, named, options, tensors), tensors)
+            if len(self._launches) > self._size:
+                self._launches.popitem(last=False)
+        else:
+            self._launches.move_to_end(key)
+        launch, tensors = entry
+        launch(*(named[name] for name in tensors))
+
+
+def _key(name: str, value: Any) -> tuple[str, Any]:
+    return (name, value.dtype) if isinstance(value, torch.Tensor) else (name, value)
+
+
+launch_cached = LaunchCache()

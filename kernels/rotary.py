@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from slora.kernels.relaunch import launch_cached
+
 ROTARY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TILE = 2048  # elements (heads x head_dim) per program, at most
 
@@ -107,7 +109,7 @@ def apply_rotary_(
     block_k = _heads_per_program(k_heads, block_half)
     q_blocks = triton.cdiv(q_heads, block_q)
     grid = (num_tokens, q_blocks + triton.cdiv(k_heads, block_k))
-    _rotary_kernel[grid](
+    launch_cached(_rotary_kernel, grid,
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), positions, positions.stride(0),
         cos, sin, cos.stride(0), sin.stride(0),
         Q_HEADS=q_heads, K_HEADS=k_heads, HALF=head_dim // 2, Q_BLOCKS=q_blocks,

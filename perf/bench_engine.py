@@ -28,7 +28,7 @@ import argparse
 import logging
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from perf.workload import Trace, TraceRequest, load_trace
 from slora.backend.config import EngineConfig, parse_size
 from slora.backend.engine import LLMEngine
 from slora.backend.errors import EngineOverloadedError, SloraError
+from slora.backend.model_runner import PHASES, StepShape
 from slora.kernels.jit_stats import compiled_variants
 
 logger = logging.getLogger(__name__)
@@ -129,17 +130,22 @@ class StepTally:
     seconds: float = 0.0
     seqs: int = 0
     tokens: int = 0
+    phases: list[float] = field(default_factory=lambda: [0.0] * len(PHASES))  # seconds of each runner phase
 
-    def add(self, seconds: float, seqs: int, tokens: int) -> None:
+    def add(self, seconds: float, shape: StepShape) -> None:
         self.steps += 1
         self.seconds += seconds
-        self.seqs += seqs
-        self.tokens += tokens
+        self.seqs += shape.num_seqs
+        self.tokens += shape.num_tokens
+        self.phases = [total + s for total, s in zip(self.phases, shape.phases, strict=True)]
 
     def summary(self) -> dict[str, float]:
+        """Means per step; `other_ms` is the step's time outside the runner (scheduling, outputs)."""
         n = max(self.steps, 1)
+        means = {f"{name}_ms": 1000 * total / n for name, total in zip(PHASES, self.phases, strict=True)}
+        other = 1000 * (self.seconds - sum(self.phases)) / n
         return {"steps": self.steps, "seconds": self.seconds, "mean_ms": 1000 * self.seconds / n,
-                "mean_seqs": self.seqs / n, "mean_tokens": self.tokens / n}  # fmt: skip
+                "mean_seqs": self.seqs / n, "mean_tokens": self.tokens / n, **means, "other_ms": other}  # fmt: skip
 
 
 class Replay:
@@ -211,7 +217,7 @@ class Replay:
         outputs = self.engine.step()
         elapsed = time.perf_counter() - began
         shape = self.engine.runner.last_step
-        self.kinds.setdefault(shape.kind, StepTally()).add(elapsed, shape.num_seqs, shape.num_tokens)
+        self.kinds.setdefault(shape.kind, StepTally()).add(elapsed, shape)
         t = self.now()
         finished_any = None
         for out in outputs:

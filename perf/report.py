@@ -177,6 +177,23 @@ def steps_table(runs: list[Run]) -> list[str]:
     return lines if len(lines) > 2 else []
 
 
+PHASE_COLUMNS = ("build", "wait", "launch", "sample", "other")
+
+
+def phases_table(runs: list[Run]) -> list[str]:
+    """Where each kind of step spends its host time (means, ms): building the batch, waiting for adapter copies,
+    launching the forward, sampling (which waits for the GPU), and the rest (scheduling, outputs)."""
+    header = " | ".join(f"{p} ms" for p in PHASE_COLUMNS)
+    lines = [f"| run | step kind | mean ms | {header} |", "|---|---|---|" + "---|" * len(PHASE_COLUMNS)]
+    for run in runs:
+        for kind, tally in sorted((run["metrics"].get("step_kinds") or {}).items()):
+            if "build_ms" not in tally:
+                continue  # results of a harness that did not time the phases yet
+            cells = " | ".join(f"{tally[f'{p}_ms']:.1f}" for p in PHASE_COLUMNS)
+            lines.append(f"| {run['name']} | {kind} | {tally['mean_ms']:.1f} | {cells} |")
+    return lines if len(lines) > 2 else []
+
+
 def _step_cell(tally: dict[str, float] | None, tokens: bool) -> str:
     if not tally:
         return "–"
@@ -205,6 +222,9 @@ def report(*results: Path) -> str:
     sections = [*header, "", "## Targets", "", *checks_table(checks), "", "## Runs", "", *runs_table(runs)]
     if steps:
         sections += ["", "## Engine steps by kind", "", *steps]
+    phases = phases_table(runs)
+    if phases:
+        sections += ["", "## Host time of a step, by phase", "", *phases]
     return "\n".join(sections)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ pytest.importorskip("triton")
 
 from triton.compiler import CompiledKernel  # noqa: E402
 
-from slora.kernels.relaunch import Relaunch  # noqa: E402
+from slora.kernels.relaunch import LaunchCache, Relaunch  # noqa: E402
 
 
 class FakeCompiled(CompiledKernel):
@@ -79,3 +80,29 @@ def test_without_a_compiled_kernel_every_launch_takes_the_jit() -> None:
 def test_arguments_must_match_the_kernel() -> None:
     with pytest.raises(ValueError, match=r"fake_kernel: arguments \['n'\] missing, \['m'\] unknown"):
         Relaunch(FakeJit(compiles=True), (1,), {"x_ptr": torch.zeros(1), "m": 1, "BLOCK": 1}, {}, changing=())
+
+
+def test_a_launch_holds_no_tensor_after_it_returns() -> None:
+    kernel = FakeJit(compiles=True)
+    x = torch.zeros(4)
+    launch = Relaunch(kernel, (1,), {"x_ptr": x, "n": 4, "BLOCK": 4}, {}, changing=("x_ptr",))
+    launch(x)
+    gone = weakref.ref(x)
+    del x
+    kernel.jit_launches.clear()
+    assert gone() is None, "the launch kept the layer's tensor alive"
+
+
+def test_cache_reuses_launches_that_differ_only_in_their_tensors() -> None:
+    cache = LaunchCache(size=2)
+    kernel = FakeJit(compiles=True)
+    a, b = torch.zeros(4), torch.ones(4)
+    cache(kernel, (2,), a, 4, BLOCK=4, num_warps=1)
+    cache(kernel, (2,), b, 4, BLOCK=4, num_warps=1)  # the next layer: same scalars, another tensor
+    assert len(kernel.jit_launches) == 1 and kernel.jit_launches[0]["num_warps"] == 1
+    assert kernel.compiled is not None and kernel.compiled.launches[0][1][0] is b
+    cache(kernel, (2,), a, 5, BLOCK=4, num_warps=1)  # another scalar: another variant's key
+    cache(kernel, (2,), a.double(), 4, BLOCK=4, num_warps=1)  # another dtype: another variant
+    assert len(kernel.jit_launches) == 3
+    cache(kernel, (2,), a, 4, BLOCK=4, num_warps=1)  # the first key was dropped (size 2): through the JIT again
+    assert len(kernel.jit_launches) == 4

@@ -46,6 +46,10 @@ def test_three_modes_complete_every_request(tiny_model: Path, tiny_adapters: Pat
         assert sum(k["steps"] for k in kinds.values()) == m["engine_steps"]
         assert kinds["decode"]["mean_tokens"] == kinds["decode"]["mean_seqs"] >= 1
         assert kinds["mixed"]["mean_tokens"] > kinds["mixed"]["mean_seqs"]
+        for tally in kinds.values():  # the runner's phases and the rest of the step add up to the step
+            phases = [tally[f"{p}_ms"] for p in ("build", "wait", "launch", "sample")]
+            assert min(phases) >= 0 and tally["launch_ms"] > 0 and tally["other_ms"] >= 0
+            assert sum(phases) + tally["other_ms"] == pytest.approx(tally["mean_ms"])
     assert runs["lora"]["trace"]["distinct_adapters"] > 1
     assert runs["single"]["trace"]["distinct_adapters"] == 1
     assert runs["base"]["trace"]["distinct_adapters"] == 0 and runs["base"]["metrics"]["adapter_loads"] == 0

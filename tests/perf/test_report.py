@@ -85,7 +85,18 @@ def test_engine_steps_by_kind_and_compiles_are_tabled(tmp_path: Path) -> None:
     run = _run("e-n2000", "engine", 2000, "lora", 12.0, "s1-n2000", "engine")
     run["metrics"]["step_kinds"] = {
         "graph": {"steps": 626, "seconds": 13.2, "mean_ms": 21.14, "mean_seqs": 120.3, "mean_tokens": 120.3},
-        "mixed": {"steps": 189, "seconds": 25.8, "mean_ms": 136.68, "mean_seqs": 230.7, "mean_tokens": 907.3},
+        "mixed": {
+            "steps": 189,
+            "seconds": 25.8,
+            "mean_ms": 136.68,
+            "mean_seqs": 230.7,
+            "mean_tokens": 907.3,
+            "build_ms": 3.0,
+            "wait_ms": 0.5,
+            "launch_ms": 30.25,
+            "sample_ms": 100.0,
+            "other_ms": 2.93,
+        },
     }
     run["metrics"]["triton_compiles"] = 3
     served = _run("s-n2000", "serving", 2000, "lora", 9.0, "s1-n2000", "serving-slora")  # no steps: no row
@@ -94,6 +105,8 @@ def test_engine_steps_by_kind_and_compiles_are_tabled(tmp_path: Path) -> None:
     assert "## Engine steps by kind" in text
     assert "| e-n2000 | 626, 21.1 (120) | – | 189, 136.7 (231, 907) | 3 |" in text
     assert "| s-n2000 |" not in text.split("## Engine steps by kind")[1]
+    assert "| e-n2000 | mixed | 136.7 | 3.0 | 0.5 | 30.2 | 100.0 | 2.9 |" in text.split("## Host time")[1]
+    assert "| e-n2000 | graph |" not in text, "a tally without phases (older results) gets no row"
 
 
 def test_no_steps_section_without_step_kinds(results: Path) -> None:
