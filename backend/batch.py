@@ -101,26 +101,28 @@ def build_lora_meta(seqs: list[ScheduledSeq], q_start: list[int], device: torch.
     adapters, token_adapter, seg_start, seg_adapter = _segments(seqs, q_start)
     if not adapters:
         return None
-    ranks = [list(a.host.ranks) for a in adapters]
-    scales = [list(a.host.scales) for a in adapters]
-    row_start = _row_starts(ranks)
+    ranks = np.array([a.host.ranks for a in adapters], dtype=np.int32)  # [num_adapters, 7]
+    scales = np.array([a.host.scales for a in adapters], dtype=np.float32)
+    flat = ranks.ravel()
+    # Start of each (adapter, module) in the concatenated row tables: adapters, then modules, in order.
+    row_start = (np.cumsum(flat, dtype=np.int32) - flat).reshape(ranks.shape)
     a_rows = torch.cat([a.a_rows for a in adapters])
     b_rows = torch.cat([a.b_rows for a in adapters])
     return LoraMeta(
         token_adapter=_tensor(token_adapter, torch.int32, device),
         seg_start=_tensor(seg_start, torch.int32, device),
         seg_adapter=_tensor(seg_adapter, torch.int32, device),
-        ranks=_tensor(ranks, torch.int32, device),
-        scales=_tensor(scales, torch.float32, device),
-        row_start=_tensor(row_start, torch.int32, device),
+        ranks=torch.from_numpy(ranks).to(device, non_blocking=True),
+        scales=torch.from_numpy(scales).to(device, non_blocking=True),
+        row_start=torch.from_numpy(row_start).to(device, non_blocking=True),
         a_rows=a_rows.to(device, non_blocking=True),
         b_rows=b_rows.to(device, non_blocking=True),
-        max_rank=max(max(r) for r in ranks),
+        max_rank=int(ranks.max()),
         seg_start_host=seg_start,
         seg_adapter_host=seg_adapter,
-        ranks_host=ranks,
-        scales_host=scales,
-        row_start_host=row_start,
+        ranks_host=ranks.tolist(),
+        scales_host=[list(a.host.scales) for a in adapters],
+        row_start_host=row_start.tolist(),
         row_align=row_alignment(torch.cat([a_rows, b_rows])),
     )
 
@@ -147,18 +149,6 @@ def _segments(
         token_adapter += [slot] * s.num_tokens
     seg_start.append(q_start[-1])  # adapter sequences come last (order_by_adapter): the last segment ends the batch
     return adapters, token_adapter, seg_start, seg_adapter
-
-
-def _row_starts(ranks: list[list[int]]) -> list[list[int]]:
-    """Start of each (adapter, module) in the concatenated row tables: adapters, then modules, in order."""
-    starts, first = [], 0
-    for adapter_ranks in ranks:
-        row = []
-        for rank in adapter_ranks:
-            row.append(first)
-            first += rank
-        starts.append(row)
-    return starts
 
 
 _ARRAY_CODES = {torch.int32: "i", torch.int64: "q", torch.float32: "f"}

@@ -608,23 +608,39 @@ def sweep(
     return sorted(results, key=lambda r: r.get("ms", float("inf")))
 
 
-def tune(smoke: bool) -> list[dict[str, Any]]:
-    """Sweep the decode LoRA, decode attention and prefill attention configs on one representative case each."""
-    mha, n, ctx = (TINY_MHA, 4, 64) if smoke else (LLAMA_7B, 64, 4096)
-    mixed = [MIXED_RANKS[i % len(MIXED_RANKS)] for i in range(n)]
-    lcase = lora_case("tune", mha, adapters(mixed), [(i, 1) for i in range(n)])
-    _, modules, in_features = lora_calls(mha)[0]
-    widths = tuple(mha.widths(m)[1] for m in modules)
+def tune_lora(label: str, case: LoraCase) -> list[dict[str, Any]]:
+    """Shrink and expand config sweeps of the q/k/v call of `case` (each variant's launches built afresh)."""
+    _, modules, in_features = lora_calls(case.model)[0]
+    widths = tuple(case.model.widths(m)[1] for m in modules)
     offsets = tuple(itertools.accumulate(widths, initial=0))[:-1]
-    x = torch.randn((lcase.num_tokens, in_features), device=DEVICE).to(torch.bfloat16)
-    y = torch.zeros((lcase.num_tokens, sum(widths)), device=DEVICE).to(torch.bfloat16)
-    lora = functools.partial(TritonOps().lora, y, x, lcase.flat_layer, lcase.meta, modules, offsets, widths)
-    shrink = [ShrinkConfig(16, 16, bk, tp, w, 2) for bk in (128, 256, 512) for tp in (512, 1024, 2048) for w in (4, 8)]
-    expand = [ExpandConfig(16, 16, bn, tp, w, 2) for bn in ((256, 128, 64), (128, 64), (512, 256, 128), (64,))
-              for tp in (256, 512, 1024) for w in (4, 8)]  # fmt: skip
-    results = sweep("lora_shrink (decode qkv)", lora_shrink, "DECODE", shrink, lora)
-    results += sweep("lora_expand (decode qkv)", lora_expand, "DECODE", expand, lora)
+    x = torch.randn((case.num_tokens, in_features), device=DEVICE).to(torch.bfloat16)
+    y = torch.zeros((case.num_tokens, sum(widths)), device=DEVICE).to(torch.bfloat16)
+    ops = TritonOps()
 
+    def lora() -> None:
+        case.meta.launches.clear()  # the launches a step keeps were built with the previous variant
+        ops.lora(y, x, case.flat_layer, case.meta, modules, offsets, widths)
+
+    shrink = [ShrinkConfig(16, br, bk, tp, w, st) for br in (16, 32) for bk in (128, 256, 512)
+              for tp in (512, 1024, 2048) for w in (4, 8) for st in (2, 3)]  # fmt: skip
+    widths_n = ((256, 128, 64), (128, 64), (512, 256, 128), (64,))
+    expand = [ExpandConfig(16, br, bn, tp, w, 2) for br in (16, 32) for bn in widths_n
+              for tp in (256, 512, 1024) for w in (4, 8)]  # fmt: skip
+    results = sweep(f"lora_shrink ({label} qkv)", lora_shrink, "DECODE", shrink, lora)
+    return results + sweep(f"lora_expand ({label} qkv)", lora_expand, "DECODE", expand, lora)
+
+
+def tune(smoke: bool, only: str | None = None) -> list[dict[str, Any]]:
+    """Sweep the decode LoRA configs on S1-like (rank 8 on q, k, v, o, one adapter per token) and mixed-rank
+    decode steps, and the decode and prefill attention configs, on one representative case each."""
+    mha, n, ctx = (TINY_MHA, 4, 64) if smoke else (LLAMA_7B, 64, 4096)
+    results: list[dict[str, Any]] = []
+    if only in (None, "lora"):
+        mixed = [MIXED_RANKS[i % len(MIXED_RANKS)] for i in range(n)]
+        results += tune_lora("S1 decode", lora_case("tune", mha, [S1] * (2 * n), [(i, 1) for i in range(2 * n)]))
+        results += tune_lora("mixed-rank decode", lora_case("tune", mha, adapters(mixed), [(i, 1) for i in range(n)]))
+    if only == "lora":
+        return results
     rng = random.Random(1)
     decode = attention_case("tune", mha, [(1, rng.randint(ctx // 8, ctx)) for _ in range(n)])
     prefill = attention_case("tune", mha, [(ctx // 4, ctx // 4)] * 4)
@@ -636,8 +652,12 @@ def tune(smoke: bool) -> list[dict[str, Any]]:
     results += sweep("attention_decode", paged_decode, "CONFIGS", dec_configs,
                      lambda: ops.attention(decode.q, decode.pool.kv_layer(0), decode.meta, scale),
                      shown=lambda v: v[2])  # fmt: skip
-    results += sweep("attention_prefill", paged_attention, "CONFIGS", pre_configs,
-                     lambda: ops.attention(prefill.q, prefill.pool.kv_layer(0), prefill.meta, scale),
+
+    def prefill_attention() -> None:
+        prefill.meta.launches.clear()  # built with the previous variant
+        ops.attention(prefill.q, prefill.pool.kv_layer(0), prefill.meta, scale)
+
+    results += sweep("attention_prefill", paged_attention, "CONFIGS", pre_configs, prefill_attention,
                      shown=lambda v: v[(2, False)])  # fmt: skip
     return results
 
@@ -678,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(payload, indent=1))
     logger.info("wrote %s", args.out)
     if args.tune:
-        payload["tuning"] = tune(args.smoke)
+        payload["tuning"] = tune(args.smoke, args.only)
         sys.stdout.write(tune_table(payload["tuning"]))
         args.out.write_text(json.dumps(payload, indent=1))
         logger.info("added the sweeps to %s", args.out)
