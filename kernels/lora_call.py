@@ -1,8 +1,8 @@
 """The LoRA launches of one call site (q/k/v, o, gate/up or down) for one step, built once and reused by every layer.
 
 Every layer of a step calls the same LoRA modules with the same metadata and tensor shapes; only x, y and the pool
-layer change. A LoraCall holds the shrink and expand launches of one run of fused modules and one segment group
-(see metadata.SegmentGroup) together with their partial-sum buffer v, so that a layer's call costs two direct
+layer change. A LoraCall holds the shrink and expand launches of one run of fused modules, for every segment of
+the step, together with their partial-sum buffer v, so that a layer's call costs two direct
 kernel launches (kernels/relaunch.py) instead of re-deriving tiles, grids and buffers.
 """
 
@@ -41,16 +41,18 @@ def lora_calls(
     out_offsets: tuple[int, ...],
     out_widths: tuple[int, ...],
 ) -> list[LoraCall]:
-    """The launches of one call site, in order: per run of consecutive modules, decodes apart from prompts."""
+    """The launches of one call site, in order: one shrink and one expand per run of consecutive modules."""
     calls = []
     for first, offsets, widths in consecutive_runs(modules, out_offsets, out_widths):
         if meta.fused_rank(first, len(widths)) == 0:
             continue  # no adapter of the step targets these modules
-        for group in meta.groups():  # decodes apart from prompts: each gets its own tile shape
-            v, shrink = shrink_launch(x, flat_layer, meta, first, len(widths), group)
-            expand = expand_launch(y, v, flat_layer, meta, first, offsets, widths, group)
-            if shrink is not None and expand is not None:
-                calls.append(LoraCall(shrink, expand))
+        # One launch pair for decodes and prompts together (SegmentGroup.tile_len picks decode-shaped tiles when
+        # a step has both): on an eager step the host time of each launch costs more than the larger tiles save.
+        group = meta.whole()
+        v, shrink = shrink_launch(x, flat_layer, meta, first, len(widths), group)
+        expand = expand_launch(y, v, flat_layer, meta, first, offsets, widths, group)
+        if shrink is not None and expand is not None:
+            calls.append(LoraCall(shrink, expand))
     return calls
 
 

@@ -40,8 +40,8 @@ DECODE = ExpandConfig(16, 16, (256, 128, 64), 512, 4, 2)
 PREFILL = ExpandConfig(64, 16, (128, 64), 512, 4, 2)
 
 
-def expand_config(max_segment_len: int) -> ExpandConfig:
-    return DECODE if max_segment_len <= DECODE.block_m else PREFILL
+def expand_config(tile_len: int) -> ExpandConfig:
+    return DECODE if tile_len <= DECODE.block_m else PREFILL
 
 
 @triton.jit(do_not_specialize=["split_k", "stride_v_split"])
@@ -155,7 +155,7 @@ def expand_launch(
     num_slices = len(out_widths)
     _check(y, v, flat_layer, meta, first_module, out_offsets, out_widths)
     group = group if group is not None else meta.whole()
-    cfg = expand_config(group.max_segment_len)
+    cfg = expand_config(group.tile_len)
     tiles = group.tiles(cfg.block_m)
     num_tiles = int(tiles.shape[0])
     if num_tiles == 0:

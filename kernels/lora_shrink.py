@@ -43,13 +43,13 @@ class ShrinkConfig:
 
 MAX_SPLIT_K = 16  # K splits at most: each adds a partial sum of v that the expand kernel reads back
 
-# Picked by the longest segment of the step: decode steps have one or a few tokens per adapter.
-DECODE = ShrinkConfig(16, 16, 256, 1024, 4, 2)
+# Picked by the step's tile length (SegmentGroup.tile_len): decode-shaped tiles for any step with decodes.
+DECODE = ShrinkConfig(16, 32, 128, 512, 4, 3)  # swept on the H200 (perf/RESULTS.md, kernel tuning)
 PREFILL = ShrinkConfig(64, 16, 64, 512, 4, 3)
 
 
-def shrink_config(max_segment_len: int) -> ShrinkConfig:
-    return DECODE if max_segment_len <= DECODE.block_m else PREFILL
+def shrink_config(tile_len: int) -> ShrinkConfig:
+    return DECODE if tile_len <= DECODE.block_m else PREFILL
 
 
 @triton.jit(do_not_specialize=["stride_v_split"])  # num_tokens × rank: its parity changes every step
@@ -136,7 +136,7 @@ def shrink_launch(
     shaped like these (every layer of a step); None when the group has no token or the modules no rank."""
     _check(x, flat_layer, meta, first_module, num_slices)
     group = group if group is not None else meta.whole()
-    cfg = shrink_config(group.max_segment_len)
+    cfg = shrink_config(group.tile_len)
     fused_rank = meta.fused_rank(first_module, num_slices)
     tiles = group.tiles(cfg.block_m)
     num_tiles = int(tiles.shape[0])

@@ -58,6 +58,15 @@ class SegmentGroup:
             return 1
         return max((end - start for _, start, end, _ in self.segments), default=0)
 
+    @functools.cached_property
+    def tile_len(self) -> int:
+        """The segment length that picks the group's tile shape: the longest segment's, but a group with any
+        segment of up to SHORT_SEGMENT rows (a decode) gets decode-shaped tiles, which also serve long segments
+        (several tiles each) without spending a prompt-sized tile on each single decode row."""
+        if any(end - start <= SHORT_SEGMENT for _, start, end, _ in self.segments):
+            return min(self.max_segment_len, SHORT_SEGMENT)
+        return self.max_segment_len
+
     def tiles(self, block: int) -> torch.Tensor:
         """Tiles of up to `block` rows of one segment, with its tag (see tiles_of), built once."""
         if self.static is not None:

@@ -4,7 +4,8 @@ fused elementwise work (RMSNorm with the residual add, RoPE of q and k in place,
 Attention: steps that only decode use flash-decoding (paged_decode.py, split along the sequence); any step with a
 prompt or a chunk uses the general kernel (paged_attention.py), which serves its decodes too. LoRA: one shrink
 and one expand launch per run of consecutive modules (q, k, v or gate, up share x), whatever the mix of adapters
-and ranks; the kernels pick decode- or prefill-shaped tiles from the step's longest segment.
+and ranks, decodes and prompts together; decode-shaped tiles for any step with decodes, prefill-shaped ones for
+steps of prompts only (metadata.SegmentGroup.tile_len).
 """
 
 from __future__ import annotations

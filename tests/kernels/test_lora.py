@@ -20,7 +20,10 @@ pytest.importorskip("triton")
 
 from slora.backend.adapter import load_peft_adapter  # noqa: E402
 from slora.backend.page_pool import PoolGeometry  # noqa: E402
-from slora.kernels import lora_shrink  # noqa: E402
+from slora.kernels import (
+    lora_call,  # noqa: E402
+    lora_shrink,  # noqa: E402
+)
 from slora.kernels.lora_call import consecutive_runs  # noqa: E402
 from slora.kernels.lora_padded import lora_padded_bmm  # noqa: E402
 from slora.kernels.lora_ref import lora_ref  # noqa: E402
@@ -203,6 +206,20 @@ def test_mixed_steps_launch_decodes_apart_from_prompts() -> None:
         assert covered == sorted(meta.whole().segments), "every segment in exactly one group"
         tiles = torch.cat([g.tiles(16) for g in groups]).cpu()
         assert int((tiles[:, 2] - tiles[:, 1]).clamp(max=16).sum()) == meta.seg_start_host[-1] - meta.seg_start_host[0]
+
+
+def test_lora_launches_decodes_and_prompts_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One shrink per run of fused modules whatever the step mixes (each launch costs host time on an eager step);
+    a step with any decode gets decode-shaped tiles, a step of prompts only prefill-shaped ones."""
+    built: list[int] = []
+    shrink = lora_call.shrink_launch
+    monkeypatch.setattr(lora_call, "shrink_launch", lambda *a: built.append(a[-1].tile_len) or shrink(*a))
+    long_prompts = [(4, 70), (None, 5), (0, 20)]
+    cases = {"mixed": (TINY_STEPS["mixed"], 16), "decode": (TINY_STEPS["decode"], 3), "prompts": (long_prompts, 70)}
+    for name, (step, tile_len) in cases.items():  # decode: one adapter has three tokens
+        built.clear()
+        check_layer(build_case(TINY, torch.float32, list(TINY_ADAPTERS), step, seed=3), "triton", seed=4)
+        assert built == [tile_len] * 4, (name, built)  # q/k/v, o, gate/up, down: one launch pair each
 
 
 def test_consecutive_runs() -> None:

@@ -19,6 +19,7 @@ class FakeCompiled(CompiledKernel):
     """Stands in for a compiled kernel: records the positional arguments of each direct launch."""
 
     def __init__(self) -> None:  # no compilation artifacts to load
+        self.module = None  # what CompiledKernel.__del__ unloads
         self.launches: list[tuple[tuple[int, ...], list[Any]]] = []
 
     def __getitem__(self, grid: tuple[int, ...]) -> Any:
