@@ -121,25 +121,6 @@ def _lora_expand_kernel(
         v_col += rank
 
 
-def lora_expand(
-    y: torch.Tensor,
-    v: torch.Tensor,
-    flat_layer: torch.Tensor,
-    meta: LoraMeta,
-    first_module: int,
-    out_offsets: tuple[int, ...],
-    out_widths: tuple[int, ...],
-    group: SegmentGroup | None = None,
-) -> None:
-    """Add (v·Bᵀ)·scale of modules first_module .. + len(out_widths) - 1 into y's columns (see top).
-
-    Only the tokens of `group`'s segments (default: all), whose rows of v the shrink of that group wrote.
-    """
-    launch = expand_launch(y, v, flat_layer, meta, first_module, out_offsets, out_widths, group)
-    if launch is not None:
-        launch(flat_layer, y)
-
-
 def expand_launch(
     y: torch.Tensor,
     v: torch.Tensor,
@@ -150,8 +131,12 @@ def expand_launch(
     out_widths: tuple[int, ...],
     group: SegmentGroup | None = None,
 ) -> Relaunch | None:
-    """The launch that adds v's products into y, called as launch(flat_layer, y) for any pool layer and y shaped
-    like these (every layer of a step; v stays the one given here); None when the group has no token."""
+    """The launch that adds (v·Bᵀ)·scale of modules first_module .. + len(out_widths) - 1 into y's columns (see
+    top), called as launch(flat_layer, y) for any pool layer and y shaped like these (every layer of a step; v
+    stays the one given here); None when the group has no token.
+
+    Only the tokens of `group`'s segments (default: all), whose rows of v the shrink of that group wrote.
+    """
     num_slices = len(out_widths)
     _check(y, v, flat_layer, meta, first_module, out_offsets, out_widths)
     group = group if group is not None else meta.whole()

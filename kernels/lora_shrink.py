@@ -106,24 +106,6 @@ def _lora_shrink_kernel(
         tl.store(v_base + j[None, :], acc, mask=tok_mask[:, None] & j_mask[None, :])
 
 
-def lora_shrink(
-    x: torch.Tensor,
-    flat_layer: torch.Tensor,
-    meta: LoraMeta,
-    first_module: int,
-    num_slices: int,
-    group: SegmentGroup | None = None,
-) -> torch.Tensor:
-    """Partial sums v [split_k, num_tokens, R] of x·Aᵀ for modules first_module .. + num_slices - 1 (see top).
-
-    Only the tokens of `group`'s segments (default: all) are computed; v's other rows are left unwritten.
-    """
-    v, launch = shrink_launch(x, flat_layer, meta, first_module, num_slices, group)
-    if launch is not None:
-        launch(x, flat_layer)
-    return v
-
-
 def shrink_launch(
     x: torch.Tensor,
     flat_layer: torch.Tensor,
@@ -132,8 +114,12 @@ def shrink_launch(
     num_slices: int,
     group: SegmentGroup | None = None,
 ) -> tuple[torch.Tensor, Relaunch | None]:
-    """v (allocated here) and the launch that writes it, called as launch(x, flat_layer) for any x and pool layer
-    shaped like these (every layer of a step); None when the group has no token or the modules no rank."""
+    """v [split_k, num_tokens, R] (allocated here) and the launch that writes into it the partial sums of x·Aᵀ for
+    modules first_module .. + num_slices - 1 (see top), called as launch(x, flat_layer) for any x and pool layer
+    shaped like these (every layer of a step); None when the group has no token or the modules no rank.
+
+    Only the tokens of `group`'s segments (default: all) are computed; v's other rows are left unwritten.
+    """
     _check(x, flat_layer, meta, first_module, num_slices)
     group = group if group is not None else meta.whole()
     cfg = shrink_config(group.tile_len)
