@@ -35,16 +35,17 @@ def row_alignment(rows: torch.Tensor, cap: int = 16) -> int:
     return align
 
 
-SHORT_SEGMENT = 16  # segments of up to this many tokens (decodes) are launched apart, with decode-shaped tiles
+SHORT_SEGMENT = 16  # segments of up to this many tokens (decodes) get decode-shaped tiles
 
 
 @dataclass
 class SegmentGroup:
-    """Segments of a step launched together, so with one tile shape (picked from their longest segment).
+    """Segments of a step launched together, so with one tile shape (picked from tile_len).
 
-    A segment is a run of rows: one sequence's new tokens (attention) or one adapter's tokens (LoRA). A step that
-    mixes decodes (one token each) with prompts (hundreds) splits its segments into two groups (length_groups):
-    tiles sized for the prompts would spend a 64-row tile, and its programs, on each single decode token.
+    A segment is a run of rows: one sequence's new tokens (attention) or one adapter's tokens (LoRA). Attention
+    splits a step that mixes decodes (one token each) with prompts (hundreds) into two groups (length_groups):
+    tiles sized for the prompts would spend a 64-row tile, and its programs, on each single decode token. LoRA
+    launches all its segments together with decode-shaped tiles instead (fewer launches: see tile_len).
     """
 
     segments: list[tuple[int, int, int, int]]  # (segment g, start row, end row, tag: its adapter for LoRA)
@@ -180,7 +181,6 @@ class LoraMeta:
     row_align: int = 1
     static: StaticBounds | None = None  # set for a CUDA-graph step: launch shapes come from here, not the step
     # Built on first use and kept for the step (every layer asks the same): no per-layer Python loops.
-    _groups: dict[bool, list[SegmentGroup]] = field(default_factory=dict, repr=False, compare=False)
     _fused_rank: dict[tuple[int, int], int] = field(default_factory=dict, repr=False, compare=False)
     # Kernel launches built by the first layer of the step, reused by the others (kernels/lora_call.py).
     launches: dict[object, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -208,17 +208,14 @@ class LoraMeta:
         """Token tiles of up to `block` tokens of one segment, tagged with its adapter (see tiles_of)."""
         return self.whole().tiles(block)
 
-    def whole(self) -> SegmentGroup:
-        """All segments as one group."""
-        return self.groups(split=False)[0]
+    @functools.cached_property
+    def _whole(self) -> SegmentGroup:
+        if self.static is not None:
+            return SegmentGroup([], self.seg_start.device, self.static)
+        starts = self.seg_start_host
+        segments = [(g, starts[g], starts[g + 1], a) for g, a in enumerate(self.seg_adapter_host)]
+        return SegmentGroup(segments, self.seg_start.device)
 
-    def groups(self, split: bool = True) -> list[SegmentGroup]:
-        """The segments in launch groups (see length_groups): decodes apart from prompts when a step has both."""
-        if split not in self._groups:
-            if self.static is not None:
-                self._groups[split] = [SegmentGroup([], self.seg_start.device, self.static)]
-            else:
-                starts = self.seg_start_host
-                segments = [(g, starts[g], starts[g + 1], a) for g, a in enumerate(self.seg_adapter_host)]
-                self._groups[split] = length_groups(segments, self.seg_start.device, split)
-        return self._groups[split]
+    def whole(self) -> SegmentGroup:
+        """All segments as one group: the LoRA kernels launch decodes and prompts together (see tile_len)."""
+        return self._whole

@@ -27,7 +27,7 @@ from slora.kernels import (
 from slora.kernels.lora_call import consecutive_runs  # noqa: E402
 from slora.kernels.lora_padded import lora_padded_bmm  # noqa: E402
 from slora.kernels.lora_ref import lora_ref  # noqa: E402
-from slora.kernels.metadata import LoraMeta  # noqa: E402
+from slora.kernels.metadata import LoraMeta, length_groups  # noqa: E402
 from slora.kernels.triton_ops import TritonOps  # noqa: E402
 from tests.kernels.builders import (  # noqa: E402
     DEVICE,
@@ -189,15 +189,16 @@ def test_step_without_lora_modules_leaves_y() -> None:
     assert torch.equal(y, before)
 
 
-def test_mixed_steps_launch_decodes_apart_from_prompts() -> None:
-    """Segments of up to SHORT_SEGMENT tokens form their own launch group (decode tiles), the long ones another."""
+def test_length_groups_put_decodes_apart_from_prompts() -> None:
+    """Attention's launch groups (length_groups): segments of up to SHORT_SEGMENT tokens form their own group
+    (decode tiles), the long ones another; here on a step's LoRA segments."""
     for name, sizes in (
         ("mixed", [[1, 1, 1], [20, 17]]),
         ("decode", [[3, 1, 1, 1, 1, 1]]),
         ("prefill", [[7, 3], [70]]),
     ):
         meta = build_case(TINY, torch.float32, list(TINY_ADAPTERS), TINY_STEPS[name], seed=3).meta
-        groups = meta.groups()
+        groups = length_groups(meta.whole().segments, meta.seg_start.device, split=True)
         assert [sorted((e - s for _, s, e, _ in g.segments), reverse=True) for g in groups] == [
             sorted(z, reverse=True) for z in sizes
         ], name
