@@ -12,6 +12,7 @@ import importlib
 from typing import Any
 
 KERNELS = {
+    "slora.kernels.activation": "_silu_mul_kernel",
     "slora.kernels.decode_reduce": "_decode_reduce_kernel",
     "slora.kernels.kv_write": "_kv_write_kernel",
     "slora.kernels.lora_expand": "_lora_expand_kernel",
@@ -44,3 +45,10 @@ def _count(kernel: Any) -> int:
         if isinstance(entry, tuple) and entry and isinstance(entry[0], dict):
             total += len(entry[0])  # the kernel cache comes first in triton 3.x's per-device tuple
     return total
+
+
+def compiled_since(before: dict[str, int]) -> dict[str, int]:
+    """Kernel name → variants compiled since `before` (a compiled_variants() result), for those that compiled."""
+    return {
+        name: count - before.get(name, 0) for name, count in compiled_variants().items() if count > before.get(name, 0)
+    }

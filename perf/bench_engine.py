@@ -40,7 +40,7 @@ from slora.backend.config import EngineConfig, parse_size
 from slora.backend.engine import LLMEngine
 from slora.backend.errors import EngineOverloadedError, SloraError
 from slora.backend.model_runner import PHASES, StepShape
-from slora.kernels.jit_stats import compiled_variants
+from slora.kernels.jit_stats import compiled_since, compiled_variants
 
 logger = logging.getLogger(__name__)
 
@@ -259,11 +259,13 @@ def run_one(
     warm_up(engine, trace, options)
     engine.evict_adapters()
     before = engine.stats()
-    compiled_before = sum(compiled_variants().values())
+    compiled_before = compiled_variants()
     replay = Replay(engine, trace, options)
     duration = replay.run()
     after = engine.stats()
-    compiles = sum(compiled_variants().values()) - compiled_before
+    compiles = compiled_since(compiled_before)
+    if compiles:
+        logger.warning("%s: kernel variants compiled inside the clock (the warm-up missed them): %s", name, compiles)
     metrics = summarize(list(replay.records.values()), duration, options.window_fraction)
     metrics.update(
         engine_steps=replay.steps,
@@ -275,7 +277,8 @@ def run_one(
         preemptions=after.preemptions - before.preemptions,
         preload_s=preload_s,
         step_kinds={kind: tally.summary() for kind, tally in sorted(replay.kinds.items())},
-        triton_compiles=compiles,  # kernel variants compiled inside the clock (the warm-up missed them)
+        triton_compiles=sum(compiles.values()),  # kernel variants compiled inside the clock (warm-up missed)
+        triton_compiles_by_kernel=compiles,
     )
     options_info = {**asdict(options), "mode": spec.mode, "engine": _engine_info(engine)}
     records = list(replay.records.values())

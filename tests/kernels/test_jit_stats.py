@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import types
 
+import pytest
+
+import slora.kernels as kernels_package
 from slora.kernels import jit_stats
 
 
@@ -21,3 +26,19 @@ def test_every_project_kernel_is_listed() -> None:
     counts = jit_stats.compiled_variants()
     assert set(counts) == set(jit_stats.KERNELS.values())
     assert all(n >= 0 for n in counts.values())
+
+
+def test_no_project_kernel_is_left_out() -> None:
+    """Every Triton kernel of slora.kernels (a module-level `_..._kernel` jit function) is counted."""
+    found = set()
+    for info in pkgutil.iter_modules(kernels_package.__path__):
+        module = importlib.import_module(f"slora.kernels.{info.name}")
+        for name, value in vars(module).items():
+            if name.startswith("_") and name.endswith("_kernel") and hasattr(value, "arg_names"):
+                found.add((module.__name__, name))
+    assert found and found <= set(jit_stats.KERNELS.items()), found - set(jit_stats.KERNELS.items())
+
+
+def test_compiled_since_names_the_kernels_that_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jit_stats, "compiled_variants", lambda: {"_a_kernel": 3, "_b_kernel": 1, "_c_kernel": 2})
+    assert jit_stats.compiled_since({"_a_kernel": 1, "_b_kernel": 1}) == {"_a_kernel": 2, "_c_kernel": 2}
