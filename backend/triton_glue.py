@@ -29,6 +29,7 @@ import triton_python_backend_utils as pb_utils
 from slora.backend.engine import LLMEngine
 from slora.backend.engine_process import EngineProcess
 from slora.backend.engine_service import EngineService, LocalEngine, Submission
+from slora.backend.gc_freeze import freeze_startup_objects
 from slora.backend.request_inputs import (
     RawRequest,
     is_adapter_command,
@@ -121,7 +122,9 @@ class TritonPythonModel:
 def _start_engine(options: ServingOptions) -> EngineService:
     if options.engine_process:
         return EngineProcess(options.engine)
-    return LocalEngine(LLMEngine(options.engine))
+    service = LocalEngine(LLMEngine(options.engine))
+    freeze_startup_objects()
+    return service
 
 
 def _metrics(options: ServingOptions) -> NullMetrics:
