@@ -27,6 +27,7 @@ class DecoderModel:
         embed = weights.embed
         self.rope = RotaryTable(spec.rope, spec.head_dim, max_positions, embed.dtype, embed.device)
         self.scale = spec.head_dim**-0.5
+        self._widths: dict[tuple[int, ...], tuple[int, ...]] = {}  # output widths of each LoRA call's modules
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: PagePool) -> torch.Tensor:
@@ -94,7 +95,9 @@ class DecoderModel:
     ) -> None:
         if batch.lora is None:
             return
-        widths = tuple(self.spec.module_shape(LORA_MODULES[m])[1] for m in modules)
+        widths = self._widths.get(modules)
+        if widths is None:
+            widths = self._widths[modules] = tuple(self.spec.module_shape(LORA_MODULES[m])[1] for m in modules)
         self.ops.lora(y, x, pool.flat_layer(i), batch.lora, modules, offsets, widths)
 
 

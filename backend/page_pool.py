@@ -88,6 +88,10 @@ class PagePool:
         self.geometry = geometry
         self.num_pages = num_pages
         self.storage = torch.zeros((geometry.num_layers, num_pages, geometry.page_elems), dtype=dtype, device=device)
+        g = geometry  # the per-layer views every step asks for, made once (a view costs host time per call)
+        kv_shape = (num_pages, 2, g.block_size, g.num_kv_heads, g.head_dim)
+        self._kv_layers = [self.storage[i].view(kv_shape) for i in range(g.num_layers)]
+        self._flat_layers = [self.storage[i].view(-1) for i in range(g.num_layers)]
         # Free pages are handed out lowest index first after a reset, then most recently freed first.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._kind = [PageKind.FREE] * num_pages
@@ -146,12 +150,11 @@ class PagePool:
 
     def kv_layer(self, layer: int) -> torch.Tensor:
         """KV view of one layer: [num_pages, 2, block_size, num_kv_heads, head_dim]."""
-        g = self.geometry
-        return self.storage[layer].view(self.num_pages, 2, g.block_size, g.num_kv_heads, g.head_dim)
+        return self._kv_layers[layer]
 
     def flat_layer(self, layer: int) -> torch.Tensor:
         """One layer as a flat vector; adapter row offsets index into it."""
-        return self.storage[layer].view(-1)
+        return self._flat_layers[layer]
 
     def check_integrity(self) -> None:
         """Raise PoolIntegrityError unless every page is either free or owned by exactly one owner."""

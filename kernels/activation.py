@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from slora.kernels.launch import cdiv
 from slora.kernels.relaunch import launch_cached
 
 BLOCK = 1024  # columns per program
@@ -45,6 +46,6 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     num_tokens = gate_up.shape[0]
     out = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens:
-        grid = (num_tokens, triton.cdiv(inter, BLOCK))
+        grid = (num_tokens, cdiv(inter, BLOCK))
         launch_cached(_silu_mul_kernel, grid, gate_up, gate_up.stride(0), out, inter, BLOCK=BLOCK)
     return out

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from slora.kernels.launch import next_power_of_2
 from slora.kernels.metadata import AttentionMeta
 from slora.kernels.relaunch import launch_cached
 
@@ -75,7 +76,7 @@ def decode_reduce(
     launch_cached(_decode_reduce_kernel, (num_seqs, heads),
         part_m, part_l, part_acc, out, out.stride(0), out.stride(1), meta.q_start, meta.seq_lens,
         max_parts, partition_size,
-        HEAD_DIM=head_dim, BLOCK_P=max(MIN_BLOCK_P, triton.next_power_of_2(max_parts)),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        HEAD_DIM=head_dim, BLOCK_P=max(MIN_BLOCK_P, next_power_of_2(max_parts)),
+        BLOCK_D=next_power_of_2(head_dim),
         num_warps=4,
     )  # fmt: skip

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from slora.kernels.launch import next_power_of_2
 from slora.kernels.relaunch import launch_cached
 
 
@@ -60,7 +61,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapp
         kv_layer, kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         slot_mapping,
         KV_HEADS=kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=kv_layer.shape[2],
-        BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=next_power_of_2(kv_heads), BLOCK_D=next_power_of_2(head_dim),
         num_warps=4,
     )  # fmt: skip
 

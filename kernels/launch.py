@@ -25,3 +25,14 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host code: triton.cdiv is a constexpr function, whose wrapper costs microseconds per call
+    (a launch computes several of these)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), for host code (see cdiv)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()

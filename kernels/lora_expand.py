@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slora.kernels.launch import dot_precision
+from slora.kernels.launch import cdiv, dot_precision
 from slora.kernels.lora_shrink import MODULES, NUM_MODULES
 from slora.kernels.metadata import LoraMeta, SegmentGroup
 from slora.kernels.relaunch import Relaunch
@@ -159,14 +159,14 @@ def expand_launch(
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=block_n, DOT_PRECISION=dot_precision(y.dtype),
     )  # fmt: skip
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    grid = (num_tiles, triton.cdiv(max(out_widths), block_n))
+    grid = (num_tiles, cdiv(max(out_widths), block_n))
     return Relaunch(_lora_expand_kernel, grid, args, options, changing=("pool_ptr", "y_ptr"))
 
 
 def expand_block_n(cfg: ExpandConfig, num_tiles: int, width: int) -> int:
     """The widest column block that still makes about cfg.target_programs programs (few tiles: narrow blocks)."""
     for block_n in cfg.block_n:
-        if num_tiles * triton.cdiv(width, block_n) >= cfg.target_programs:
+        if num_tiles * cdiv(width, block_n) >= cfg.target_programs:
             return block_n
     return cfg.block_n[-1]
 

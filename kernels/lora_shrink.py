@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slora.kernels.launch import dot_precision
+from slora.kernels.launch import cdiv, dot_precision
 from slora.kernels.metadata import LoraMeta, SegmentGroup
 from slora.kernels.relaunch import Relaunch
 
@@ -151,12 +151,12 @@ def shrink_grid(cfg: ShrinkConfig, num_tiles: int, fused_rank: int, in_features:
     still too few, into a power of two of splits (each split adds a partial sum of v to write and read).
     """
     tiles = max(1, num_tiles)
-    rank_programs = max(1, min(triton.cdiv(fused_rank, cfg.block_r), cfg.target_programs // tiles))
-    k_blocks = triton.cdiv(in_features, cfg.block_k)
+    rank_programs = max(1, min(cdiv(fused_rank, cfg.block_r), cfg.target_programs // tiles))
+    k_blocks = cdiv(in_features, cfg.block_k)
     wanted = max(1, min(k_blocks, MAX_SPLIT_K, cfg.target_programs // (tiles * rank_programs)))
     splits = 1 << (wanted.bit_length() - 1)
-    k_per_split = triton.cdiv(k_blocks, splits) * cfg.block_k
-    return rank_programs, triton.cdiv(in_features, k_per_split), k_per_split
+    k_per_split = cdiv(k_blocks, splits) * cfg.block_k
+    return rank_programs, cdiv(in_features, k_per_split), k_per_split
 
 
 def _check(x: torch.Tensor, flat_layer: torch.Tensor, meta: LoraMeta, first_module: int, num_slices: int) -> None:

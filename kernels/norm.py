@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from slora.kernels.launch import next_power_of_2
 from slora.kernels.relaunch import launch_cached
 
 NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -62,7 +63,7 @@ def rms_norm(
     s = x if residual is None else torch.empty_like(out)
     if num_tokens == 0:
         return out, s
-    block = triton.next_power_of_2(hidden)
+    block = next_power_of_2(hidden)
     launch_cached(_rms_norm_kernel, (num_tokens,),
         x, x.stride(0), x if residual is None else residual, 0 if residual is None else residual.stride(0),
         weight, out, s, eps,

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slora.kernels.launch import LOG2E, dot_precision
+from slora.kernels.launch import LOG2E, dot_precision, next_power_of_2
 from slora.kernels.metadata import SHORT_SEGMENT, AttentionMeta
 from slora.kernels.relaunch import Relaunch
 
@@ -168,7 +168,7 @@ def _launches(
             block_tables_ptr=meta.block_tables, stride_bt=meta.block_tables.stride(0),
             qk_scale=scale * LOG2E,
             GROUP=heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=next_power_of_2(head_dim),
             DOT_PRECISION=dot_precision(q.dtype),
         )  # fmt: skip
         options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)

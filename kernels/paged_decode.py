@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from slora.kernels.decode_reduce import decode_reduce
-from slora.kernels.launch import LOG2E, dot_precision, num_sms
+from slora.kernels.launch import LOG2E, cdiv, dot_precision, next_power_of_2, num_sms
 from slora.kernels.metadata import AttentionMeta
 from slora.kernels.paged_attention import check_attention_args
 from slora.kernels.relaunch import launch_cached
@@ -148,7 +148,7 @@ def paged_decode_attention(
         out, out.stride(0), out.stride(1), part_m, part_l, part_acc,
         parts, partition, scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, SPLIT=split,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=next_power_of_2(head_dim),
         BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -160,7 +160,7 @@ def paged_decode_attention(
 def _partitions(programs: int, max_seq_len: int, cfg: DecodeConfig, device: torch.device) -> tuple[int, int]:
     """(partitions per sequence, tokens per partition): enough programs to fill the GPU, pieces not too short."""
     target = cfg.programs_per_sm * num_sms(device)
-    parts = min(triton.cdiv(target, programs), triton.cdiv(max_seq_len, cfg.min_partition), cfg.max_partitions)
+    parts = min(cdiv(target, programs), cdiv(max_seq_len, cfg.min_partition), cfg.max_partitions)
     parts = max(1, parts)
-    partition = triton.cdiv(triton.cdiv(max_seq_len, parts), cfg.block_n) * cfg.block_n
-    return triton.cdiv(max_seq_len, partition), partition
+    partition = cdiv(cdiv(max_seq_len, parts), cfg.block_n) * cfg.block_n
+    return cdiv(max_seq_len, partition), partition

@@ -15,7 +15,7 @@ returns no compiled kernel and every launch takes the JIT path.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -48,29 +48,33 @@ class Relaunch:
         self._values = [args[name] for name in names]
         self._options = options
         self._slots = [names.index(name) for name in changing]
-        self._compiled: CompiledKernel | None = None
-        self._aligned: tuple[bool, ...] = ()
+        self._runner: Callable[..., None] | None = None  # the compiled kernel's launcher for this grid
+        self._aligned = -1  # which changing tensors were 16-byte aligned (one bit each) when it was compiled
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         values = self._values
+        aligned = 0
         for slot, tensor in zip(self._slots, tensors, strict=True):
             values[slot] = tensor
-        aligned = tuple(t.data_ptr() % POINTER_ALIGN == 0 for t in tensors)
+            aligned = aligned << 1 | (tensor.data_ptr() % POINTER_ALIGN == 0)
         try:
-            if self._compiled is not None and aligned == self._aligned:
-                self._compiled[self._grid](*values)
-                return
-            compiled = self._kernel[self._grid](**dict(zip(self._names, values)), **self._options)
-            self._compiled = compiled if isinstance(compiled, CompiledKernel) else None
-            self._aligned = aligned
+            if self._runner is not None and aligned == self._aligned:
+                self._runner(*values)
+            else:
+                self._launch_through_jit(aligned)
         finally:
             for slot in self._slots:  # hold no layer's activations until the next launch
                 values[slot] = None
 
+    def _launch_through_jit(self, aligned: int) -> None:
+        compiled = self._kernel[self._grid](**dict(zip(self._names, self._values)), **self._options)
+        self._runner = compiled[self._grid] if isinstance(compiled, CompiledKernel) else None
+        self._aligned = aligned
+
     @property
     def compiled(self) -> bool:
         """Whether the next launch with equally aligned tensors goes straight to the compiled kernel."""
-        return self._compiled is not None
+        return self._runner is not None
 
 
 OPTIONS = ("num_warps", "num_stages")  # launch options, not kernel arguments
@@ -84,28 +88,37 @@ class LaunchCache:
 
     def __init__(self, size: int = 256) -> None:
         self._size = size
-        self._launches: OrderedDict[tuple[Any, ...], tuple[Relaunch, tuple[str, ...]]] = OrderedDict()
+        self._launches: OrderedDict[tuple[Any, ...], Relaunch] = OrderedDict()
 
     def __call__(self, kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-        """Like kernel[grid](*args, **kwargs)."""
-        named = dict(zip(kernel.arg_names, args))
-        named.update(kwargs)
-        options = {name: named.pop(name) for name in OPTIONS if name in named}
-        key = (kernel, grid, tuple(options.items()), *(_key(name, value) for name, value in named.items()))
-        entry = self._launches.get(key)
-        if entry is None:
-            tensors = tuple(name for name, value in named.items() if isinstance(value, torch.Tensor))
-            entry = self._launches[key] = (Relaunch(kernel, grid, named, options, tensors), tensors)
+        """Like kernel[grid](*args, **kwargs), tensors given by position."""
+        parts: list[Any] = [kernel, grid]
+        tensors = []
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                tensors.append(arg)
+                parts.append(arg.dtype)
+            else:
+                parts.append(arg)
+        key = (*parts, *kwargs.items())
+        launch = self._launches.get(key)
+        if launch is None:
+            launch = self._launches[key] = self._build(kernel, grid, args, kwargs)
             if len(self._launches) > self._size:
                 self._launches.popitem(last=False)
         else:
             self._launches.move_to_end(key)
-        launch, tensors = entry
-        launch(*(named[name] for name in tensors))
+        launch(*tensors)
 
-
-def _key(name: str, value: Any) -> tuple[str, Any]:
-    return (name, value.dtype) if isinstance(value, torch.Tensor) else (name, value)
+    @staticmethod
+    def _build(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Relaunch:
+        if any(isinstance(value, torch.Tensor) for value in kwargs.values()):
+            raise ValueError(f"{kernel.__name__}: give tensors by position (a keyword tensor would key the cache)")
+        named = dict(zip(kernel.arg_names, args))
+        named.update(kwargs)
+        options = {name: named.pop(name) for name in OPTIONS if name in named}
+        tensors = tuple(name for name, value in named.items() if isinstance(value, torch.Tensor))
+        return Relaunch(kernel, grid, named, options, tensors)
 
 
 launch_cached = LaunchCache()

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from slora.kernels.launch import cdiv, next_power_of_2
 from slora.kernels.relaunch import launch_cached
 
 ROTARY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -104,11 +105,11 @@ def apply_rotary_(
     k_heads = k.shape[1]
     if num_tokens == 0:
         return
-    block_half = triton.next_power_of_2(head_dim // 2)
+    block_half = next_power_of_2(head_dim // 2)
     block_q = _heads_per_program(q_heads, block_half)
     block_k = _heads_per_program(k_heads, block_half)
-    q_blocks = triton.cdiv(q_heads, block_q)
-    grid = (num_tokens, q_blocks + triton.cdiv(k_heads, block_k))
+    q_blocks = cdiv(q_heads, block_q)
+    grid = (num_tokens, q_blocks + cdiv(k_heads, block_k))
     launch_cached(_rotary_kernel, grid,
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), positions, positions.stride(0),
         cos, sin, cos.stride(0), sin.stride(0),
@@ -120,7 +121,7 @@ def apply_rotary_(
 
 def _heads_per_program(heads: int, block_half: int) -> int:
     # As many heads as fit in TILE elements, and no more than there are.
-    return max(1, min(triton.next_power_of_2(heads), TILE // (2 * block_half)))
+    return max(1, min(next_power_of_2(heads), TILE // (2 * block_half)))
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -55,6 +55,8 @@ SHAPES = {
     # Small enough for CPU smoke runs, large enough for prompts of up to 512 + 512 tokens. page_size 16 gives
     # pages of 16 x 2 x 2 x 16 = 1024 elements, wider than any row (64 hidden, 128 intermediate).
     "tiny": ModelShape(64, 128, 2, 4, 2, 1024, 2048),
+    # tiny's widths with Llama-2-7B's 32 layers: the host work of a step (launches per layer) at its real count.
+    "tiny-deep": ModelShape(64, 128, 32, 4, 2, 1024, 2048),
 }
 
 
