@@ -8,6 +8,7 @@ so that a server does not stall on compiles as its batches change.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -20,8 +21,10 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+@functools.lru_cache(maxsize=16)
 def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; a small stand-in for the CPU interpreter."""
+    """Streaming multiprocessors of a CUDA device; a small stand-in for the CPU interpreter. Cached: eager decode
+    steps ask once per layer."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
