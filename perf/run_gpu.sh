@@ -15,8 +15,9 @@
 #   peft        engine S1 n=5, n=100; PEFT S1 n=5, n=100 (bounded prefixes)                               [~6 min]
 #   peft-only   PEFT S1 n=5, n=100 alone (run after engine-s1 in the same call)                          [~3 min]
 #   served      engine S1 n=2000 (and base model); served `slora` n=2000 (adapters preloaded at start); perf_analyzer slora  [~6 min]
-#   checks      kernel and engine tests on the GPU, then perf.bench_decode_step (CUDA graphs, batch 1/8/64) and
-#               perf.bench_host_step (host time of a 256-sequence decode step)                          [~8 min]
+#   checks      kernel and engine tests on the GPU, then perf.bench_decode_step (CUDA graphs, batch 1/8/64),
+#               perf.bench_host_step (host time of a 256-sequence decode step) and perf.bench_host_forward
+#               (host time of eager steps, kernels stubbed: this host's Python against the CPU machine's) [~8 min]
 # Several suites in one call run one after the other under one time budget (BUDGET_S); later ones are skipped
 # when the time is gone, and the results of every finished run are kept.
 #
@@ -32,7 +33,7 @@
 # HOST_BUDGET (48GiB of host memory for
 # adapters), SHAPE (llama2-7b | tiny), DEVICE (cuda | cpu), N_BIG (2000), LENGTHS ("8 512": input and output
 # length range), CHECK_PATHS ("tests/kernels tests/engine") and CHECK_K ("not cpu": pytest -k) of the checks
-# suite, DECODE_STEP (1; 0 skips its decode-step benchmark), PY (python3), OUT, WORK, PORT_BASE (8000), GPU_ENV (.whl/gpu-env.sh; "none" skips it).
+# suite, DECODE_STEP (1; 0 skips its decode-step benchmark), HOST_FORWARD (1; 0 skips bench_host_forward), PY (python3), OUT, WORK, PORT_BASE (8000), GPU_ENV (.whl/gpu-env.sh; "none" skips it).
 # CPU rehearsal of the whole script (about 1-2 minutes on 2 cores; the torch kernels, as Triton needs a GPU):
 #   GPU_ENV=none PY=python KERNEL=torch SHAPE=tiny DEVICE=cpu N_BIG=40 RATE=20 DURATION=1 LENGTHS="8 48" \
 #   PROFILE="5 2" PEFT_REQUESTS=10 PEFT_LIMIT=20 OUT=/tmp/perf-out WORK=/tmp/perf-work bash perf/run_gpu.sh all
@@ -67,6 +68,7 @@ HOST_BUDGET=${HOST_BUDGET:-48GiB}
 CHECK_PATHS=${CHECK_PATHS:-tests/kernels tests/engine}
 CHECK_K=${CHECK_K:-not cpu}
 DECODE_STEP=${DECODE_STEP:-1}
+HOST_FORWARD=${HOST_FORWARD:-1}
 export SLORA_COMMIT=${SLORA_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1
 # On a CPU rehearsal, spinning intra-op threads of several processes make every timing erratic.
@@ -281,6 +283,13 @@ suite() {
           --batch 1 8 64 --out "$OUT/decode_step.json"
         step -m perf.bench_host_step --model "$MODEL" --adapter-root "$root" --device "$DEVICE" --seqs 256 \
           --prompt-len 300 --out "$OUT/host_step.json"
+      fi
+      if (( HOST_FORWARD )); then  # this host's Python: the same measurement as on the CPU machine, to compare
+        [[ -f $WORK/deep/config.json ]] || step -m perf.make_model --shape tiny-deep --out "$WORK/deep"
+        [[ -d $WORK/deep-adapters ]] || step -m perf.make_adapters --model "$WORK/deep" --setting S1 -n 128 \
+          --out "$WORK/deep-adapters"
+        step -m perf.bench_host_forward --model "$WORK/deep" --adapter-root "$WORK/deep-adapters" --seqs 128 \
+          --out "$OUT/host_forward.json"
       fi ;;
     peft)
       s1_100=$(trace s1 100)
