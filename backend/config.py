@@ -40,6 +40,10 @@ class EngineConfig:
     pin_host_adapters: bool = False  # page-lock each adapter in host memory (slow to allocate; see AdapterCache)
     max_lora_rank: int = 256
     prefetch_adapters: int = 8  # adapters of queued requests loaded ahead into free pages
+    # While requests decode, admit waiting ones on every Nth step only (1: every step). A step with prompts runs
+    # eagerly (no CUDA graph) and costs a fixed host time to launch: fewer, larger such steps cost less, for a
+    # first token later by up to N - 1 steps. Adapter prefetch still runs every step. (vLLM's delay factor.)
+    admit_interval: int = 1
     kernel_backend: str = "auto"  # auto | torch | triton | bmm (S-LoRA's padded-rank baseline)
     cuda_graphs: bool = False  # replay decode steps as captured CUDA graphs (CUDA + triton kernels; cuda_graphs.py)
     warmup: bool = False  # run synthetic batches at start, so kernels compile before the first request (warmup.py)
@@ -47,7 +51,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "page_size", "max_batch_tokens", "max_num_seqs", "max_waiting", "host_budget_bytes")
-        _positive(self, "max_lora_rank")
+        _positive(self, "max_lora_rank", "admit_interval")
         if self.pool_bytes is not None:
             _positive(self, "pool_bytes")
         if self.max_model_len is not None:

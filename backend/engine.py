@@ -52,7 +52,8 @@ class LLMEngine:
         self.store = parts.store
         self.cache = parts.cache
         self.model = parts.model
-        limits = SchedulerLimits(self.config.max_batch_tokens, self.config.max_num_seqs, self.config.prefetch_adapters)
+        c = self.config
+        limits = SchedulerLimits(c.max_batch_tokens, c.max_num_seqs, c.prefetch_adapters, c.admit_interval)
         self.scheduler = Scheduler(limits, self.pool, self.cache)
         self.runner = ModelRunner(self.model, self.pool, parts.graphs)
         self.requests: dict[str, Request] = {}

@@ -2,8 +2,9 @@
 
 Each step: (1) running requests first, in admission order: one token each when decoding, the next chunk when
 prefilling; if a request needs a page and none is free, unpinned adapters are evicted, then the most recently
-admitted request is preempted (its pages freed; it is recomputed later). (2) If nothing was preempted, waiting
-requests are admitted in arrival order while the token budget, the sequence limit and the pool allow: a request
+admitted request is preempted (its pages freed; it is recomputed later). (2) If nothing was preempted (and, with
+admit_interval > 1 while requests run, on every admit_interval-th step), waiting requests are admitted in
+arrival order while the token budget, the sequence limit and the pool allow: a request
 is admitted only when its adapter is (or can be made) resident and pinned and the pages for its whole prompt are
 allocated. (3) Adapters of the next waiting requests are copied into free pages ahead of time.
 
@@ -29,6 +30,7 @@ class SchedulerLimits:
     max_batch_tokens: int
     max_num_seqs: int
     prefetch_adapters: int
+    admit_interval: int = 1  # while requests run, admit waiting ones every Nth step (EngineConfig.admit_interval)
 
 
 @dataclass
@@ -50,6 +52,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._steps_since_admission = 0
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -63,10 +66,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.limits.max_batch_tokens)
-        if not out.preempted:
+        if not out.preempted and self._admission_due():
             self._admit_waiting(out, budget)
         self._prefetch()
         return out
+
+    def _admission_due(self) -> bool:
+        """Every step when nothing runs (or admit_interval is 1), else every admit_interval-th step."""
+        self._steps_since_admission += 1
+        if not self.running or self._steps_since_admission >= self.limits.admit_interval:
+            self._steps_since_admission = 0
+            return True
+        return False
 
     def release(self, request: Request) -> None:
         """Take a finished or aborted request out of the queues and give back its pages and adapter pin."""

@@ -104,3 +104,35 @@ def test_only_prefetch_uses_free_pages(llama: ModelWithAdapters) -> None:
     engine.step()
     resident = {r.host.name: r.refcount for r in engine.cache.resident()}
     assert resident == {"r1-qv": 1, "r5-ko": 0, "r8-mlp": 0}
+
+
+def test_admit_interval_admits_every_nth_step_while_others_decode(llama: ModelWithAdapters) -> None:
+    """admit_interval=3: a request arriving while another decodes is admitted on the third step; an idle engine
+    admits at once; every request's tokens are those of admitting on every step."""
+    prompts, adapters = _workload(llama, 2, seed=5)
+    expected = _engine(llama, pages=2000).generate(prompts, adapters, GREEDY)
+    engine = _engine(llama, pages=2000, admit_interval=3)
+    tokens: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+    first = engine.add_request(prompts[0], adapters[0], GREEDY)
+    step()  # an idle engine admits at once
+    assert [r.request_id for r in engine.scheduler.running] == [first]
+    late = engine.add_request(prompts[1], adapters[1], GREEDY)
+    steps = 0
+    while engine.scheduler.waiting:
+        step()
+        steps += 1
+    assert steps == 3 and late in [r.request_id for r in engine.scheduler.running]
+    while engine.has_unfinished():
+        step()
+    assert [tokens[first], tokens[late]] == [c.token_ids for c in expected]
+    engine.check_idle_integrity()
+
+
+def test_admit_interval_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="admit_interval"):
+        EngineConfig(admit_interval=0)
