@@ -65,10 +65,10 @@ class DecoderModel:
         q, k, v = qkv.split((s.q_size, s.kv_size, s.kv_size), dim=-1)
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
-        self.ops.rotary(q, k, batch.positions, self.rope.cos, self.rope.sin)  # in place, inside qkv
         v = v.reshape(-1, s.num_kv_heads, s.head_dim)
         kv_layer = pool.kv_layer(i)
-        self.ops.write_kv(k, v, kv_layer, batch.attn)
+        # q and k rotated in place (inside qkv), then k and v stored in their pool slots
+        self.ops.rotary_write_kv(q, k, v, batch.positions, self.rope.cos, self.rope.sin, kv_layer, batch.attn)
         attn = self.ops.attention(q, kv_layer, batch.attn, self.scale).reshape(-1, s.q_size)
         out = F.linear(attn, w.o)  # [num_tokens, hidden]
         self._lora(i, out, attn, batch, pool, (O_PROJ,), (0,))

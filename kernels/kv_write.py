@@ -52,7 +52,7 @@ def _kv_write_kernel(
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """k, v: [num_tokens, kv_heads, head_dim]; kv_layer: [num_pages, 2, block_size, kv_heads, head_dim] (written)."""
-    _check(k, v, kv_layer, slot_mapping)
+    check_kv_write_args(k, v, kv_layer, slot_mapping)
     num_tokens, kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -66,7 +66,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapp
     )  # fmt: skip
 
 
-def _check(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def check_kv_write_args(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(f"k and v must both be [num_tokens, kv_heads, head_dim], got {k.shape} and {v.shape}")
     if k.stride(2) != 1 or v.stride(2) != 1 or kv_layer.stride(4) != 1:

@@ -53,6 +53,20 @@ class Ops(Protocol):
         """SiLU(gate) · up of the fused gate/up output [gate | up] (kernels/activation.py)."""
         ...
 
+    def rotary_write_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMeta,
+    ) -> None:
+        """rotary(q, k, ...) then write_kv(k, v, kv_layer, meta); the Triton ops do both in one launch."""
+        ...
+
 
 class TorchOps:
     name = "torch"
@@ -71,6 +85,20 @@ class TorchOps:
 
     def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
         return silu_mul_ref(gate_up, inter)
+
+    def rotary_write_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMeta,
+    ) -> None:
+        self.rotary(q, k, positions, cos, sin)
+        self.write_kv(k, v, kv_layer, meta)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta) -> None:
         write_kv_ref(k, v, kv_layer, meta.slot_mapping)

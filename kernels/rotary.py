@@ -8,6 +8,9 @@ Grid (num_tokens, q head blocks + k head blocks): a program reads its token's po
 rotates a block of heads, of q for the first blocks and of k for the rest. The math is float32 and each result is
 rounded to the dtype once; the torch reference rounds each product and the sum in the dtype, so for float16 and
 bfloat16 the two may differ by an ulp or so of the products (float32: a few ulps at most).
+
+apply_rotary_write_kv_ also stores the rotated k and v in their pool slots from the same programs (WRITE_KV),
+which saves kv_write.py's launch: a layer's host time on an eager step is mostly its launches.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from slora.kernels.kv_write import check_kv_write_args
 from slora.kernels.launch import cdiv, next_power_of_2
 from slora.kernels.relaunch import launch_cached
 
@@ -45,8 +49,11 @@ def _rotate_heads(
     x2 = tl.load(ptr1 + HALF, mask=mask).to(tl.float32)
     out1 = x1 * cos1 - x2 * sin1
     out2 = x2 * cos2 + x1 * sin2
-    tl.store(ptr1, out1.to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(ptr1 + HALF, out2.to(x_ptr.dtype.element_ty), mask=mask)
+    out1 = out1.to(x_ptr.dtype.element_ty)
+    out2 = out2.to(x_ptr.dtype.element_ty)
+    tl.store(ptr1, out1, mask=mask)
+    tl.store(ptr1 + HALF, out2, mask=mask)
+    return out1, out2
 
 
 @triton.jit
@@ -63,6 +70,15 @@ def _rotary_kernel(
     sin_ptr,
     stride_cos,
     stride_sin,
+    v_ptr,  # WRITE_KV only: [num_tokens, kv_heads, head_dim], unit stride along head_dim
+    stride_v_tok,
+    stride_v_head,
+    kv_ptr,  # WRITE_KV only: one pool layer viewed as [num_pages, 2, block_size, kv_heads, head_dim]
+    stride_page,
+    stride_kv,  # K half to V half of a page
+    stride_slot,
+    stride_kv_head,
+    slot_mapping_ptr,  # WRITE_KV only: int64 [num_tokens], page * PAGE_SIZE + offset; negative: no slot
     Q_HEADS: tl.constexpr,
     K_HEADS: tl.constexpr,
     HALF: tl.constexpr,  # head_dim // 2
@@ -70,6 +86,8 @@ def _rotary_kernel(
     BLOCK_Q: tl.constexpr,  # q heads per program
     BLOCK_K: tl.constexpr,  # k heads per program
     BLOCK_HALF: tl.constexpr,  # next power of two >= HALF
+    WRITE_KV: tl.constexpr,  # also store the rotated k and v in their pool slots (kv_write.py's job, fused)
+    PAGE_SIZE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
@@ -88,7 +106,19 @@ def _rotary_kernel(
     else:
         k_row = k_ptr + token * stride_k_tok
         first = (block - Q_BLOCKS) * BLOCK_K
-        _rotate_heads(k_row, stride_k_head, first, cos1, sin1, cos2, sin2, K_HEADS, HALF, BLOCK_K, BLOCK_HALF)
+        k1, k2 = _rotate_heads(k_row, stride_k_head, first, cos1, sin1, cos2, sin2, K_HEADS, HALF, BLOCK_K, BLOCK_HALF)
+        if WRITE_KV:
+            slot = tl.load(slot_mapping_ptr + token)
+            if slot >= 0:
+                h = first + tl.arange(0, BLOCK_K)[:, None]
+                heads_mask = (h < K_HEADS) & mask
+                dst = kv_ptr + (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_slot
+                dst += h * stride_kv_head + d
+                tl.store(dst, k1, mask=heads_mask)
+                tl.store(dst + HALF, k2, mask=heads_mask)
+                v_row = v_ptr + token * stride_v_tok + h * stride_v_head + d
+                tl.store(dst + stride_kv, tl.load(v_row, mask=heads_mask), mask=heads_mask)
+                tl.store(dst + stride_kv + HALF, tl.load(v_row + HALF, mask=heads_mask), mask=heads_mask)
 
 
 def apply_rotary_(
@@ -113,8 +143,43 @@ def apply_rotary_(
     launch_cached(_rotary_kernel, grid,
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), positions, positions.stride(0),
         cos, sin, cos.stride(0), sin.stride(0),
+        q, 0, 0, q, 0, 0, 0, 0, positions,  # no K/V write: placeholders
         Q_HEADS=q_heads, K_HEADS=k_heads, HALF=head_dim // 2, Q_BLOCKS=q_blocks,
-        BLOCK_Q=block_q, BLOCK_K=block_k, BLOCK_HALF=block_half,
+        BLOCK_Q=block_q, BLOCK_K=block_k, BLOCK_HALF=block_half, WRITE_KV=False, PAGE_SIZE=1,
+        num_warps=4,
+    )  # fmt: skip
+
+
+def apply_rotary_write_kv_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """apply_rotary_(q, k, ...) then kv_write.write_kv(k, v, kv_layer, slot_mapping), in one launch: the programs
+    that rotate k also store it, and v, in the token's pool slot. Same arguments and checks as the two."""
+    _check(q, k, positions, cos, sin)
+    check_kv_write_args(k, v, kv_layer, slot_mapping)
+    num_tokens, q_heads, head_dim = q.shape
+    k_heads = k.shape[1]
+    if num_tokens == 0:
+        return
+    block_half = next_power_of_2(head_dim // 2)
+    block_q = _heads_per_program(q_heads, block_half)
+    block_k = _heads_per_program(k_heads, block_half)
+    q_blocks = cdiv(q_heads, block_q)
+    grid = (num_tokens, q_blocks + cdiv(k_heads, block_k))
+    launch_cached(_rotary_kernel, grid,
+        q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), positions, positions.stride(0),
+        cos, sin, cos.stride(0), sin.stride(0),
+        v, v.stride(0), v.stride(1),
+        kv_layer, kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3), slot_mapping,
+        Q_HEADS=q_heads, K_HEADS=k_heads, HALF=head_dim // 2, Q_BLOCKS=q_blocks,
+        BLOCK_Q=block_q, BLOCK_K=block_k, BLOCK_HALF=block_half, WRITE_KV=True, PAGE_SIZE=kv_layer.shape[2],
         num_warps=4,
     )  # fmt: skip
 

@@ -20,7 +20,7 @@ from slora.kernels.norm import rms_norm
 from slora.kernels.ops import PaddedLora
 from slora.kernels.paged_attention import paged_attention
 from slora.kernels.paged_decode import paged_decode_attention
-from slora.kernels.rotary import apply_rotary_
+from slora.kernels.rotary import apply_rotary_, apply_rotary_write_kv_
 
 
 class TritonOps:
@@ -38,6 +38,19 @@ class TritonOps:
 
     def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
         return silu_mul(gate_up, inter)
+
+    def rotary_write_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMeta,
+    ) -> None:
+        apply_rotary_write_kv_(q, k, v, positions, cos, sin, kv_layer, meta.slot_mapping)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta) -> None:
         write_kv(k, v, kv_layer, meta.slot_mapping)

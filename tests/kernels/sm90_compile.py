@@ -32,6 +32,7 @@ from slora.kernels import (
     lora_shrink,
     paged_attention,
     paged_decode,
+    rotary,
 )
 from slora.kernels.triton_ops import TritonOps
 from tests.kernels.builders import Shape, attention_step
@@ -49,6 +50,7 @@ KERNELS = {
     paged_decode: "_paged_decode_kernel",
     decode_reduce: "_decode_reduce_kernel",
     activation: "_silu_mul_kernel",
+    rotary: "_rotary_kernel",
 }
 MAX_SHARED = 227 * 1024  # bytes of shared memory one block may use on sm_90
 POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32"}
@@ -142,6 +144,23 @@ def attention(heads: Heads, block_size: int, dtype: torch.dtype, step: list[tupl
     return run
 
 
+def rotary_write_kv(heads: Heads, block_size: int, dtype: torch.dtype) -> Callable[[], None]:
+    """RoPE alone, and RoPE fused with the K/V write (the same kernel, WRITE_KV off and on)."""
+    num_tokens, d = 5, heads.head_dim
+    q = torch.zeros((num_tokens, heads.heads, d), dtype=dtype)
+    k = torch.zeros((num_tokens, heads.kv_heads, d), dtype=dtype)
+    positions = torch.arange(num_tokens)
+    table = torch.zeros((64, d), dtype=dtype)
+    pool = torch.zeros((4, 2, block_size, heads.kv_heads, d), dtype=dtype)
+
+    def run() -> None:
+        ops = TritonOps()
+        ops.rotary(q, k, positions, table, table)
+        rotary.apply_rotary_write_kv_(q, k, k, positions, table, table, pool, positions)
+
+    return run
+
+
 DECODE = [(0, 1), (1, 1), (2, 1), (None, 1), (1, 1)]
 PREFILL = [(1, 100), (None, 3), (0, 1)]
 SCENARIOS = {
@@ -151,6 +170,7 @@ SCENARIOS = {
     "attention-decode-split-bf16": lambda: attention(Heads(32, 8, 128), 16, torch.bfloat16, [(1, 4000)]),
     "attention-mixed-bf16": lambda: attention(Heads(32, 32, 128), 32, torch.bfloat16, [(100, 300), (1, 50)]),
     "attention-decode-fp32": lambda: attention(Heads(9, 3, 64), 4, torch.float32, [(1, 30), (1, 7)]),
+    "rotary-write-kv-bf16": lambda: rotary_write_kv(Heads(32, 8, 128), 16, torch.bfloat16),
     "silu-mul-bf16": lambda: lambda: TritonOps().silu_mul(torch.zeros((5, 2 * 11008), dtype=torch.bfloat16), 11008),
 }
 

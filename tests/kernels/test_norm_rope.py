@@ -17,9 +17,11 @@ pytest.importorskip("triton")
 
 from slora.backend.model_spec import RopeSpec  # noqa: E402
 from slora.backend.rope import RotaryTable  # noqa: E402
+from slora.kernels.attention_ref import write_kv_ref  # noqa: E402
+from slora.kernels.kv_write import write_kv  # noqa: E402
 from slora.kernels.norm import rms_norm  # noqa: E402
 from slora.kernels.norm_ref import rms_norm_ref  # noqa: E402
-from slora.kernels.rotary import apply_rotary_  # noqa: E402
+from slora.kernels.rotary import apply_rotary_, apply_rotary_write_kv_  # noqa: E402
 from slora.kernels.rotary_ref import apply_rotary_ref  # noqa: E402
 from tests.kernels.builders import DEVICE, Heads, gpu_only  # noqa: E402
 
@@ -135,6 +137,63 @@ def check_rotary(num_tokens: int, heads: Heads, dtype: torch.dtype, spec: RopeSp
     ulps = 1 if dtype == torch.float32 else 2
     assert_within_ulps(q, expected_q, rounded_terms(q_before, cos, sin) + expected_q.abs(), ulps)
     assert_within_ulps(k, expected_k, rounded_terms(k_before, cos, sin) + expected_k.abs(), ulps)
+
+
+def check_rotary_write_kv(num_tokens: int, heads: Heads, dtype: torch.dtype, block_size: int, seed: int) -> None:
+    """The fused rotary + K/V write against the torch references: q and k rotated in place as apply_rotary_ref
+    (within ulps) and bit-equal to the separate Triton launches; each slot holds the rotated k and the untouched v;
+    a token without a slot (-1) and every other slot write nothing."""
+    table = RotaryTable(LLAMA3, heads.head_dim, MAX_POSITIONS, dtype, DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q_size, kv_size = heads.heads * heads.head_dim, heads.kv_heads * heads.head_dim
+    qkv = torch.randn((num_tokens, q_size + 2 * kv_size), generator=gen, device=DEVICE).to(dtype)
+    q_view, k_view, v_view = qkv.split((q_size, kv_size, kv_size), dim=-1)
+    q = q_view.view(num_tokens, heads.heads, heads.head_dim)
+    k = k_view.view(num_tokens, heads.kv_heads, heads.head_dim)
+    v = v_view.view(num_tokens, heads.kv_heads, heads.head_dim)
+    positions = torch.randint(0, MAX_POSITIONS, (num_tokens,), generator=gen, device=DEVICE)
+    num_pages = num_tokens // block_size + 3
+    slots = torch.randperm(num_pages * block_size, generator=gen, device=DEVICE)[:num_tokens]  # scrambled pages
+    slots[num_tokens // 2] = -1  # a token with no slot
+    pool = torch.randn((num_pages, 2, block_size, heads.kv_heads, heads.head_dim), generator=gen, device=DEVICE)
+    pool = pool.to(dtype)
+    q_before, k_before, v_before, pool_before = q.clone(), k.clone(), v.clone(), pool.clone()
+    expected_q, expected_k = apply_rotary_ref(q_before, k_before, positions, table.cos, table.sin)
+    expected_pool = pool_before.clone()
+    kept = slots >= 0
+    write_kv_ref(expected_k[kept], v_before[kept], expected_pool, slots[kept])
+    separate_q, separate_k, separate_pool = q.clone(), k.clone(), pool.clone()
+    apply_rotary_(separate_q, separate_k, positions, table.cos, table.sin)
+    write_kv(separate_k, v_before, separate_pool, slots)
+
+    apply_rotary_write_kv_(q, k, v, positions, table.cos, table.sin, pool, slots)
+
+    assert torch.equal(q, separate_q) and torch.equal(k, separate_k) and torch.equal(pool, separate_pool)
+    assert torch.equal(v, v_before)
+    cos, sin = table.cos[positions].unsqueeze(1), table.sin[positions].unsqueeze(1)
+    ulps = 1 if dtype == torch.float32 else 2
+    assert_within_ulps(q, expected_q, rounded_terms(q_before, cos, sin) + expected_q.abs(), ulps)
+    assert_within_ulps(k, expected_k, rounded_terms(k_before, cos, sin) + expected_k.abs(), ulps)
+    assert torch.equal(pool[:, 1], expected_pool[:, 1]), "V slots hold v's bits, other slots are untouched"
+    k_scale = torch.ones_like(expected_pool[:, 0], dtype=torch.float32)  # the rounding of the rotated k only
+    assert_within_ulps(pool[:, 0], expected_pool[:, 0], expected_pool[:, 0].abs() + k_scale, ulps)
+    written = torch.zeros(num_pages * block_size, dtype=torch.bool, device=DEVICE)
+    written[slots[kept]] = True
+    untouched = (~written).view(num_pages, block_size)
+    assert torch.equal(pool[:, 0][untouched], pool_before[:, 0][untouched])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", CPU_HEADS[:3], ids=str)
+def test_rotary_write_kv(heads: Heads, dtype: torch.dtype) -> None:
+    check_rotary_write_kv(7, heads, dtype, block_size=4, seed=heads.heads)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", FULL_HEADS, ids=str)
+def test_rotary_write_kv_full_shapes(heads: Heads, dtype: torch.dtype) -> None:
+    check_rotary_write_kv(3000, heads, dtype, block_size=16, seed=heads.heads)
 
 
 def rounded_terms(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
