@@ -9,8 +9,9 @@ import numpy as np
 import torch
 
 from slora.backend.adapter_cache import ResidentAdapter
+from slora.backend.lora_tables import LoraTablesCache, build_tables
 from slora.backend.request import Request
-from slora.kernels.metadata import AttentionMeta, LoraMeta, row_alignment
+from slora.kernels.metadata import AttentionMeta, LoraMeta
 
 
 @dataclass
@@ -45,7 +46,9 @@ def _adapter_key(request: Request) -> tuple[str, int]:
     return request.resident.key if request.resident is not None else ("", 0)
 
 
-def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device) -> ForwardBatch:
+def build_batch(
+    seqs: list[ScheduledSeq], block_size: int, device: torch.device, lora_tables: LoraTablesCache | None = None
+) -> ForwardBatch:
     seqs = order_by_adapter(seqs)
     input_ids: list[int] = []
     positions: list[int] = []
@@ -89,41 +92,38 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device)
         input_ids=_tensor(input_ids, torch.int64, device),
         positions=_tensor(positions, torch.int64, device),
         attn=attn,
-        lora=build_lora_meta(seqs, q_start, device),
+        lora=build_lora_meta(seqs, q_start, device, lora_tables),
         sample_index=_tensor(sample_rows, torch.int64, device),
         seqs=seqs,
         sampled=sampled,
     )
 
 
-def build_lora_meta(seqs: list[ScheduledSeq], q_start: list[int], device: torch.device) -> LoraMeta | None:
-    """Segments of tokens per adapter (seqs are already grouped by adapter) and each adapter's row table."""
+def build_lora_meta(
+    seqs: list[ScheduledSeq], q_start: list[int], device: torch.device, tables: LoraTablesCache | None = None
+) -> LoraMeta | None:
+    """Segments of tokens per adapter (seqs are already grouped by adapter) and each adapter's row table (from
+    `tables` when the step's adapters are the previous step's)."""
     adapters, token_adapter, seg_start, seg_adapter = _segments(seqs, q_start)
     if not adapters:
         return None
-    ranks = np.array([a.host.ranks for a in adapters], dtype=np.int32)  # [num_adapters, 7]
-    scales = np.array([a.host.scales for a in adapters], dtype=np.float32)
-    flat = ranks.ravel()
-    # Start of each (adapter, module) in the concatenated row tables: adapters, then modules, in order.
-    row_start = (np.cumsum(flat, dtype=np.int32) - flat).reshape(ranks.shape)
-    a_rows = torch.cat([a.a_rows for a in adapters])
-    b_rows = torch.cat([a.b_rows for a in adapters])
+    t = tables.get(adapters, device) if tables is not None else build_tables(adapters, device)
     return LoraMeta(
         token_adapter=_tensor(token_adapter, torch.int32, device),
         seg_start=_tensor(seg_start, torch.int32, device),
         seg_adapter=_tensor(seg_adapter, torch.int32, device),
-        ranks=torch.from_numpy(ranks).to(device, non_blocking=True),
-        scales=torch.from_numpy(scales).to(device, non_blocking=True),
-        row_start=torch.from_numpy(row_start).to(device, non_blocking=True),
-        a_rows=a_rows.to(device, non_blocking=True),
-        b_rows=b_rows.to(device, non_blocking=True),
-        max_rank=int(ranks.max()),
+        ranks=t.ranks,
+        scales=t.scales,
+        row_start=t.row_start,
+        a_rows=t.a_rows,
+        b_rows=t.b_rows,
+        max_rank=t.max_rank,
         seg_start_host=seg_start,
         seg_adapter_host=seg_adapter,
-        ranks_host=ranks.tolist(),
-        scales_host=[list(a.host.scales) for a in adapters],
-        row_start_host=row_start.tolist(),
-        row_align=row_alignment(torch.cat([a_rows, b_rows])),
+        ranks_host=t.ranks_host,
+        scales_host=t.scales_host,
+        row_start_host=t.row_start_host,
+        row_align=t.row_align,
     )
 
 

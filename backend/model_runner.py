@@ -10,6 +10,7 @@ import torch
 
 from slora.backend.batch import ForwardBatch, ScheduledSeq, build_batch
 from slora.backend.cuda_graphs import DecodeGraphs
+from slora.backend.lora_tables import LoraTablesCache
 from slora.backend.model import DecoderModel
 from slora.backend.page_pool import PagePool
 from slora.backend.request import Request
@@ -41,12 +42,13 @@ class ModelRunner:
         self.graphs = graphs  # decode steps replay captured CUDA graphs when set
         self.device = pool.storage.device
         self.logits_hook: Callable[[torch.Tensor], None] | None = None  # tests read the logits of each step
+        self.lora_tables = LoraTablesCache()  # the adapters' tables, kept while a step's adapters stay the same
         self.last_step = StepShape("none", 0, 0)  # what the latest forward was (benchmarks tally step kinds)
 
     def run(self, seqs: list[ScheduledSeq]) -> list[tuple[Request, int]]:
         """Compute the scheduled tokens; return (request, next token) for each sequence that samples."""
         began = time.perf_counter()
-        batch = build_batch(seqs, self.pool.geometry.block_size, self.device)
+        batch = build_batch(seqs, self.pool.geometry.block_size, self.device, self.lora_tables)
         built = time.perf_counter()
         self._wait_for_adapters(batch)
         waited = time.perf_counter()

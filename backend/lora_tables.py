@@ -1,0 +1,72 @@
+"""The per-adapter tables of a step's LoRA metadata (ranks, scales, row starts, pool row offsets), kept while the
+step's adapters stay the same.
+
+Consecutive decode steps run the same requests, so the same adapters in the same order, until one finishes or
+joins: their tables (and the copies of them to the GPU) need not be rebuilt. Only the token segments change with
+the step. The cache holds the adapters it was built for, so an adapter copied elsewhere in the pool (a new
+ResidentAdapter) never matches an old entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from slora.backend.adapter_cache import ResidentAdapter
+from slora.kernels.metadata import row_alignment
+
+
+@dataclass(frozen=True)
+class LoraTables:
+    ranks: torch.Tensor  # int32 [num_adapters, 7], on the device
+    scales: torch.Tensor  # float32 [num_adapters, 7]
+    row_start: torch.Tensor  # int32 [num_adapters, 7]: first entry of each (adapter, module) in a_rows / b_rows
+    a_rows: torch.Tensor  # int64 [total_rows]
+    b_rows: torch.Tensor  # int64 [total_rows]
+    max_rank: int
+    ranks_host: list[list[int]]
+    scales_host: list[list[float]]
+    row_start_host: list[list[int]]
+    row_align: int
+
+
+def build_tables(adapters: list[ResidentAdapter], device: torch.device) -> LoraTables:
+    ranks = np.array([a.host.ranks for a in adapters], dtype=np.int32)  # [num_adapters, 7]
+    scales = np.array([a.host.scales for a in adapters], dtype=np.float32)
+    flat = ranks.ravel()
+    # Start of each (adapter, module) in the concatenated row tables: adapters, then modules, in order.
+    row_start = (np.cumsum(flat, dtype=np.int32) - flat).reshape(ranks.shape)
+    a_rows = torch.cat([a.a_rows for a in adapters])
+    b_rows = torch.cat([a.b_rows for a in adapters])
+    return LoraTables(
+        ranks=torch.from_numpy(ranks).to(device, non_blocking=True),
+        scales=torch.from_numpy(scales).to(device, non_blocking=True),
+        row_start=torch.from_numpy(row_start).to(device, non_blocking=True),
+        a_rows=a_rows.to(device, non_blocking=True),
+        b_rows=b_rows.to(device, non_blocking=True),
+        max_rank=int(ranks.max()),
+        ranks_host=ranks.tolist(),
+        scales_host=[list(a.host.scales) for a in adapters],
+        row_start_host=row_start.tolist(),
+        row_align=row_alignment(torch.cat([a_rows, b_rows])),
+    )
+
+
+class LoraTablesCache:
+    """The tables of the last adapter list asked for, rebuilt when the list changes (see top)."""
+
+    def __init__(self) -> None:
+        self._adapters: list[ResidentAdapter] = []
+        self._tables: LoraTables | None = None
+        self.hits = 0
+
+    def get(self, adapters: list[ResidentAdapter], device: torch.device) -> LoraTables:
+        same = len(adapters) == len(self._adapters) and all(a is b for a, b in zip(adapters, self._adapters))
+        if same and self._tables is not None and self._tables.ranks.device == device:
+            self.hits += 1
+            return self._tables
+        self._adapters = list(adapters)
+        self._tables = build_tables(adapters, device)
+        return self._tables
