@@ -131,23 +131,7 @@ def apply_rotary_(
     fused qkv buffer but must not overlap each other. See apply_rotary_ref for the formula.
     """
     _check(q, k, positions, cos, sin)
-    num_tokens, q_heads, head_dim = q.shape
-    k_heads = k.shape[1]
-    if num_tokens == 0:
-        return
-    block_half = next_power_of_2(head_dim // 2)
-    block_q = _heads_per_program(q_heads, block_half)
-    block_k = _heads_per_program(k_heads, block_half)
-    q_blocks = cdiv(q_heads, block_q)
-    grid = (num_tokens, q_blocks + cdiv(k_heads, block_k))
-    launch_cached(_rotary_kernel, grid,
-        q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), positions, positions.stride(0),
-        cos, sin, cos.stride(0), sin.stride(0),
-        q, 0, 0, q, 0, 0, 0, 0, positions,  # no K/V write: placeholders
-        Q_HEADS=q_heads, K_HEADS=k_heads, HALF=head_dim // 2, Q_BLOCKS=q_blocks,
-        BLOCK_Q=block_q, BLOCK_K=block_k, BLOCK_HALF=block_half, WRITE_KV=False, PAGE_SIZE=1,
-        num_warps=4,
-    )  # fmt: skip
+    _launch(q, k, positions, cos, sin, None)
 
 
 def apply_rotary_write_kv_(
@@ -164,10 +148,28 @@ def apply_rotary_write_kv_(
     that rotate k also store it, and v, in the token's pool slot. Same arguments and checks as the two."""
     _check(q, k, positions, cos, sin)
     check_kv_write_args(k, v, kv_layer, slot_mapping)
+    _launch(q, k, positions, cos, sin, (v, kv_layer, slot_mapping))
+
+
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,  # (v, kv_layer, slot_mapping) to store K/V
+) -> None:
     num_tokens, q_heads, head_dim = q.shape
     k_heads = k.shape[1]
     if num_tokens == 0:
         return
+    if write is None:
+        kv_args: tuple[object, ...] = (q, 0, 0, q, 0, 0, 0, 0, positions)  # placeholders: WRITE_KV is off
+        page_size = 1
+    else:
+        v, kv_layer, slot_mapping = write
+        kv_args = (v, v.stride(0), v.stride(1), kv_layer, *kv_layer.stride()[:4], slot_mapping)
+        page_size = kv_layer.shape[2]
     block_half = next_power_of_2(head_dim // 2)
     block_q = _heads_per_program(q_heads, block_half)
     block_k = _heads_per_program(k_heads, block_half)
@@ -175,11 +177,9 @@ def apply_rotary_write_kv_(
     grid = (num_tokens, q_blocks + cdiv(k_heads, block_k))
     launch_cached(_rotary_kernel, grid,
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), positions, positions.stride(0),
-        cos, sin, cos.stride(0), sin.stride(0),
-        v, v.stride(0), v.stride(1),
-        kv_layer, kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3), slot_mapping,
+        cos, sin, cos.stride(0), sin.stride(0), *kv_args,
         Q_HEADS=q_heads, K_HEADS=k_heads, HALF=head_dim // 2, Q_BLOCKS=q_blocks,
-        BLOCK_Q=block_q, BLOCK_K=block_k, BLOCK_HALF=block_half, WRITE_KV=True, PAGE_SIZE=kv_layer.shape[2],
+        BLOCK_Q=block_q, BLOCK_K=block_k, BLOCK_HALF=block_half, WRITE_KV=write is not None, PAGE_SIZE=page_size,
         num_warps=4,
     )  # fmt: skip
 
