@@ -1,4 +1,5 @@
-"""How many variants of the project's Triton kernels have been compiled in this process.
+"""The project's Triton kernels: how many variants of each have been compiled in this process, and a way to stand
+in for all of them at once (kernels_replaced, for benchmarks and tests that time or record launches).
 
 Triton compiles a kernel once per specialization (constexprs, integer-argument classes, dtypes). A compile inside
 a measured run costs ~0.5-2 s on the H200 host, so the benchmarks record this count before and after each run:
@@ -8,7 +9,9 @@ the Triton version lays them out differently, or under the interpreter (nothing 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 KERNELS = {
@@ -52,3 +55,18 @@ def compiled_since(before: dict[str, int]) -> dict[str, int]:
     return {
         name: count - before.get(name, 0) for name, count in compiled_variants().items() if count > before.get(name, 0)
     }
+
+
+@contextlib.contextmanager
+def kernels_replaced(make: Callable[[Any], Any]) -> Iterator[None]:
+    """Every kernel of KERNELS replaced by make(kernel) for the duration, then put back. The launchers look their
+    kernel up in its module at each call, so they launch the stand-in."""
+    modules = {name: importlib.import_module(name) for name in KERNELS}
+    originals = {name: getattr(module, KERNELS[name]) for name, module in modules.items()}
+    for name, module in modules.items():
+        setattr(module, KERNELS[name], make(originals[name]))
+    try:
+        yield
+    finally:
+        for name, module in modules.items():
+            setattr(module, KERNELS[name], originals[name])

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import logging
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from slora.backend.config import EngineConfig
 from slora.backend.engine import LLMEngine
 from slora.backend.sampling_params import SamplingParams
 from slora.backend.warmup import synthetic_prompt
-from slora.kernels.jit_stats import KERNELS
+from slora.kernels.jit_stats import kernels_replaced
 from slora.kernels.triton_ops import TritonOps
 
 logger = logging.getLogger(__name__)
@@ -60,18 +59,9 @@ class StubKernel:
         return lambda *args, **kwargs: StubCompiled()
 
 
-@contextlib.contextmanager
-def stubbed_kernels() -> Iterator[None]:
+def stubbed_kernels() -> contextlib.AbstractContextManager[None]:
     """Every kernel of slora.kernels replaced by a StubKernel for the duration."""
-    modules = {name: importlib.import_module(name) for name in KERNELS}
-    originals = {name: getattr(module, KERNELS[name]) for name, module in modules.items()}
-    for name, module in modules.items():
-        setattr(module, KERNELS[name], StubKernel(originals[name]))
-    try:
-        yield
-    finally:
-        for name, module in modules.items():
-            setattr(module, KERNELS[name], originals[name])
+    return kernels_replaced(StubKernel)
 
 
 @dataclass(frozen=True)

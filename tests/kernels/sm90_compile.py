@@ -24,16 +24,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from slora.kernels import (
-    activation,
-    decode_reduce,
-    kv_write,
-    lora_expand,
-    lora_shrink,
-    paged_attention,
-    paged_decode,
-    rotary,
-)
+from slora.kernels import rotary
+from slora.kernels.jit_stats import kernels_replaced
 from slora.kernels.triton_ops import TritonOps
 from tests.kernels.builders import Shape, attention_step
 from tests.kernels.test_attention import Heads, make_pool
@@ -42,16 +34,6 @@ from tests.kernels.test_lora import build_case, layer_calls
 logger = logging.getLogger(__name__)
 
 
-KERNELS = {
-    lora_shrink: "_lora_shrink_kernel",
-    lora_expand: "_lora_expand_kernel",
-    kv_write: "_kv_write_kernel",
-    paged_attention: "_paged_attention_kernel",
-    paged_decode: "_paged_decode_kernel",
-    decode_reduce: "_decode_reduce_kernel",
-    activation: "_silu_mul_kernel",
-    rotary: "_rotary_kernel",
-}
 MAX_SHARED = 227 * 1024  # bytes of shared memory one block may use on sm_90
 POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32"}
 POINTER[torch.int64] = "*i64"
@@ -106,14 +88,8 @@ def capture(run: Callable[[], object]) -> list[Launch]:
         def __getitem__(self, grid: object) -> Callable[..., None]:
             return lambda *args, **kwargs: launches.append(Launch(self.kernel, args, kwargs))
 
-    originals = {module: getattr(module, name) for module, name in KERNELS.items()}
-    for module, name in KERNELS.items():
-        setattr(module, name, Recorder(originals[module]))
-    try:
+    with kernels_replaced(Recorder):
         run()
-    finally:
-        for module, name in KERNELS.items():
-            setattr(module, name, originals[module])
     return launches
 
 

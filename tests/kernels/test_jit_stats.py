@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import types
+from typing import Any
 
 import pytest
 
@@ -42,3 +43,13 @@ def test_no_project_kernel_is_left_out() -> None:
 def test_compiled_since_names_the_kernels_that_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(jit_stats, "compiled_variants", lambda: {"_a_kernel": 3, "_b_kernel": 1, "_c_kernel": 2})
     assert jit_stats.compiled_since({"_a_kernel": 1, "_b_kernel": 1}) == {"_a_kernel": 2, "_c_kernel": 2}
+
+
+def test_kernels_replaced_stands_in_for_every_kernel_and_puts_them_back() -> None:
+    def current() -> dict[str, Any]:
+        return {module: getattr(importlib.import_module(module), name) for module, name in jit_stats.KERNELS.items()}
+
+    before = current()
+    with jit_stats.kernels_replaced(lambda kernel: ("stand-in", kernel)):
+        assert current() == {module: ("stand-in", kernel) for module, kernel in before.items()}
+    assert current() == before
