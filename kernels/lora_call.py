@@ -48,9 +48,8 @@ def lora_calls(
             continue  # no adapter of the step targets these modules
         # One launch pair for decodes and prompts together (SegmentGroup.tile_len picks decode-shaped tiles when
         # a step has both): on an eager step the host time of each launch costs more than the larger tiles save.
-        group = meta.whole()
-        v, shrink = shrink_launch(x, flat_layer, meta, first, len(widths), group)
-        expand = expand_launch(y, v, flat_layer, meta, first, offsets, widths, group)
+        v, shrink = shrink_launch(x, flat_layer, meta, first, len(widths))
+        expand = expand_launch(y, v, flat_layer, meta, first, offsets, widths)
         if shrink is not None and expand is not None:
             calls.append(LoraCall(shrink, expand))
     return calls

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from slora.kernels.launch import cdiv, dot_precision
 from slora.kernels.lora_shrink import MODULES, NUM_MODULES
-from slora.kernels.metadata import LoraMeta, SegmentGroup
+from slora.kernels.metadata import LoraMeta
 from slora.kernels.relaunch import Relaunch
 
 
@@ -129,17 +129,16 @@ def expand_launch(
     first_module: int,
     out_offsets: tuple[int, ...],
     out_widths: tuple[int, ...],
-    group: SegmentGroup | None = None,
 ) -> Relaunch | None:
     """The launch that adds (v·Bᵀ)·scale of modules first_module .. + len(out_widths) - 1 into y's columns (see
     top), called as launch(flat_layer, y) for any pool layer and y shaped like these (every layer of a step; v
-    stays the one given here); None when the group has no token.
+    stays the one given here); None when the step has no adapter token.
 
-    Only the tokens of `group`'s segments (default: all), whose rows of v the shrink of that group wrote.
+    Every segment of the step in one launch, with the shrink's tile shape (SegmentGroup.tile_len).
     """
     num_slices = len(out_widths)
     _check(y, v, flat_layer, meta, first_module, out_offsets, out_widths)
-    group = group if group is not None else meta.whole()
+    group = meta.whole()
     cfg = expand_config(group.tile_len)
     tiles = group.tiles(cfg.block_m)
     num_tiles = int(tiles.shape[0])

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from slora.kernels.launch import cdiv, dot_precision
-from slora.kernels.metadata import LoraMeta, SegmentGroup
+from slora.kernels.metadata import LoraMeta
 from slora.kernels.relaunch import Relaunch
 
 NUM_MODULES = 7  # q, k, v, o, gate, up, down: the columns of LoraMeta's tables
@@ -112,16 +112,16 @@ def shrink_launch(
     meta: LoraMeta,
     first_module: int,
     num_slices: int,
-    group: SegmentGroup | None = None,
 ) -> tuple[torch.Tensor, Relaunch | None]:
     """v [split_k, num_tokens, R] (allocated here) and the launch that writes into it the partial sums of x·Aᵀ for
     modules first_module .. + num_slices - 1 (see top), called as launch(x, flat_layer) for any x and pool layer
-    shaped like these (every layer of a step); None when the group has no token or the modules no rank.
+    shaped like these (every layer of a step); None when the step has no adapter token or the modules no rank.
 
-    Only the tokens of `group`'s segments (default: all) are computed; v's other rows are left unwritten.
+    Every segment of the step in one launch (tile shape: SegmentGroup.tile_len); rows of base-model tokens are left
+    unwritten.
     """
     _check(x, flat_layer, meta, first_module, num_slices)
-    group = group if group is not None else meta.whole()
+    group = meta.whole()
     cfg = shrink_config(group.tile_len)
     fused_rank = meta.fused_rank(first_module, num_slices)
     tiles = group.tiles(cfg.block_m)

@@ -214,7 +214,7 @@ def test_lora_launches_decodes_and_prompts_together(monkeypatch: pytest.MonkeyPa
     a step with any decode gets decode-shaped tiles, a step of prompts only prefill-shaped ones."""
     built: list[int] = []
     shrink = lora_call.shrink_launch
-    monkeypatch.setattr(lora_call, "shrink_launch", lambda *a: built.append(a[-1].tile_len) or shrink(*a))
+    monkeypatch.setattr(lora_call, "shrink_launch", lambda *a: built.append(a[2].whole().tile_len) or shrink(*a))
     long_prompts = [(4, 70), (None, 5), (0, 20)]
     cases = {"mixed": (TINY_STEPS["mixed"], 16), "decode": (TINY_STEPS["decode"], 3), "prompts": (long_prompts, 70)}
     for name, (step, tile_len) in cases.items():  # decode: one adapter has three tokens
