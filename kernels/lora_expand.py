@@ -9,7 +9,8 @@ product into y (read-modify-write, each element of y owned by one program, so no
     v:  [split_k, num_tokens, R] float32      pool layer (flat): rows of lora_Bᵀ, out_m elements each
     y:  [num_tokens, ≥ Σ out_m]                written only in the rows of adapter tokens and the modules they target
 
-Rank chunks stop at each adapter's own rank; modules an adapter does not target (rank 0) cost nothing.
+Steps of decodes only go to a GEMV kernel (same arguments; see ExpandConfig.gemv). Rank chunks stop at each
+adapter's own rank; modules an adapter does not target (rank 0) cost nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import triton.language as tl
 
 from slora.kernels.launch import cdiv, dot_precision
 from slora.kernels.lora_shrink import MODULES, NUM_MODULES
-from slora.kernels.metadata import LoraMeta
+from slora.kernels.metadata import SHORT_SEGMENT, LoraMeta, SegmentGroup
 from slora.kernels.relaunch import Relaunch
 
 
@@ -34,14 +35,20 @@ class ExpandConfig:
     target_programs: int
     num_warps: int
     num_stages: int
+    # The GEMV kernel: one program per (tile, column block, module), one token at a time on CUDA cores (see
+    # ShrinkConfig.gemv); the modules of a call run side by side instead of one after the other.
+    gemv: bool = False
 
 
-DECODE = ExpandConfig(16, 16, (256, 128, 64), 512, 4, 2)
+DECODE = ExpandConfig(16, 16, (512, 256, 128), 1024, 4, 2, gemv=True)  # picked as the shrink's (shrink_config)
+MIXED = ExpandConfig(16, 16, (256, 128, 64), 512, 4, 2)
 PREFILL = ExpandConfig(64, 16, (128, 64), 512, 4, 2)
 
 
-def expand_config(tile_len: int) -> ExpandConfig:
-    return DECODE if tile_len <= DECODE.block_m else PREFILL
+def expand_config(group: SegmentGroup) -> ExpandConfig:
+    if group.max_segment_len <= SHORT_SEGMENT:
+        return DECODE
+    return MIXED if group.tile_len <= MIXED.block_m else PREFILL
 
 
 @triton.jit(do_not_specialize=["split_k", "stride_v_split"])
@@ -121,6 +128,72 @@ def _lora_expand_kernel(
         v_col += rank
 
 
+@triton.jit(do_not_specialize=["split_k", "stride_v_split"])
+def _lora_expand_gemv_kernel(
+    v_ptr,
+    stride_v_split,
+    stride_v_tok,
+    split_k,
+    pool_ptr,
+    y_ptr,
+    stride_y,
+    tiles_ptr,
+    ranks_ptr,
+    scales_ptr,
+    row_start_ptr,
+    b_rows_ptr,
+    offset0,
+    offset1,
+    offset2,
+    width0,
+    width1,
+    width2,
+    FIRST_MODULE: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The dot kernel's work (same arguments) with the call's module on grid axis 2, one token at a time:
+    y_t += (Σ_j v_t[j] · Bᵀ[j, :]) · scale in float32. The tile's later tokens read Bᵀ again, from cache."""
+    tile = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    s = tl.program_id(2)
+    first = tl.load(tiles_ptr + 4 * tile + 1)
+    end = tl.load(tiles_ptr + 4 * tile + 2)
+    adapter = tl.load(tiles_ptr + 4 * tile + 3)
+    table = adapter * MODULES + FIRST_MODULE
+    rank = tl.load(ranks_ptr + table + s)
+    offset = tl.where(s == 0, offset0, tl.where(s == 1, offset1, offset2))
+    width = tl.where(s == 0, width0, tl.where(s == 1, width1, width2))
+    v_col = 0  # this module's first column in v: the ranks of the call's modules before it
+    for before in tl.static_range(NUM_SLICES - 1):
+        v_col += tl.where(before < s, tl.load(ranks_ptr + table + before), 0)
+    if (rank > 0) & (n0 < width):
+        row0 = tl.load(row_start_ptr + table + s)
+        scale = tl.load(scales_ptr + table + s)
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < width
+        for i in range(0, tl.minimum(end - first, BLOCK_M)):  # the tile's tokens (rows first + i)
+            t = first.to(tl.int64) + i
+            v_row = v_ptr + t * stride_v_tok + v_col
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for c in range(0, rank, BLOCK_R):
+                j = c + tl.arange(0, BLOCK_R)
+                j_mask = j < rank
+                vt = tl.zeros((BLOCK_R,), dtype=tl.float32)
+                for sp in range(split_k):
+                    vt += tl.load(v_row + sp * stride_v_split + j, mask=j_mask, other=0.0)
+                rows = tl.load(b_rows_ptr + row0 + j, mask=j_mask, other=0)
+                rows = tl.multiple_of(rows, ROW_ALIGN)
+                bt = tl.load(pool_ptr + rows[:, None] + n[None, :], mask=j_mask[:, None] & n_mask[None, :], other=0.0)
+                acc += tl.sum(vt[:, None] * bt.to(tl.float32), axis=0)
+            y_row = y_ptr + t * stride_y + offset
+            yt = tl.load(y_row + n, mask=n_mask, other=0.0)
+            tl.store(y_row + n, (yt.to(tl.float32) + acc * scale).to(yt.dtype), mask=n_mask)
+
+
 def expand_launch(
     y: torch.Tensor,
     v: torch.Tensor,
@@ -134,19 +207,20 @@ def expand_launch(
     top), called as launch(flat_layer, y) for any pool layer and y shaped like these (every layer of a step; v
     stays the one given here); None when the step has no adapter token.
 
-    Every segment of the step in one launch, with the shrink's tile shape (SegmentGroup.tile_len).
+    Every segment of the step in one launch, with the shrink's kernel kind and tile shape (expand_config).
     """
     num_slices = len(out_widths)
     _check(y, v, flat_layer, meta, first_module, out_offsets, out_widths)
     group = meta.whole()
-    cfg = expand_config(group.tile_len)
+    cfg = expand_config(group)
     tiles = group.tiles(cfg.block_m)
     num_tiles = int(tiles.shape[0])
     if num_tiles == 0:
         return None
     offsets = tuple(out_offsets) + (0,) * (3 - num_slices)
     widths = tuple(out_widths) + (0,) * (3 - num_slices)
-    block_n = expand_block_n(cfg, num_tiles, max(out_widths))
+    programs_per_block = num_tiles * (num_slices if cfg.gemv else 1)
+    block_n = expand_block_n(cfg, programs_per_block, max(out_widths))
     args = dict(
         v_ptr=v, stride_v_split=v.stride(0), stride_v_tok=v.stride(1), split_k=v.shape[0],
         pool_ptr=flat_layer, y_ptr=y, stride_y=y.stride(0),
@@ -155,17 +229,22 @@ def expand_launch(
         offset0=offsets[0], offset1=offsets[1], offset2=offsets[2],
         width0=widths[0], width1=widths[1], width2=widths[2],
         FIRST_MODULE=first_module, NUM_SLICES=num_slices, ROW_ALIGN=meta.row_align,
-        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=block_n, DOT_PRECISION=dot_precision(y.dtype),
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=block_n,
     )  # fmt: skip
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    grid = (num_tiles, cdiv(max(out_widths), block_n))
-    return Relaunch(_lora_expand_kernel, grid, args, options, changing=("pool_ptr", "y_ptr"))
+    blocks = cdiv(max(out_widths), block_n)
+    if cfg.gemv:
+        grid = (num_tiles, blocks, num_slices)
+        return Relaunch(_lora_expand_gemv_kernel, grid, args, options, changing=("pool_ptr", "y_ptr"))
+    args.update(DOT_PRECISION=dot_precision(y.dtype))
+    return Relaunch(_lora_expand_kernel, (num_tiles, blocks), args, options, changing=("pool_ptr", "y_ptr"))
 
 
-def expand_block_n(cfg: ExpandConfig, num_tiles: int, width: int) -> int:
-    """The widest column block that still makes about cfg.target_programs programs (few tiles: narrow blocks)."""
+def expand_block_n(cfg: ExpandConfig, programs_per_block: int, width: int) -> int:
+    """The widest column block that still makes about cfg.target_programs programs (few tiles: narrow blocks);
+    programs_per_block: the programs of one column block (tiles, times the modules for the GEMV kernel)."""
     for block_n in cfg.block_n:
-        if num_tiles * cdiv(width, block_n) >= cfg.target_programs:
+        if programs_per_block * cdiv(width, block_n) >= cfg.target_programs:
             return block_n
     return cfg.block_n[-1]
 

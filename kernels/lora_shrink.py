@@ -11,8 +11,10 @@ are computed together as one rank range: x is read for all of them at once.
     v: [split_k, num_tokens, R]    float32; for a token of adapter a, columns 0 .. rank_a - 1 hold its partial
                                    sums (q ranks first, then k, then v); the other columns are never written
 
-Work follows each adapter's own rank: rank chunks past it are skipped and rows past it inside the last chunk are
-masked (never loaded). Tokens of no adapter belong to no tile. The expand kernel sums the split_k partials.
+Steps of decodes only (tiles of one or a few tokens) go to a GEMV kernel with the same grid and output, which spends no
+tensor-core tile on padding rows. Work follows each adapter's own rank: rank chunks past it are skipped and rows
+past it inside the last chunk are masked (never loaded). Tokens of no adapter belong to no tile. The expand
+kernel sums the split_k partials.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import triton
 import triton.language as tl
 
 from slora.kernels.launch import cdiv, dot_precision
-from slora.kernels.metadata import LoraMeta
+from slora.kernels.metadata import SHORT_SEGMENT, LoraMeta, SegmentGroup
 from slora.kernels.relaunch import Relaunch
 
 NUM_MODULES = 7  # q, k, v, o, gate, up, down: the columns of LoraMeta's tables
@@ -39,17 +41,24 @@ class ShrinkConfig:
     target_programs: int  # spread rank chunks, then split K, until about this many programs run
     num_warps: int
     num_stages: int
+    # The GEMV kernel (one token at a time on CUDA cores, A reused from cache for the tile's next tokens) instead
+    # of tensor-core tiles: decode tiles hold one or two tokens, for which a tl.dot tile is mostly padding.
+    gemv: bool = False
 
 
 MAX_SPLIT_K = 16  # K splits at most: each adds a partial sum of v that the expand kernel reads back
 
-# Picked by the step's tile length (SegmentGroup.tile_len): decode-shaped tiles for any step with decodes.
-DECODE = ShrinkConfig(16, 32, 128, 512, 4, 3)  # swept on the H200 (perf/RESULTS.md, kernel tuning)
+# Picked by the step's segments (shrink_config): the GEMV kernel for a step of decodes only, tensor-core tiles of
+# decode shape for a step that mixes decodes with prompts, prompt-shaped ones for a step of prompts only.
+DECODE = ShrinkConfig(16, 32, 256, 1024, 4, 2, gemv=True)
+MIXED = ShrinkConfig(16, 32, 128, 512, 4, 3)  # swept on the H200 (perf/RESULTS.md, kernel tuning)
 PREFILL = ShrinkConfig(64, 16, 64, 512, 4, 3)
 
 
-def shrink_config(tile_len: int) -> ShrinkConfig:
-    return DECODE if tile_len <= DECODE.block_m else PREFILL
+def shrink_config(group: SegmentGroup) -> ShrinkConfig:
+    if group.max_segment_len <= SHORT_SEGMENT:
+        return DECODE
+    return MIXED if group.tile_len <= MIXED.block_m else PREFILL
 
 
 @triton.jit(do_not_specialize=["stride_v_split"])  # num_tokens × rank: its parity changes every step
@@ -106,6 +115,60 @@ def _lora_shrink_kernel(
         tl.store(v_base + j[None, :], acc, mask=tok_mask[:, None] & j_mask[None, :])
 
 
+@triton.jit(do_not_specialize=["stride_v_split"])
+def _lora_shrink_gemv_kernel(
+    x_ptr,
+    stride_x,
+    pool_ptr,
+    v_ptr,
+    stride_v_split,
+    stride_v_tok,
+    tiles_ptr,
+    ranks_ptr,
+    row_start_ptr,
+    a_rows_ptr,
+    in_features,
+    k_per_split,
+    FIRST_MODULE: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The dot kernel's work (same arguments, grid and output) one token at a time: v_t = Σ_k A[:, k] · x_t[k] as
+    an elementwise product summed along K, in float32. The tile's later tokens read A again, from cache."""
+    tile = tl.program_id(0)
+    split = tl.program_id(2)
+    first = tl.load(tiles_ptr + 4 * tile + 1)
+    end = tl.load(tiles_ptr + 4 * tile + 2)
+    adapter = tl.load(tiles_ptr + 4 * tile + 3)
+    table = adapter * MODULES + FIRST_MODULE
+    rank = tl.load(ranks_ptr + table)
+    for s in tl.static_range(1, NUM_SLICES):
+        rank += tl.load(ranks_ptr + table + s)
+    row0 = tl.load(row_start_ptr + table)
+
+    k_lo = split * k_per_split
+    v_split = v_ptr + split.to(tl.int64) * stride_v_split
+    for c in range(tl.program_id(1) * BLOCK_R, rank, tl.num_programs(1) * BLOCK_R):
+        j = c + tl.arange(0, BLOCK_R)
+        j_mask = j < rank
+        rows = tl.load(a_rows_ptr + row0 + j, mask=j_mask, other=0)
+        rows = tl.multiple_of(rows, ROW_ALIGN)
+        for i in range(0, tl.minimum(end - first, BLOCK_M)):  # the tile's tokens (rows first + i)
+            t = first.to(tl.int64) + i
+            x_row = x_ptr + t * stride_x
+            acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            for kk in range(0, k_per_split, BLOCK_K):
+                k = k_lo + kk + tl.arange(0, BLOCK_K)
+                k_mask = k < in_features
+                xt = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
+                at = tl.load(pool_ptr + rows[:, None] + k[None, :], mask=j_mask[:, None] & k_mask[None, :], other=0.0)
+                acc += tl.sum(at.to(tl.float32) * xt[None, :], axis=1)
+            tl.store(v_split + t * stride_v_tok + j, acc, mask=j_mask)
+
+
 def shrink_launch(
     x: torch.Tensor,
     flat_layer: torch.Tensor,
@@ -117,12 +180,12 @@ def shrink_launch(
     modules first_module .. + num_slices - 1 (see top), called as launch(x, flat_layer) for any x and pool layer
     shaped like these (every layer of a step); None when the step has no adapter token or the modules no rank.
 
-    Every segment of the step in one launch (tile shape: SegmentGroup.tile_len); rows of base-model tokens are left
+    Every segment of the step in one launch (kernel and tile shape: shrink_config); rows of base-model tokens are left
     unwritten.
     """
     _check(x, flat_layer, meta, first_module, num_slices)
     group = meta.whole()
-    cfg = shrink_config(group.tile_len)
+    cfg = shrink_config(group)
     fused_rank = meta.fused_rank(first_module, num_slices)
     tiles = group.tiles(cfg.block_m)
     num_tiles = int(tiles.shape[0])
@@ -137,11 +200,15 @@ def shrink_launch(
         tiles_ptr=tiles, ranks_ptr=meta.ranks, row_start_ptr=meta.row_start, a_rows_ptr=meta.a_rows,
         in_features=in_features, k_per_split=k_per_split,
         FIRST_MODULE=first_module, NUM_SLICES=num_slices, ROW_ALIGN=meta.row_align,
-        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, DOT_PRECISION=dot_precision(x.dtype),
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
     )  # fmt: skip
+    kernel = _lora_shrink_gemv_kernel
+    if not cfg.gemv:
+        kernel = _lora_shrink_kernel
+        args.update(DOT_PRECISION=dot_precision(x.dtype))
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (num_tiles, rank_programs, split_k)
-    return v, Relaunch(_lora_shrink_kernel, grid, args, options, changing=("x_ptr", "pool_ptr"))
+    return v, Relaunch(kernel, grid, args, options, changing=("x_ptr", "pool_ptr"))
 
 
 def shrink_grid(cfg: ShrinkConfig, num_tiles: int, fused_rank: int, in_features: int) -> tuple[int, int, int]:

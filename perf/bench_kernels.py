@@ -20,6 +20,7 @@ table. Needs CUDA; takes about two minutes on an H200 (--tune: config sweeps, ab
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -48,7 +49,7 @@ from slora.kernels.lora_expand import ExpandConfig
 from slora.kernels.lora_padded import lora_padded_bmm
 from slora.kernels.lora_ref import lora_ref
 from slora.kernels.lora_shrink import ShrinkConfig
-from slora.kernels.metadata import AttentionMeta, LoraMeta
+from slora.kernels.metadata import SHORT_SEGMENT, AttentionMeta, LoraMeta
 from slora.kernels.paged_attention import AttentionConfig
 from slora.kernels.paged_decode import DecodeConfig
 from slora.kernels.triton_ops import TritonOps
@@ -621,13 +622,20 @@ def tune_lora(label: str, case: LoraCase) -> list[dict[str, Any]]:
         case.meta.launches.clear()  # the launches a step keeps were built with the previous variant
         ops.lora(y, x, case.flat_layer, case.meta, modules, offsets, widths)
 
-    shrink = [ShrinkConfig(16, br, bk, tp, w, st) for br in (16, 32) for bk in (128, 256, 512)
-              for tp in (512, 1024, 2048) for w in (4, 8) for st in (2, 3)]  # fmt: skip
-    widths_n = ((256, 128, 64), (128, 64), (512, 256, 128), (64,))
-    expand = [ExpandConfig(16, br, bn, tp, w, 2) for br in (16, 32) for bn in widths_n
-              for tp in (256, 512, 1024) for w in (4, 8)]  # fmt: skip
-    results = sweep(f"lora_shrink ({label} qkv)", lora_shrink, "DECODE", shrink, lora)
-    return results + sweep(f"lora_expand ({label} qkv)", lora_expand, "DECODE", expand, lora)
+    # The GEMV kernels' configs, and the tensor-core kernels' decode configs to compare with.
+    # Each variant compiles (about a second on the H200 host): a grid around the default, not every combination.
+    shrink = [ShrinkConfig(16, br, bk, 1024, w, 2, gemv=True) for br in (16, 32) for bk in (128, 256, 512)
+              for w in (4, 8)]  # fmt: skip
+    shrink += [dataclasses.replace(lora_shrink.DECODE, target_programs=tp) for tp in (512, 2048)]
+    shrink += [dataclasses.replace(lora_shrink.DECODE, num_stages=st) for st in (1, 3)]
+    shrink.append(lora_shrink.MIXED)
+    expand = [ExpandConfig(16, br, (bn,), 1024, w, 2, gemv=True) for br in (8, 16, 32)
+              for bn in (1024, 512, 256, 128) for w in (4, 8)]  # fmt: skip
+    expand.append(ExpandConfig(16, 16, (512, 256, 128), 1024, 4, 2, gemv=True))
+    expand.append(lora_expand.MIXED)
+    attr = "DECODE" if case.meta.whole().max_segment_len <= SHORT_SEGMENT else "MIXED"  # the config it runs with
+    results = sweep(f"lora_shrink ({label} qkv)", lora_shrink, attr, shrink, lora)
+    return results + sweep(f"lora_expand ({label} qkv)", lora_expand, attr, expand, lora)
 
 
 def tune(smoke: bool, only: str | None = None) -> list[dict[str, Any]]:
@@ -639,6 +647,8 @@ def tune(smoke: bool, only: str | None = None) -> list[dict[str, Any]]:
         mixed = [MIXED_RANKS[i % len(MIXED_RANKS)] for i in range(n)]
         results += tune_lora("S1 decode", lora_case("tune", mha, [S1] * (2 * n), [(i, 1) for i in range(2 * n)]))
         results += tune_lora("mixed-rank decode", lora_case("tune", mha, adapters(mixed), [(i, 1) for i in range(n)]))
+        s1_mixed = [(i, 1) for i in range(2 * n)] + [(2 * n + i, 4 * n) for i in range(4)]  # decodes and prompts
+        results += tune_lora("S1 mixed", lora_case("tune", mha, [S1] * (2 * n + 4), s1_mixed))
     if only == "lora":
         return results
     rng = random.Random(1)

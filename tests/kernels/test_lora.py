@@ -22,6 +22,7 @@ from slora.backend.adapter import load_peft_adapter  # noqa: E402
 from slora.backend.page_pool import PoolGeometry  # noqa: E402
 from slora.kernels import (
     lora_call,  # noqa: E402
+    lora_expand,  # noqa: E402
     lora_shrink,  # noqa: E402
 )
 from slora.kernels.lora_call import consecutive_runs  # noqa: E402
@@ -166,11 +167,34 @@ def test_lora_launches_are_reused_by_every_layer() -> None:
 @pytest.mark.parametrize("step", sorted(TINY_STEPS))
 def test_lora_split_k(step: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Input features split across programs (as on real widths), partial sums merged by the expand kernel."""
-    for name in ("DECODE", "PREFILL"):
+    for name in ("DECODE", "MIXED", "PREFILL"):
         config = getattr(lora_shrink, name)
         monkeypatch.setattr(lora_shrink, name, dataclasses.replace(config, block_k=16, target_programs=4096))
     case = build_case(TINY, torch.bfloat16, list(TINY_ADAPTERS), TINY_STEPS[step], seed=19)
     check_layer(case, "triton", seed=20)
+
+
+def test_lora_decode_step_on_tensor_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of decodes through the tensor-core kernels with decode-shaped tiles (the mixed steps' configs) instead
+    of the GEMV kernels."""
+    monkeypatch.setattr(lora_shrink, "DECODE", lora_shrink.MIXED)
+    monkeypatch.setattr(lora_expand, "DECODE", lora_expand.MIXED)
+    case = build_case(TINY, torch.bfloat16, list(TINY_ADAPTERS), TINY_STEPS["decode"], seed=27)
+    check_layer(case, "triton", seed=28)
+
+
+def test_lora_kernel_kind_follows_the_step() -> None:
+    """GEMV kernels for a step of decodes only, tensor-core tiles once a prompt is in the step."""
+    kinds = {}
+    steps = {**TINY_STEPS, "prompts": [(4, 70), (None, 5), (0, 20)]}  # "prefill" has prompts of 3 and 7 tokens
+    for name in ("decode", "mixed", "prefill", "prompts"):
+        group = build_case(TINY, torch.float32, list(TINY_ADAPTERS), steps[name], seed=3).meta.whole()
+        kinds[name] = (lora_shrink.shrink_config(group), lora_expand.expand_config(group))
+    assert kinds["decode"] == (lora_shrink.DECODE, lora_expand.DECODE)
+    assert kinds["mixed"] == (lora_shrink.MIXED, lora_expand.MIXED)
+    assert kinds["prefill"] == (lora_shrink.MIXED, lora_expand.MIXED)
+    assert kinds["prompts"] == (lora_shrink.PREFILL, lora_expand.PREFILL)
+    assert lora_shrink.DECODE.gemv and lora_expand.DECODE.gemv and not lora_shrink.MIXED.gemv
 
 
 @pytest.mark.parametrize("step", sorted(TINY_STEPS))
