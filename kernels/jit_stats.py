@@ -14,23 +14,25 @@ import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-KERNELS = {
-    "slora.kernels.activation": "_silu_mul_kernel",
-    "slora.kernels.decode_reduce": "_decode_reduce_kernel",
-    "slora.kernels.kv_write": "_kv_write_kernel",
-    "slora.kernels.lora_expand": "_lora_expand_kernel",
-    "slora.kernels.lora_shrink": "_lora_shrink_kernel",
-    "slora.kernels.norm": "_rms_norm_kernel",
-    "slora.kernels.paged_attention": "_paged_attention_kernel",
-    "slora.kernels.paged_decode": "_paged_decode_kernel",
-    "slora.kernels.rotary": "_rotary_kernel",
-}
+KERNELS = (  # (module, kernel)
+    ("slora.kernels.activation", "_silu_mul_kernel"),
+    ("slora.kernels.decode_reduce", "_decode_reduce_kernel"),
+    ("slora.kernels.kv_write", "_kv_write_kernel"),
+    ("slora.kernels.lora_expand", "_lora_expand_kernel"),
+    ("slora.kernels.lora_expand", "_lora_expand_gemv_kernel"),
+    ("slora.kernels.lora_shrink", "_lora_shrink_kernel"),
+    ("slora.kernels.lora_shrink", "_lora_shrink_gemv_kernel"),
+    ("slora.kernels.norm", "_rms_norm_kernel"),
+    ("slora.kernels.paged_attention", "_paged_attention_kernel"),
+    ("slora.kernels.paged_decode", "_paged_decode_kernel"),
+    ("slora.kernels.rotary", "_rotary_kernel"),
+)
 
 
 def compiled_variants() -> dict[str, int]:
     """Kernel name → compiled variants so far, for the kernels whose modules are imported."""
     counts = {}
-    for module_name, kernel_name in KERNELS.items():
+    for module_name, kernel_name in KERNELS:
         try:
             kernel = getattr(importlib.import_module(module_name), kernel_name)
         except ImportError:
@@ -61,12 +63,11 @@ def compiled_since(before: dict[str, int]) -> dict[str, int]:
 def kernels_replaced(make: Callable[[Any], Any]) -> Iterator[None]:
     """Every kernel of KERNELS replaced by make(kernel) for the duration, then put back. The launchers look their
     kernel up in its module at each call, so they launch the stand-in."""
-    modules = {name: importlib.import_module(name) for name in KERNELS}
-    originals = {name: getattr(module, KERNELS[name]) for name, module in modules.items()}
-    for name, module in modules.items():
-        setattr(module, KERNELS[name], make(originals[name]))
+    originals = {(module, name): getattr(importlib.import_module(module), name) for module, name in KERNELS}
+    for (module, name), kernel in originals.items():
+        setattr(importlib.import_module(module), name, make(kernel))
     try:
         yield
     finally:
-        for name, module in modules.items():
-            setattr(module, KERNELS[name], originals[name])
+        for (module, name), kernel in originals.items():
+            setattr(importlib.import_module(module), name, kernel)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slora.kernels.launch import cdiv, dot_precision
+from slora.kernels.launch import cdiv, dot_precision, next_power_of_2
 from slora.kernels.lora_shrink import MODULES, NUM_MODULES
 from slora.kernels.metadata import SHORT_SEGMENT, LoraMeta, SegmentGroup
 from slora.kernels.relaunch import Relaunch
@@ -40,7 +40,7 @@ class ExpandConfig:
     gemv: bool = False
 
 
-DECODE = ExpandConfig(16, 16, (512, 256, 128), 1024, 4, 2, gemv=True)  # picked as the shrink's (shrink_config)
+DECODE = ExpandConfig(16, 16, (1024,), 1024, 4, 2, gemv=True)  # picked as the shrink's (shrink_config)
 MIXED = ExpandConfig(16, 16, (256, 128, 64), 512, 4, 2)
 PREFILL = ExpandConfig(64, 16, (128, 64), 512, 4, 2)
 
@@ -154,6 +154,7 @@ def _lora_expand_gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,  # a power of two ≥ split_k
 ):
     """The dot kernel's work (same arguments) with the call's module on grid axis 2, one token at a time:
     y_t += (Σ_j v_t[j] · Bᵀ[j, :]) · scale in float32. The tile's later tokens read Bᵀ again, from cache."""
@@ -164,33 +165,36 @@ def _lora_expand_gemv_kernel(
     end = tl.load(tiles_ptr + 4 * tile + 2)
     adapter = tl.load(tiles_ptr + 4 * tile + 3)
     table = adapter * MODULES + FIRST_MODULE
+    # Every load below depends only on the tile's adapter, so they go out together (each program is short: its
+    # time is mostly these dependent round trips to memory, not bandwidth).
     rank = tl.load(ranks_ptr + table + s)
+    row0 = tl.load(row_start_ptr + table + s)
+    scale = tl.load(scales_ptr + table + s)
     offset = tl.where(s == 0, offset0, tl.where(s == 1, offset1, offset2))
     width = tl.where(s == 0, width0, tl.where(s == 1, width1, width2))
     v_col = 0  # this module's first column in v: the ranks of the call's modules before it
     for before in tl.static_range(NUM_SLICES - 1):
         v_col += tl.where(before < s, tl.load(ranks_ptr + table + before), 0)
     if (rank > 0) & (n0 < width):
-        row0 = tl.load(row_start_ptr + table + s)
-        scale = tl.load(scales_ptr + table + s)
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < width
+        sp = tl.arange(0, SPLITS)
         for i in range(0, tl.minimum(end - first, BLOCK_M)):  # the tile's tokens (rows first + i)
             t = first.to(tl.int64) + i
+            y_row = y_ptr + t * stride_y + offset
+            yt = tl.load(y_row + n, mask=n_mask, other=0.0)
             v_row = v_ptr + t * stride_v_tok + v_col
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for c in range(0, rank, BLOCK_R):
                 j = c + tl.arange(0, BLOCK_R)
                 j_mask = j < rank
-                vt = tl.zeros((BLOCK_R,), dtype=tl.float32)
-                for sp in range(split_k):
-                    vt += tl.load(v_row + sp * stride_v_split + j, mask=j_mask, other=0.0)
+                # every split's partial sums at once: [SPLITS, BLOCK_R], summed over the splits
+                v_ptrs = v_row + sp[:, None].to(tl.int64) * stride_v_split + j[None, :]
+                vt = tl.sum(tl.load(v_ptrs, mask=(sp[:, None] < split_k) & j_mask[None, :], other=0.0), axis=0)
                 rows = tl.load(b_rows_ptr + row0 + j, mask=j_mask, other=0)
                 rows = tl.multiple_of(rows, ROW_ALIGN)
                 bt = tl.load(pool_ptr + rows[:, None] + n[None, :], mask=j_mask[:, None] & n_mask[None, :], other=0.0)
                 acc += tl.sum(vt[:, None] * bt.to(tl.float32), axis=0)
-            y_row = y_ptr + t * stride_y + offset
-            yt = tl.load(y_row + n, mask=n_mask, other=0.0)
             tl.store(y_row + n, (yt.to(tl.float32) + acc * scale).to(yt.dtype), mask=n_mask)
 
 
@@ -234,6 +238,7 @@ def expand_launch(
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     blocks = cdiv(max(out_widths), block_n)
     if cfg.gemv:
+        args.update(SPLITS=next_power_of_2(v.shape[0]))
         grid = (num_tiles, blocks, num_slices)
         return Relaunch(_lora_expand_gemv_kernel, grid, args, options, changing=("pool_ptr", "y_ptr"))
     args.update(DOT_PRECISION=dot_precision(y.dtype))

@@ -19,7 +19,7 @@ from slora.kernels.relaunch import Relaunch  # noqa: E402
 
 
 def test_eager_steps_are_timed_with_stubbed_kernels(tiny_model: Path, tiny_adapters: Path, tmp_path: Path) -> None:
-    before = {module: getattr(importlib.import_module(module), name) for module, name in KERNELS.items()}
+    before = {(module, name): getattr(importlib.import_module(module), name) for module, name in KERNELS}
     out = tmp_path / "forward.json"
     results = bench_host_forward.main(["--model", str(tiny_model), "--adapter-root", str(tiny_adapters),
                                        "--seqs", "6", "--prompt-len", "20", "--steps", "3", "--repeats", "2",
@@ -29,7 +29,7 @@ def test_eager_steps_are_timed_with_stubbed_kernels(tiny_model: Path, tiny_adapt
         assert r.seqs == 6 and r.layers == 2 and len(r.repeats_ms) == 2 and all(t > 0 for t in r.repeats_ms)
         assert r.per_layer_us == pytest.approx(1000 * r.median_ms / r.layers)
     assert [entry["kind"] for entry in json.loads(out.read_text())] == ["decode", "mixed"]
-    after = {module: getattr(importlib.import_module(module), name) for module, name in KERNELS.items()}
+    after = {(module, name): getattr(importlib.import_module(module), name) for module, name in KERNELS}
     assert after == before, "the real kernels are restored"
 
 
