@@ -7,10 +7,10 @@ buffers; before a replay the step's tensors are copied into them, padded to the 
     rows 0 .. n-1        the step's sequences (one token each)
     rows n .. size-1     padding: token 0, K/V slot -1 (not written), context of 1 token on page 0, no adapter
 
-and the launchers read fixed bounds instead of the step's values (kernels/metadata.StaticBounds): decode tiles of
-16 tokens whose unused rows name a null adapter of rank 0, fused ranks of the graph's rank bound per module, and the
-context bound max_model_len for the split of decode attention. Every kernel skips what lies beyond the real
-ranks, tiles and lengths, so padding costs launches of idle programs, not wrong results.
+and the launchers read fixed bounds instead of the step's values (kernels/metadata.StaticBounds): decode tiles
+(TILE_BLOCK tokens) whose unused rows name a null adapter of rank 0, fused ranks of the graph's rank bound per
+module, and the context bound max_model_len for the split of decode attention. Every kernel skips what lies
+beyond the real ranks, tiles and lengths, so padding costs launches of idle programs, not wrong results.
 
 Graphs are keyed by bucket, by the LoRA modules the step's adapters target and by a power-of-two bound on their
 ranks: a graph launches the LoRA kernels of those modules only (an attention-only adapter set, S-LoRA's S1, skips
@@ -35,11 +35,12 @@ from slora.backend.batch import ForwardBatch
 from slora.backend.model import DecoderModel
 from slora.backend.model_spec import LORA_MODULES
 from slora.backend.page_pool import PagePool
+from slora.kernels import lora_shrink
 from slora.kernels.metadata import TILE_COLUMNS, AttentionMeta, LoraMeta, StaticBounds, row_alignment
 
 logger = logging.getLogger(__name__)
 
-TILE_BLOCK = 16  # tokens per decode tile (the LoRA kernels' decode configs)
+TILE_BLOCK = lora_shrink.DECODE.block_m  # tokens per decode tile (the LoRA kernels' decode configs)
 Modules = frozenset[int]  # LoRA modules (indices into LORA_MODULES) the adapters of a graph's steps may target
 ALL_MODULES: Modules = frozenset(range(len(LORA_MODULES)))
 NO_MODULES: Modules = frozenset()

@@ -40,7 +40,7 @@ class ExpandConfig:
     gemv: bool = False
 
 
-DECODE = ExpandConfig(16, 16, (1024,), 1024, 4, 2, gemv=True)  # picked as the shrink's (shrink_config)
+DECODE = ExpandConfig(4, 16, (1024,), 1024, 4, 2, gemv=True)  # picked as the shrink's (shrink_config)
 MIXED = ExpandConfig(16, 16, (256, 128, 64), 512, 4, 2)
 PREFILL = ExpandConfig(64, 16, (128, 64), 512, 4, 2)
 

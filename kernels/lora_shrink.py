@@ -50,7 +50,8 @@ MAX_SPLIT_K = 16  # K splits at most: each adds a partial sum of v that the expa
 
 # Picked by the step's segments (shrink_config): the GEMV kernel for a step of decodes only, tensor-core tiles of
 # decode shape for a step that mixes decodes with prompts, prompt-shaped ones for a step of prompts only.
-DECODE = ShrinkConfig(16, 32, 512, 1 << 20, 4, 2, gemv=True)  # one K block per program: all K splits
+# GEMV: tiles of up to 4 tokens (one program's tokens run one after the other), one K block per program.
+DECODE = ShrinkConfig(4, 32, 512, 1 << 20, 4, 2, gemv=True)
 MIXED = ShrinkConfig(16, 32, 128, 512, 4, 3)  # swept on the H200 (perf/RESULTS.md, kernel tuning)
 PREFILL = ShrinkConfig(64, 16, 64, 512, 4, 3)
 

@@ -627,9 +627,12 @@ def tune_lora(label: str, case: LoraCase) -> list[dict[str, Any]]:
     shrink = [ShrinkConfig(16, br, bk, 1 << 20, w, 2, gemv=True) for br in (16, 32) for bk in (256, 512, 1024)
               for w in (4, 8)]  # fmt: skip
     shrink += [dataclasses.replace(lora_shrink.DECODE, target_programs=tp) for tp in (512, 1024)]
+    shrink += [dataclasses.replace(lora_shrink.DECODE, block_m=bm) for bm in (1, 2, 8, 16)]
     shrink.append(lora_shrink.MIXED)
-    expand = [ExpandConfig(16, br, (bn,), 1024, w, 2, gemv=True) for br in (8, 16) for bn in (512, 1024, 2048)
+    expand = [ExpandConfig(4, br, (bn,), 1024, w, 2, gemv=True) for br in (8, 16) for bn in (512, 1024, 2048)
               for w in (4, 8)]  # fmt: skip
+    expand += [dataclasses.replace(lora_expand.DECODE, block_m=bm) for bm in (1, 2, 8, 16)]
+    expand += [dataclasses.replace(lora_expand.MIXED, block_n=(bn,)) for bn in (64, 128, 256)]
     expand.append(lora_expand.MIXED)
     attr = "DECODE" if case.meta.whole().max_segment_len <= SHORT_SEGMENT else "MIXED"  # the config it runs with
     results = sweep(f"lora_shrink ({label} qkv)", lora_shrink, attr, shrink, lora)
@@ -644,6 +647,8 @@ def tune(smoke: bool, only: str | None = None) -> list[dict[str, Any]]:
     if only in (None, "lora"):
         mixed = [MIXED_RANKS[i % len(MIXED_RANKS)] for i in range(n)]
         results += tune_lora("S1 decode", lora_case("tune", mha, [S1] * (2 * n), [(i, 1) for i in range(2 * n)]))
+        few = [(i % 5, 1) for i in range(2 * n)]  # S1 at n = 5: many decodes per adapter
+        results += tune_lora("S1 decode, 5 adapters", lora_case("tune", mha, [S1] * 5, few))
         results += tune_lora("mixed-rank decode", lora_case("tune", mha, adapters(mixed), [(i, 1) for i in range(n)]))
         s1_mixed = [(i, 1) for i in range(2 * n)] + [(2 * n + i, 4 * n) for i in range(4)]  # decodes and prompts
         results += tune_lora("S1 mixed", lora_case("tune", mha, [S1] * (2 * n + 4), s1_mixed))

@@ -18,6 +18,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from slora.backend import cuda_graphs  # noqa: E402
 from slora.backend.adapter import load_peft_adapter  # noqa: E402
 from slora.backend.page_pool import PoolGeometry  # noqa: E402
 from slora.kernels import (
@@ -195,6 +196,8 @@ def test_lora_kernel_kind_follows_the_step() -> None:
     assert kinds["prefill"] == (lora_shrink.MIXED, lora_expand.MIXED)
     assert kinds["prompts"] == (lora_shrink.PREFILL, lora_expand.PREFILL)
     assert lora_shrink.DECODE.gemv and lora_expand.DECODE.gemv and not lora_shrink.MIXED.gemv
+    # decode graphs fill one static tile table that both kernels read
+    assert lora_shrink.DECODE.block_m == lora_expand.DECODE.block_m == cuda_graphs.TILE_BLOCK
 
 
 @pytest.mark.parametrize("step", sorted(TINY_STEPS))
