@@ -41,7 +41,7 @@ class ExpandConfig:
 
 
 DECODE = ExpandConfig(4, 16, (1024,), 1024, 4, 2, gemv=True)  # picked as the shrink's (shrink_config)
-MIXED = ExpandConfig(16, 16, (256, 128, 64), 512, 4, 2)
+MIXED = ExpandConfig(16, 16, (256,), 512, 4, 2)  # one width: no variant compiled for a new tile count
 PREFILL = ExpandConfig(64, 16, (128, 64), 512, 4, 2)
 
 
@@ -128,7 +128,7 @@ def _lora_expand_kernel(
         v_col += rank
 
 
-@triton.jit(do_not_specialize=["split_k", "stride_v_split"])
+@triton.jit(do_not_specialize=["split_k", "stride_v_split", "stride_v_tok"])
 def _lora_expand_gemv_kernel(
     v_ptr,
     stride_v_split,

@@ -51,7 +51,7 @@ MAX_SPLIT_K = 16  # K splits at most: each adds a partial sum of v that the expa
 # Picked by the step's segments (shrink_config): the GEMV kernel for a step of decodes only, tensor-core tiles of
 # decode shape for a step that mixes decodes with prompts, prompt-shaped ones for a step of prompts only.
 # GEMV: tiles of up to 4 tokens (one program's tokens run one after the other), one K block per program.
-DECODE = ShrinkConfig(4, 32, 512, 1 << 20, 4, 2, gemv=True)
+DECODE = ShrinkConfig(4, 16, 1024, 1 << 20, 4, 2, gemv=True)  # H200 sweep (perf/RESULTS.md)
 MIXED = ShrinkConfig(16, 32, 128, 512, 4, 3)  # swept on the H200 (perf/RESULTS.md, kernel tuning)
 PREFILL = ShrinkConfig(64, 16, 64, 512, 4, 3)
 
@@ -116,7 +116,7 @@ def _lora_shrink_kernel(
         tl.store(v_base + j[None, :], acc, mask=tok_mask[:, None] & j_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["stride_v_split"])
+@triton.jit(do_not_specialize=["stride_v_split", "stride_v_tok"])  # v's width: the graph's rank bound or the step's
 def _lora_shrink_gemv_kernel(
     x_ptr,
     stride_x,
