@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from slora.backend.adapter_store import AdapterInfo
-from slora.backend.config import EngineConfig
+from slora.backend.config import EngineConfig, effective_admit_interval
 from slora.backend.detokenizer import IncrementalDetokenizer
 from slora.backend.errors import CapacityError, EngineOverloadedError, InvalidRequestError
 from slora.backend.model_runner import ModelRunner
@@ -53,7 +53,8 @@ class LLMEngine:
         self.cache = parts.cache
         self.model = parts.model
         c = self.config
-        limits = SchedulerLimits(c.max_batch_tokens, c.max_num_seqs, c.prefetch_adapters, c.admit_interval)
+        admit = effective_admit_interval(c)
+        limits = SchedulerLimits(c.max_batch_tokens, c.max_num_seqs, c.prefetch_adapters, admit)
         self.scheduler = Scheduler(limits, self.pool, self.cache)
         self.runner = ModelRunner(self.model, self.pool, parts.graphs)
         self.requests: dict[str, Request] = {}

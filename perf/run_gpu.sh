@@ -8,6 +8,7 @@
 # traces; the budget check skips what no longer fits):
 #   all         engine S1 n=5, n=2000, n=2000 base model; PEFT S1 n=5 (bounded); served `slora` S1 n=2000  [~8 min]
 #   headline    engine S1 n=5, n=2000, n=2000 base model                                              [~4 min]
+#   lora-vs-base  engine S1 n=2000 and n=2000 base model (the LoRA / base target alone)                 [~2 min]
 #   engine-s1   engine S1 n=5, 100, 1000, 2000, n=2000 base model, n=2000 single adapter                [~6 min]
 #   engine-s2   engine S2 n=5, 100, 1000, 2000, n=2000 base model                                       [~6 min]
 #   bmm         padded-BMM LoRA (kernel_backend=bmm) and triton side by side, S1 n=5 and n=2000, no graphs [~6 min]
@@ -241,6 +242,8 @@ suite() {
       stop_server ;;
     headline)
       engine "$KERNEL" S1 "$s1_5" "$s1_big" "$s1_big@base" ;;
+    lora-vs-base)
+      engine "$KERNEL" S1 "$s1_big" "$s1_big@base" ;;
     engine-s1)
       s1_100=$(trace s1 100); s1_1000=$(trace s1 1000)
       engine "$KERNEL" S1 "$s1_5" "$s1_100" "$s1_1000" "$s1_big" "$s1_big@base" "$s1_big@single" ;;
@@ -299,7 +302,7 @@ suite() {
       s1_100=$(trace s1 100)
       peft "$s1_5" "$s1_100" ;;
     *)
-      log "unknown suite $1 (all, headline, engine-s1, engine-s2, bmm, serving-s1, served, checks, peft, peft-only)"; return 2 ;;
+      log "unknown suite $1 (all, headline, lora-vs-base, engine-s1, engine-s2, bmm, serving-s1, served, checks, peft, peft-only)"; return 2 ;;
   esac
 }
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
-from slora.backend.config import EngineConfig
+from slora.backend.config import AUTO_ADMIT_INTERVAL, EngineConfig, effective_admit_interval
 from slora.backend.engine import LLMEngine
 from slora.backend.errors import CapacityError
 from slora.backend.page_pool import PageKind
@@ -133,6 +134,16 @@ def test_admit_interval_admits_every_nth_step_while_others_decode(llama: ModelWi
     engine.check_idle_integrity()
 
 
-def test_admit_interval_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="admit_interval"):
-        EngineConfig(admit_interval=0)
+def test_admit_interval_must_be_auto_or_positive() -> None:
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="admit_interval"):
+            EngineConfig(admit_interval=bad)  # type: ignore[arg-type]
+
+
+def test_admit_interval_auto_follows_cuda_graphs() -> None:
+    """0 (the default) admits every AUTO_ADMIT_INTERVAL steps when decode steps are CUDA graphs, every step
+    otherwise; a value given is kept."""
+    assert effective_admit_interval(EngineConfig()) == 1
+    graphs = EngineConfig(cuda_graphs=True)
+    assert effective_admit_interval(graphs) == AUTO_ADMIT_INTERVAL == 2
+    assert effective_admit_interval(dataclasses.replace(graphs, admit_interval=3)) == 3
