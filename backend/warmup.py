@@ -2,8 +2,9 @@
 
 On a GPU the first batch of each launch shape makes Triton compile its kernels (about 0.5-2 s each on the H200
 host), so without this the first users of a fresh server wait seconds for their first token. The waves cover a
-prompt split into chunks, prompts of several lengths together, decodes mixed with prompts, and a full decode
-batch; they use the base model and up to MAX_ADAPTERS adapters already in host memory (nothing is read from disk).
+prompt split into chunks, prompts alone, prompts of several lengths together, decodes mixed with prompts, and a
+full decode batch, so that each of the LoRA kernels' tile shapes (decode, mixed, prompt: lora_shrink.shrink_config)
+is compiled; they use the base model and up to MAX_ADAPTERS adapters already in host memory (nothing is read from disk).
 """
 
 from __future__ import annotations
@@ -31,13 +32,15 @@ def warm_up(engine: LLMEngine) -> float:
     greedy = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
     vocab = engine.spec.vocab_size
     full = engine.config.max_num_seqs
-    # (requests, prompt lengths cycled): a chunked prompt alone, every length mixed, prompts with decodes, and a
-    # full batch of short prompts (its decodes run at the largest batch size).
-    waves = [(1, [chunked]), (min(8, full), [short, medium, chunked]), (min(64, full), [short, medium])]
-    waves.append((full, [short]))
+    # (requests, prompt lengths cycled): a chunked prompt alone, prompts longer than a decode tile only (the LoRA
+    # kernels' prompt-shaped tiles), every length mixed, prompts with decodes, and a full batch of short prompts
+    # (its decodes run at the largest batch size). Request i of a wave uses adapters[(i + 1) % len]: the first
+    # request of each wave has an adapter when any is in host memory, so the first waves reach the LoRA kernels.
+    waves = [(1, [chunked]), (min(8, full), [medium]), (min(8, full), [short, medium, chunked])]
+    waves += [(min(64, full), [short, medium]), (full, [short])]
     for size, lengths in waves:
         prompts = [synthetic_prompt(i, lengths[i % len(lengths)], vocab) for i in range(size)]
-        engine.generate(prompts, [adapters[i % len(adapters)] for i in range(size)], greedy)
+        engine.generate(prompts, [adapters[(i + 1) % len(adapters)] for i in range(size)], greedy)
     engine.evict_adapters()
     seconds = time.perf_counter() - start
     logger.info("warm-up: %d waves, adapters %s, prompts of %d/%d/%d tokens in %.1fs", len(waves),

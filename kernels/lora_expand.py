@@ -42,7 +42,7 @@ class ExpandConfig:
 
 DECODE = ExpandConfig(4, 16, (1024,), 1024, 4, 2, gemv=True)  # picked as the shrink's (shrink_config)
 MIXED = ExpandConfig(16, 16, (256,), 512, 4, 2)  # one width: no variant compiled for a new tile count
-PREFILL = ExpandConfig(64, 16, (128, 64), 512, 4, 2)
+PREFILL = ExpandConfig(64, 16, (128,), 512, 4, 2)
 
 
 def expand_config(group: SegmentGroup) -> ExpandConfig:

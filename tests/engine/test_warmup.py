@@ -4,20 +4,24 @@ generates exactly what an engine without warm-up generates."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
 
+from slora.backend import model_runner
+from slora.backend.batch import ForwardBatch
 from slora.backend.config import EngineConfig
 from slora.backend.engine import LLMEngine
 from slora.backend.page_pool import PageKind
 from slora.backend.sampling_params import SamplingParams
+from slora.kernels import lora_expand, lora_shrink
 from tests.engine.conftest import ModelWithAdapters
 
 
-def _engine(model: ModelWithAdapters, warmup: bool) -> LLMEngine:
+def _engine(model: ModelWithAdapters, warmup: bool, max_batch_tokens: int = 48) -> LLMEngine:
     config = EngineConfig(model=str(model.base), adapter_root=str(model.adapter_root), device="cpu", dtype="float32",
-                          page_size=8, pool_bytes=4 << 20, max_num_seqs=12, max_batch_tokens=48,
+                          page_size=8, pool_bytes=16 << 20, max_num_seqs=12, max_batch_tokens=max_batch_tokens,
                           preload_adapters=True, warmup=warmup)  # fmt: skip
     return LLMEngine(config)
 
@@ -27,8 +31,8 @@ def test_warm_engine_is_idle_and_generates_as_a_cold_one(
 ) -> None:
     with caplog.at_level(logging.INFO, logger="slora.backend.warmup"):
         warm = _engine(llama, warmup=True)
-    assert "warm-up: 4 waves" in caplog.text
-    assert warm.generated_tokens > 0 and warm.finished_requests == 1 + 8 + 12 + 12  # waves capped at max_num_seqs
+    assert "warm-up: 5 waves" in caplog.text
+    assert warm.generated_tokens > 0 and warm.finished_requests == 1 + 8 + 8 + 12 + 12  # waves capped at max_num_seqs
     assert not warm.requests and not warm.scheduler.has_work()
     assert warm.pool.count(PageKind.KV) == 0 and warm.pool.count(PageKind.ADAPTER) == 0
     cold = _engine(llama, warmup=False)
@@ -46,3 +50,23 @@ def _logits(engine: LLMEngine, prompts: list[list[int]], adapters: list, greedy:
     engine.runner.logits_hook = lambda x: logits.append(x.detach().clone())
     engine.generate(prompts, adapters, greedy)
     return logits
+
+
+def test_warm_up_reaches_every_lora_tile_shape(llama: ModelWithAdapters, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm-up's steps include each LoRA kernel config (decodes only, decodes with prompts, prompts only), so
+    that on a GPU none of them compiles while serving (each compile is a stall of ~1 s on the H200 host)."""
+    seen = set()
+    build = model_runner.build_batch
+
+    def recording_build(*args: Any, **kwargs: Any) -> ForwardBatch:
+        batch = build(*args, **kwargs)
+        if batch.lora is not None:
+            group = batch.lora.whole()
+            seen.add((lora_shrink.shrink_config(group), lora_expand.expand_config(group)))
+        return batch
+
+    monkeypatch.setattr(model_runner, "build_batch", recording_build)
+    _engine(llama, warmup=True, max_batch_tokens=2048)  # the default budget: a wave's prompts fit one step
+    kinds = {(lora_shrink.DECODE, lora_expand.DECODE), (lora_shrink.MIXED, lora_expand.MIXED)}
+    kinds.add((lora_shrink.PREFILL, lora_expand.PREFILL))
+    assert seen == kinds
