@@ -628,11 +628,13 @@ def tune_lora(label: str, case: LoraCase) -> list[dict[str, Any]]:
               for w in (4, 8)]  # fmt: skip
     shrink += [dataclasses.replace(lora_shrink.DECODE, target_programs=tp) for tp in (512, 1024)]
     shrink += [dataclasses.replace(lora_shrink.DECODE, block_m=bm) for bm in (1, 2, 8, 16)]
+    shrink += [dataclasses.replace(lora_shrink.MIXED, block_m=bm) for bm in (32, 64)]  # prompts in fewer tiles
     shrink.append(lora_shrink.MIXED)
     expand = [ExpandConfig(4, br, (bn,), 1024, w, 2, gemv=True) for br in (8, 16) for bn in (512, 1024, 2048)
               for w in (4, 8)]  # fmt: skip
     expand += [dataclasses.replace(lora_expand.DECODE, block_m=bm) for bm in (1, 2, 8, 16)]
     expand += [dataclasses.replace(lora_expand.MIXED, block_n=(bn,)) for bn in (64, 128, 256)]
+    expand += [dataclasses.replace(lora_expand.MIXED, block_m=bm) for bm in (32, 64)]
     expand.append(lora_expand.MIXED)
     attr = "DECODE" if case.meta.whole().max_segment_len <= SHORT_SEGMENT else "MIXED"  # the config it runs with
     results = sweep(f"lora_shrink ({label} qkv)", lora_shrink, attr, shrink, lora)
