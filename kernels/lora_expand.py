@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from slora.kernels.launch import cdiv, dot_precision, next_power_of_2
-from slora.kernels.lora_shrink import MODULES, NUM_MODULES
+from slora.kernels.lora_shrink import MODULES, NUM_MODULES, tile_bounds
 from slora.kernels.metadata import SHORT_SEGMENT, LoraMeta, SegmentGroup
 from slora.kernels.relaunch import Relaunch
 
@@ -79,11 +79,8 @@ def _lora_expand_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
-    first = tl.load(tiles_ptr + 4 * tile + 1)
-    end = tl.load(tiles_ptr + 4 * tile + 2)
-    adapter = tl.load(tiles_ptr + 4 * tile + 3)
+    first, end, adapter = tile_bounds(tiles_ptr, tl.program_id(0))
     table = adapter * MODULES + FIRST_MODULE
 
     tokens = first + tl.arange(0, BLOCK_M)
@@ -158,12 +155,9 @@ def _lora_expand_gemv_kernel(
 ):
     """The dot kernel's work (same arguments) with the call's module on grid axis 2, one token at a time:
     y_t += (Σ_j v_t[j] · Bᵀ[j, :]) · scale in float32. The tile's later tokens read Bᵀ again, from cache."""
-    tile = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     s = tl.program_id(2)
-    first = tl.load(tiles_ptr + 4 * tile + 1)
-    end = tl.load(tiles_ptr + 4 * tile + 2)
-    adapter = tl.load(tiles_ptr + 4 * tile + 3)
+    first, end, adapter = tile_bounds(tiles_ptr, tl.program_id(0))
     table = adapter * MODULES + FIRST_MODULE
     # Every load below depends only on the tile's adapter, so they go out together (each program is short: its
     # time is mostly these dependent round trips to memory, not bandwidth).

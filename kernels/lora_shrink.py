@@ -62,6 +62,24 @@ def shrink_config(group: SegmentGroup) -> ShrinkConfig:
     return MIXED if group.tile_len <= MIXED.block_m else PREFILL
 
 
+@triton.jit
+def tile_bounds(tiles_ptr, tile):
+    """(first token, end of its segment, adapter) of a tile (metadata.tiles_of's rows)."""
+    first = tl.load(tiles_ptr + 4 * tile + 1)
+    end = tl.load(tiles_ptr + 4 * tile + 2)
+    adapter = tl.load(tiles_ptr + 4 * tile + 3)
+    return first, end, adapter
+
+
+@triton.jit
+def fused_rows(ranks_ptr, row_start_ptr, table, NUM_SLICES: tl.constexpr):
+    """(total rank, first row-table entry) of the NUM_SLICES modules from `table` (adapter * 7 + first module)."""
+    rank = tl.load(ranks_ptr + table)
+    for s in tl.static_range(1, NUM_SLICES):
+        rank += tl.load(ranks_ptr + table + s)
+    return rank, tl.load(row_start_ptr + table)
+
+
 @triton.jit(do_not_specialize=["stride_v_split"])  # num_tokens × rank: its parity changes every step
 def _lora_shrink_kernel(
     x_ptr,  # [num_tokens, in_features], unit column stride
@@ -84,16 +102,9 @@ def _lora_shrink_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no tf32 rounding)
 ):
-    tile = tl.program_id(0)
     split = tl.program_id(2)
-    first = tl.load(tiles_ptr + 4 * tile + 1)
-    end = tl.load(tiles_ptr + 4 * tile + 2)
-    adapter = tl.load(tiles_ptr + 4 * tile + 3)
-    table = adapter * MODULES + FIRST_MODULE
-    rank = tl.load(ranks_ptr + table)
-    for s in tl.static_range(1, NUM_SLICES):
-        rank += tl.load(ranks_ptr + table + s)
-    row0 = tl.load(row_start_ptr + table)
+    first, end, adapter = tile_bounds(tiles_ptr, tl.program_id(0))
+    rank, row0 = fused_rows(ranks_ptr, row_start_ptr, adapter * MODULES + FIRST_MODULE, NUM_SLICES)
 
     tokens = first + tl.arange(0, BLOCK_M)
     tok_mask = tokens < end
@@ -139,16 +150,9 @@ def _lora_shrink_gemv_kernel(
 ):
     """The dot kernel's work (same arguments, grid and output) one token at a time: v_t = Σ_k A[:, k] · x_t[k] as
     an elementwise product summed along K, in float32. The tile's later tokens read A again, from cache."""
-    tile = tl.program_id(0)
     split = tl.program_id(2)
-    first = tl.load(tiles_ptr + 4 * tile + 1)
-    end = tl.load(tiles_ptr + 4 * tile + 2)
-    adapter = tl.load(tiles_ptr + 4 * tile + 3)
-    table = adapter * MODULES + FIRST_MODULE
-    rank = tl.load(ranks_ptr + table)
-    for s in tl.static_range(1, NUM_SLICES):
-        rank += tl.load(ranks_ptr + table + s)
-    row0 = tl.load(row_start_ptr + table)
+    first, end, adapter = tile_bounds(tiles_ptr, tl.program_id(0))
+    rank, row0 = fused_rows(ranks_ptr, row_start_ptr, adapter * MODULES + FIRST_MODULE, NUM_SLICES)
 
     k_lo = split * k_per_split
     v_split = v_ptr + split.to(tl.int64) * stride_v_split
