@@ -3,7 +3,8 @@
     python perf/bench_kernels.py --out results/kernels.json
 
 For every kernel and shape it measures the GPU time (a CUDA graph of the call replayed with L2 flushed before
-each call, so without Python and launch overhead; "eager ms" is triton.testing.do_bench's time with them) and
+each call, so without Python and launch overhead; --flush read, the default since session 5, leaves the L2 clean,
+--flush write dirty as before: see flush_mode; "eager ms" is triton.testing.do_bench's time with them) and
 reports achieved bandwidth and FLOP/s on the op's *minimum* bytes and FLOPs (each adapter's rows, x and the
 touched columns of y read once; each K/V row read once), and what fraction that is of this GPU's copy bandwidth
 and bf16 matmul rate, both measured in the same process; "%sscp" compares each Triton kernel with a plain copy
@@ -140,13 +141,26 @@ def bench(fn: Callable[[], object]) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
-_flush: list[torch.Tensor] = []  # a buffer larger than L2, written before each timed call
+_flush: list[torch.Tensor] = []  # a buffer larger than L2, read (or written) before each timed call
+# "read": the flush reads the buffer, so the op starts with an L2 full of clean lines of no use to it (as after the
+# GEMMs that read the weights in a real step); "write" zeroes it, which leaves the L2 dirty: the op then also pays
+# for writing those lines back to HBM as its reads evict them (up to the L2's size), which weighs on ops of a few MB.
+FLUSH_MODES = ("read", "write")
+flush_mode = "read"
+
+
+def _flush_l2(buffer: torch.Tensor) -> None:
+    if flush_mode == "write":
+        buffer.zero_()
+    else:
+        buffer.sum(dtype=torch.int32)
 
 
 def graph_bench(fn: Callable[[], object], reps: int = 20) -> float | None:
     """GPU milliseconds of fn with L2 flushed before each call, without launch overhead (CUDA graph replay).
 
-    The graph holds `reps` times (flush, fn); a second graph holds the flushes alone, whose time is subtracted.
+    The graph holds `reps` times (flush, fn); a second graph holds the flushes alone, whose time is subtracted
+    (flush_mode: how the L2 is flushed).
     None when fn cannot be captured (e.g. it copies host data to the device).
     """
     if not _flush:
@@ -158,11 +172,11 @@ def graph_bench(fn: Callable[[], object], reps: int = 20) -> float | None:
         with_fn, flush_only = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(with_fn):
             for _ in range(reps):
-                flush.zero_()
+                _flush_l2(flush)
                 fn()
         with torch.cuda.graph(flush_only):
             for _ in range(reps):
-                flush.zero_()
+                _flush_l2(flush)
     except RuntimeError as exc:
         logger.info("not capturable, timed eagerly: %s", str(exc).splitlines()[0][:120])
         torch.cuda.synchronize()
@@ -689,13 +703,20 @@ def tune_table(results: list[dict[str, Any]], top: int = 3) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global DEVICE
+    global DEVICE, flush_mode
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="JSON file for the results")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one call each (CPU: Triton interpreter)")
     parser.add_argument("--tune", action="store_true", help="also sweep the hot kernels' configs (about 3 more min)")
     parser.add_argument("--only", choices=("lora", "attention"), help="run only the LoRA or the attention cases")
+    parser.add_argument(
+        "--flush",
+        choices=FLUSH_MODES,
+        default="read",
+        help="how the L2 is flushed before each timed call (read: clean; write: dirty, as before)",
+    )
     args = parser.parse_args(argv)
+    flush_mode = args.flush
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if not torch.cuda.is_available():
         if not args.smoke:
@@ -709,7 +730,12 @@ def main(argv: list[str] | None = None) -> int:
     for check in checks:
         sys.stdout.write(f"{'MET   ' if check['met'] else 'MISSED'}  {check['target']}: {check['value']}\n")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload: dict[str, Any] = {"device": asdict(device), "rows": [asdict(r) for r in rows], "targets": checks}
+    payload: dict[str, Any] = {
+        "device": asdict(device),
+        "flush": flush_mode,
+        "rows": [asdict(r) for r in rows],
+        "targets": checks,
+    }
     args.out.write_text(json.dumps(payload, indent=1))
     logger.info("wrote %s", args.out)
     if args.tune:
