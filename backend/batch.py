@@ -39,7 +39,12 @@ class ForwardBatch:
 
 def order_by_adapter(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
     """Base-model sequences first, then those of each adapter together, so each adapter is one token segment."""
-    return sorted(seqs, key=lambda s: (s.request.resident is not None, _adapter_key(s.request)))
+    return [seqs[i] for i in adapter_order(seqs)]
+
+
+def adapter_order(seqs: list[ScheduledSeq]) -> list[int]:
+    """The indices of `seqs` in order_by_adapter's order (stable: the scheduler's order within an adapter)."""
+    return sorted(range(len(seqs)), key=lambda i: (seqs[i].request.resident is not None, _adapter_key(seqs[i].request)))
 
 
 def _adapter_key(request: Request) -> tuple[str, int]:

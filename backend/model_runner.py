@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from slora.backend.batch import ForwardBatch, ScheduledSeq, build_batch
+from slora.backend.batch import ForwardBatch, ScheduledSeq
 from slora.backend.cuda_graphs import DecodeGraphs
+from slora.backend.decode_batch import DecodeBatches
 from slora.backend.lora_tables import LoraTablesCache
 from slora.backend.model import DecoderModel
 from slora.backend.page_pool import PagePool
@@ -43,12 +44,14 @@ class ModelRunner:
         self.device = pool.storage.device
         self.logits_hook: Callable[[torch.Tensor], None] | None = None  # tests read the logits of each step
         self.lora_tables = LoraTablesCache()  # the adapters' tables, kept while a step's adapters stay the same
+        # a decode step's batch from the previous one's when both run the same requests (decode_batch.py)
+        self.batches = DecodeBatches(pool.geometry.block_size, self.device, self.lora_tables)
         self.last_step = StepShape("none", 0, 0)  # what the latest forward was (benchmarks tally step kinds)
 
     def run(self, seqs: list[ScheduledSeq]) -> list[tuple[Request, int]]:
         """Compute the scheduled tokens; return (request, next token) for each sequence that samples."""
         began = time.perf_counter()
-        batch = build_batch(seqs, self.pool.geometry.block_size, self.device, self.lora_tables)
+        batch = self.batches.build(seqs)
         built = time.perf_counter()
         self._wait_for_adapters(batch)
         waited = time.perf_counter()

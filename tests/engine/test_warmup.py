@@ -4,14 +4,13 @@ generates exactly what an engine without warm-up generates."""
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import pytest
 import torch
 
-from slora.backend import model_runner
-from slora.backend.batch import ForwardBatch
+from slora.backend.batch import ForwardBatch, ScheduledSeq
 from slora.backend.config import EngineConfig
+from slora.backend.decode_batch import DecodeBatches
 from slora.backend.engine import LLMEngine
 from slora.backend.page_pool import PageKind
 from slora.backend.sampling_params import SamplingParams
@@ -56,16 +55,16 @@ def test_warm_up_reaches_every_lora_tile_shape(llama: ModelWithAdapters, monkeyp
     """The warm-up's steps include each LoRA kernel config (decodes only, decodes with prompts, prompts only), so
     that on a GPU none of them compiles while serving (each compile is a stall of ~1 s on the H200 host)."""
     seen = set()
-    build = model_runner.build_batch
+    build = DecodeBatches.build
 
-    def recording_build(*args: Any, **kwargs: Any) -> ForwardBatch:
-        batch = build(*args, **kwargs)
+    def recording_build(self: DecodeBatches, seqs: list[ScheduledSeq]) -> ForwardBatch:
+        batch = build(self, seqs)
         if batch.lora is not None:
             group = batch.lora.whole()
             seen.add((lora_shrink.shrink_config(group), lora_expand.expand_config(group)))
         return batch
 
-    monkeypatch.setattr(model_runner, "build_batch", recording_build)
+    monkeypatch.setattr(DecodeBatches, "build", recording_build)
     _engine(llama, warmup=True, max_batch_tokens=2048)  # the default budget: a wave's prompts fit one step
     kinds = {(lora_shrink.DECODE, lora_expand.DECODE), (lora_shrink.MIXED, lora_expand.MIXED)}
     kinds.add((lora_shrink.PREFILL, lora_expand.PREFILL))

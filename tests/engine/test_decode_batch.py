@@ -1,0 +1,83 @@
+"""Decode batches built from the previous step's (backend/decode_batch.py) equal those build_batch makes afresh."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from slora.backend.batch import ForwardBatch, ScheduledSeq, build_batch
+from slora.backend.config import EngineConfig
+from slora.backend.engine import LLMEngine
+from slora.backend.sampling_params import SamplingParams
+from tests.engine.conftest import ModelWithAdapters
+
+LORA_FIELDS = ("token_adapter", "seg_start", "seg_adapter", "ranks", "scales", "row_start", "a_rows", "b_rows")
+LORA_HOST = ("max_rank", "seg_start_host", "seg_adapter_host", "ranks_host", "scales_host", "row_start_host")
+
+
+def _engine(model: ModelWithAdapters, page_size: int) -> LLMEngine:
+    config = EngineConfig(model=str(model.base), adapter_root=str(model.adapter_root), device="cpu", dtype="float32",
+                          page_size=page_size, pool_bytes=8 << 20, max_num_seqs=16, max_batch_tokens=64)  # fmt: skip
+    return LLMEngine(config)
+
+
+def assert_same_batch(got: ForwardBatch, want: ForwardBatch) -> None:
+    assert [s.request for s in got.seqs] == [s.request for s in want.seqs]
+    assert [s.request for s in got.sampled] == [s.request for s in want.sampled]
+    for name in ("input_ids", "positions", "sample_index"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    for name in ("q_start", "seq_lens", "block_tables", "slot_mapping"):
+        assert torch.equal(getattr(got.attn, name), getattr(want.attn, name)), name
+    for name in ("max_q_len", "max_seq_len", "q_start_host", "seq_lens_host", "block_tables_host"):
+        assert getattr(got.attn, name) == getattr(want.attn, name), name
+    assert (got.lora is None) == (want.lora is None)
+    if got.lora is not None and want.lora is not None:
+        for name in LORA_FIELDS:
+            assert torch.equal(getattr(got.lora, name), getattr(want.lora, name)), name
+        for name in LORA_HOST:
+            assert getattr(got.lora, name) == getattr(want.lora, name), name
+
+
+def test_decode_batches_equal_fresh_builds(llama: ModelWithAdapters) -> None:
+    """Requests of several adapters and the base model, arriving while others decode, with pages of 4 tokens (block
+    tables grow every few steps): every step's batch equals build_batch's, and most decode steps are incremental."""
+    engine = _engine(llama, page_size=4)
+    runner = engine.runner
+    build = runner.batches.build
+    checked = []
+
+    def checking_build(seqs: list[ScheduledSeq]) -> ForwardBatch:
+        got = build(seqs)
+        want = build_batch(list(got.seqs), runner.pool.geometry.block_size, runner.device)
+        assert_same_batch(got, want)
+        checked.append(len(seqs))
+        return got
+
+    runner.batches.build = checking_build  # type: ignore[method-assign]
+    rng = random.Random(7)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for i in range(10):
+        prompt = [rng.randrange(1, 100) for _ in range(rng.randint(3, 20))]
+        engine.add_request(prompt, [None, *llama.adapters][i % (len(llama.adapters) + 1)], greedy)
+        for _ in range(rng.randint(0, 3)):
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    assert len(checked) > 20
+    assert runner.batches.incremental > len(checked) // 3
+
+
+def test_decode_batches_give_the_same_tokens(llama: ModelWithAdapters, monkeypatch: Any) -> None:
+    """The engine's tokens with incremental decode batches equal those with every batch built afresh."""
+    prompts = [[5, 9, 14, 2, 7], [3] * 11, [11, 12], [8, 1, 4]]
+    adapters = [llama.adapters[0], None, llama.adapters[1], llama.adapters[0]]
+    greedy = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
+    incremental = _engine(llama, page_size=4)
+    got = incremental.generate(prompts, adapters, greedy)
+    assert incremental.runner.batches.incremental > 0
+    fresh = _engine(llama, page_size=4)
+    fresh.runner.batches.build = lambda seqs: build_batch(seqs, 4, fresh.runner.device)  # type: ignore[method-assign]
+    want = fresh.generate(prompts, adapters, greedy)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
