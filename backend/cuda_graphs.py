@@ -106,6 +106,7 @@ class StaticDecode:
             block_tables_host=[[] for _ in range(size)],
         )
         self.lora = self._lora_meta(key, row_align, device) if key.modules else None
+        self._lora_filled: tuple[LoraMeta, int] | None = None  # the step metadata the LoRA buffers hold now
         self.batch = ForwardBatch(
             input_ids=self.input_ids,
             positions=self.positions,
@@ -162,6 +163,9 @@ class StaticDecode:
     def _fill_lora(self, meta: LoraMeta | None, n: int) -> None:
         static = self.lora
         assert static is not None and static.static is not None and meta is not None  # keyed by the step's modules
+        if self._lora_filled is not None and self._lora_filled[0] is meta and self._lora_filled[1] == n:
+            return  # a decode step of the same requests reuses its predecessor's LoraMeta (decode_batch.py)
+        self._lora_filled = (meta, n)
         tiles = static.static.tiles
         adapters = meta.ranks.shape[0]
         rows = meta.a_rows.shape[0]

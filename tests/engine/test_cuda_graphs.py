@@ -71,6 +71,25 @@ def test_static_decode_batches_match_eager(llama: ModelWithAdapters, device: str
 
 
 @pytest.mark.parametrize("device", ["cuda" if torch.cuda.is_available() else "cpu"])
+def test_static_decode_batches_follow_changing_requests(llama: ModelWithAdapters, device: str) -> None:
+    """Requests that finish at different steps while queued ones take their places: consecutive replays of one
+    bucket see other requests and adapters (the static LoRA buffers must be refilled, and only then: a step of
+    the same requests keeps them); tokens equal the eager engine's."""
+    engine = _engine(llama, device)
+    rng = random.Random(11)
+    names: list[str | None] = ["r1-qv", "r3-all", None, "r16-all", "r12-qkv", "r8-mlp"]
+    prompts = [[rng.randrange(150) for _ in range(rng.randint(3, 9))] for _ in range(15)]
+    adapters = [names[i % len(names)] for i in range(15)]
+    params = [SamplingParams(max_tokens=(3, 9)[i % 2], temperature=0.0, ignore_eos=True) for i in range(15)]
+    eager = [c.token_ids for c in engine.generate(prompts, adapters, params)]
+    limits = GraphLimits(engine.config.max_num_seqs, engine.max_model_len, engine.config.max_lora_rank)
+    engine.runner.graphs = DecodeGraphs(engine.model, engine.pool, limits, capture=device == "cuda")
+    assert [c.token_ids for c in engine.generate(prompts, adapters, params)] == eager
+    assert engine.runner.batches.incremental > 0, "some decode steps ran the previous step's requests"
+    engine.check_idle_integrity()
+
+
+@pytest.mark.parametrize("device", ["cuda" if torch.cuda.is_available() else "cpu"])
 def test_graphs_launch_the_lora_of_targeted_modules_only(
     llama: ModelWithAdapters, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
