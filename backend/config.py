@@ -54,8 +54,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _positive(self, "page_size", "max_batch_tokens", "max_num_seqs", "max_waiting", "host_budget_bytes")
         _positive(self, "max_lora_rank")
-        if isinstance(self.admit_interval, bool) or not isinstance(self.admit_interval, int) or self.admit_interval < 0:
-            raise ValueError(f"admit_interval must be 0 (auto) or a positive integer, got {self.admit_interval!r}")
+        _integer_at_least(self, 0, "0 (auto) or a positive integer", "admit_interval")
         if self.pool_bytes is not None:
             _positive(self, "pool_bytes")
         if self.max_model_len is not None:
@@ -137,10 +136,14 @@ def effective_admit_interval(config: EngineConfig) -> int:
 
 
 def _positive(config: EngineConfig, *names: str) -> None:
+    _integer_at_least(config, 1, "a positive integer", *names)
+
+
+def _integer_at_least(config: EngineConfig, minimum: int, what: str, *names: str) -> None:
     for name in names:
         value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{name} must be {what}, got {value!r}")
 
 
 def _choice(config: EngineConfig, name: str, choices: tuple[str, ...]) -> None:

@@ -78,12 +78,12 @@ class DecodeBatches:
         if not np.array_equal(positions, self._positions + 1):
             return None
         bs = self.block_size
-        blocks = positions // bs + 1
+        block = positions // bs  # the block each position falls in
+        blocks = block + 1
         grown = np.flatnonzero(blocks > self._num_blocks)
         if grown.size and not self._grow(ordered, grown, blocks):
             return None
-        rows = np.arange(len(ordered))
-        slots = self._tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        slots = self._tables[np.arange(len(ordered)), block].astype(np.int64) * bs + positions % bs
         seq_lens = positions + 1
         input_ids = [s.request.token_ids[p] for s, p in zip(ordered, positions.tolist())]
         width = int(blocks.max())

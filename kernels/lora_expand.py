@@ -23,7 +23,7 @@ import triton.language as tl
 
 from slora.kernels.launch import cdiv, dot_precision, next_power_of_2
 from slora.kernels.lora_shrink import MODULES, NUM_MODULES, tile_bounds
-from slora.kernels.metadata import SHORT_SEGMENT, LoraMeta, SegmentGroup
+from slora.kernels.metadata import LoraMeta, SegmentGroup
 from slora.kernels.relaunch import Relaunch
 
 
@@ -46,9 +46,7 @@ PREFILL = ExpandConfig(64, 16, (128,), 512, 4, 2)
 
 
 def expand_config(group: SegmentGroup) -> ExpandConfig:
-    if group.max_segment_len <= SHORT_SEGMENT:
-        return DECODE
-    return MIXED if group.tile_len <= MIXED.block_m else PREFILL
+    return {"decode": DECODE, "mixed": MIXED, "prompts": PREFILL}[group.kind]
 
 
 @triton.jit(do_not_specialize=["split_k", "stride_v_split"])

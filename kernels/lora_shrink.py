@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from slora.kernels.launch import cdiv, dot_precision
-from slora.kernels.metadata import SHORT_SEGMENT, LoraMeta, SegmentGroup
+from slora.kernels.metadata import LoraMeta, SegmentGroup
 from slora.kernels.relaunch import Relaunch
 
 NUM_MODULES = 7  # q, k, v, o, gate, up, down: the columns of LoraMeta's tables
@@ -57,9 +57,7 @@ PREFILL = ShrinkConfig(64, 16, 64, 512, 4, 3)
 
 
 def shrink_config(group: SegmentGroup) -> ShrinkConfig:
-    if group.max_segment_len <= SHORT_SEGMENT:
-        return DECODE
-    return MIXED if group.tile_len <= MIXED.block_m else PREFILL
+    return {"decode": DECODE, "mixed": MIXED, "prompts": PREFILL}[group.kind]
 
 
 @triton.jit

@@ -68,6 +68,14 @@ class SegmentGroup:
             return min(self.max_segment_len, SHORT_SEGMENT)
         return self.max_segment_len
 
+    @property
+    def kind(self) -> str:
+        """What the group's segments are, which picks the LoRA kernels' configs: "decode" (every segment of up to
+        SHORT_SEGMENT rows), "mixed" (some of them) or "prompts" (none)."""
+        if self.max_segment_len <= SHORT_SEGMENT:
+            return "decode"
+        return "mixed" if self.tile_len <= SHORT_SEGMENT else "prompts"
+
     def tiles(self, block: int) -> torch.Tensor:
         """Tiles of up to `block` rows of one segment, with its tag (see tiles_of), built once."""
         if self.static is not None:

@@ -50,7 +50,7 @@ from slora.kernels.lora_expand import ExpandConfig
 from slora.kernels.lora_padded import lora_padded_bmm
 from slora.kernels.lora_ref import lora_ref
 from slora.kernels.lora_shrink import ShrinkConfig
-from slora.kernels.metadata import SHORT_SEGMENT, AttentionMeta, LoraMeta
+from slora.kernels.metadata import AttentionMeta, LoraMeta
 from slora.kernels.paged_attention import AttentionConfig
 from slora.kernels.paged_decode import DecodeConfig
 from slora.kernels.triton_ops import TritonOps
@@ -650,7 +650,7 @@ def tune_lora(label: str, case: LoraCase) -> list[dict[str, Any]]:
     expand += [dataclasses.replace(lora_expand.MIXED, block_n=(bn,)) for bn in (64, 128, 256)]
     expand += [dataclasses.replace(lora_expand.MIXED, block_m=bm) for bm in (32, 64)]
     expand.append(lora_expand.MIXED)
-    attr = "DECODE" if case.meta.whole().max_segment_len <= SHORT_SEGMENT else "MIXED"  # the config it runs with
+    attr = {"decode": "DECODE", "mixed": "MIXED", "prompts": "PREFILL"}[case.meta.whole().kind]  # the config it uses
     results = sweep(f"lora_shrink ({label} qkv)", lora_shrink, attr, shrink, lora)
     return results + sweep(f"lora_expand ({label} qkv)", lora_expand, attr, expand, lora)
 
