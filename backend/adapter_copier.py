@@ -34,17 +34,26 @@ class AdapterCopier:
 
     def submit(self, image: torch.Tensor, page_index: torch.Tensor) -> CopyDone:
         """Copy `image` ([num_layers, len(pages), page_elems], host) into the pages of every layer that
-        `page_index` (int64, host) names."""
-        return self._thread.submit(self._copy, image, page_index)
+        `page_index` (int64, host) names, once the work already queued on the compute stream is done: with
+        overlapped steps a launched step may still read those pages (they were freed after it was launched)."""
+        after = None
+        if self._stream is not None:
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self._storage.device))
+        return self._thread.submit(self._copy, image, page_index, after)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
 
-    def _copy(self, image: torch.Tensor, page_index: torch.Tensor) -> torch.cuda.Event | None:
+    def _copy(
+        self, image: torch.Tensor, page_index: torch.Tensor, after: torch.cuda.Event | None
+    ) -> torch.cuda.Event | None:
         if self._stream is None:
             self._storage.index_copy_(1, page_index, image)
             return None
         source = image if image.is_pinned() else self._stage(image)
+        assert after is not None
+        self._stream.wait_event(after)
         with torch.cuda.stream(self._stream):
             on_device = source.to(self._storage.device, non_blocking=True)
             self._storage.index_copy_(1, page_index.to(self._storage.device, non_blocking=True), on_device)

@@ -11,7 +11,7 @@ import torch
 from slora.backend.adapter_cache import ResidentAdapter
 from slora.backend.lora_tables import LoraTablesCache, build_tables
 from slora.backend.request import Request
-from slora.kernels.metadata import AttentionMeta, LoraMeta
+from slora.kernels.metadata import AttentionMeta, LoraMeta, to_device
 
 
 @dataclass
@@ -67,7 +67,8 @@ def build_batch(
         r = s.request
         begin, end = r.num_computed, r.num_computed + s.num_tokens
         if s.num_tokens == 1:  # a decode: most sequences of most steps
-            input_ids.append(r.token_ids[begin])
+            # a token still in flight (sampled by the step before, not yet read back) comes from the device later
+            input_ids.append(r.token_ids[begin] if begin < len(r.token_ids) else 0)
             positions.append(begin)
             slots.append(r.pages[begin // block_size] * block_size + begin % block_size)
         else:
@@ -77,7 +78,7 @@ def build_batch(
         q_start.append(q_start[-1] + s.num_tokens)
         seq_lens.append(end)
         tables.append(r.pages[: -(-end // block_size)])
-        if end == len(r.token_ids):  # the step reaches the last token: its logits are sampled
+        if end == r.num_tokens:  # the step reaches the last token: its logits are sampled
             sample_rows.append(q_start[-1] - 1)
             sampled.append(s)
     width = max(len(t) for t in tables)
@@ -164,9 +165,9 @@ def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Ten
     """A host list as a tensor on `device`: through array/numpy, which convert Python ints several times faster
     than torch.tensor (this runs for about a dozen lists per step, some of thousands of entries)."""
     if not values:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        return to_device(torch.tensor(values, dtype=dtype), device)
     if isinstance(values[0], list):
         host = torch.from_numpy(np.array(values, dtype=_NUMPY_TYPES[dtype]))
     else:
         host = torch.frombuffer(array.array(_ARRAY_CODES[dtype], values), dtype=dtype)
-    return host.to(device, non_blocking=True)
+    return to_device(host, device)

@@ -48,6 +48,10 @@ class EngineConfig:
     admit_interval: int = 0
     kernel_backend: str = "auto"  # auto | torch | triton | bmm (S-LoRA's padded-rank baseline)
     cuda_graphs: bool = False  # replay decode steps as captured CUDA graphs (CUDA + triton kernels; cuda_graphs.py)
+    # Launch each step before reading the previous step's tokens back, so that the host's work for a step overlaps
+    # the GPU's for the one before (backend/inflight.py). None (auto): on for CUDA devices, off on CPU, where the
+    # host does the computing itself and outputs would only come a step later.
+    overlap_steps: bool | None = None
     warmup: bool = False  # run synthetic batches at start, so kernels compile before the first request (warmup.py)
     seed: int = 0  # for requests that give no seed
 
@@ -133,6 +137,11 @@ def effective_admit_interval(config: EngineConfig) -> int:
     if config.admit_interval:
         return config.admit_interval
     return AUTO_ADMIT_INTERVAL if config.cuda_graphs else 1
+
+
+def overlap_enabled(config: EngineConfig, device: torch.device) -> bool:
+    """config.overlap_steps, with None (auto) resolved: on for CUDA devices."""
+    return config.overlap_steps if config.overlap_steps is not None else device.type == "cuda"
 
 
 def _positive(config: EngineConfig, *names: str) -> None:

@@ -20,7 +20,7 @@ import torch
 from slora.backend.batch import ForwardBatch, ScheduledSeq, adapter_order, build_batch
 from slora.backend.lora_tables import LoraTablesCache
 from slora.backend.request import Request
-from slora.kernels.metadata import AttentionMeta
+from slora.kernels.metadata import AttentionMeta, to_device
 
 
 class DecodeBatches:
@@ -42,15 +42,18 @@ class DecodeBatches:
         self._tables_host: list[list[int]] = []
         self._num_blocks = np.zeros(0, dtype=np.int64)  # blocks each row's table holds
 
-    def build(self, seqs: list[ScheduledSeq]) -> ForwardBatch:
+    def build(self, seqs: list[ScheduledSeq], inflight: torch.Tensor | None = None) -> ForwardBatch:
+        """`inflight`: the tokens the previous step sampled (one per row of its batch), when they are still on the
+        device: a step built from that one takes its input tokens from them. Other builds leave in-flight
+        input tokens as 0 (the caller fills them in, inflight.py)."""
         requests = [s.request for s in seqs]
-        decode = all(s.num_tokens == 1 and s.request.num_computed == len(s.request.token_ids) - 1 for s in seqs)
+        decode = all(s.num_tokens == 1 and s.request.num_computed == s.request.num_tokens - 1 for s in seqs)
         if not decode:
             self._reset()
             return build_batch(seqs, self.block_size, self.device, self.lora_tables)
         same = len(requests) == len(self._scheduled) and all(a is b for a, b in zip(requests, self._scheduled))
         if same:
-            batch = self._advance(seqs)
+            batch = self._advance(seqs, inflight)
             if batch is not None:
                 self.incremental += 1
                 return batch
@@ -69,7 +72,7 @@ class DecodeBatches:
             self._tables[row, : len(table)] = table
         return batch
 
-    def _advance(self, seqs: list[ScheduledSeq]) -> ForwardBatch | None:
+    def _advance(self, seqs: list[ScheduledSeq], inflight: torch.Tensor | None) -> ForwardBatch | None:
         """The batch one token further than the last one; None when a request did not move by exactly one."""
         previous = self._batch
         assert previous is not None
@@ -85,7 +88,6 @@ class DecodeBatches:
             return None
         slots = self._tables[np.arange(len(ordered)), block].astype(np.int64) * bs + positions % bs
         seq_lens = positions + 1
-        input_ids = [s.request.token_ids[p] for s, p in zip(ordered, positions.tolist())]
         width = int(blocks.max())
         attn = AttentionMeta(
             q_start=previous.attn.q_start,
@@ -101,7 +103,7 @@ class DecodeBatches:
         )
         self._positions = positions
         self._batch = ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True),
+            input_ids=inflight if inflight is not None else self._input_ids(ordered, positions),
             positions=_device(positions, self.device),
             attn=attn,
             lora=previous.lora,  # same requests, same adapters, same segments
@@ -110,6 +112,10 @@ class DecodeBatches:
             sampled=ordered,
         )
         return self._batch
+
+    def _input_ids(self, ordered: list[ScheduledSeq], positions: np.ndarray) -> torch.Tensor:
+        ids = [s.request.token_ids[p] for s, p in zip(ordered, positions.tolist())]
+        return to_device(torch.tensor(ids, dtype=torch.int64), self.device)
 
     def _grow(self, ordered: list[ScheduledSeq], grown: np.ndarray, blocks: np.ndarray) -> bool:
         """Block-table rows of the requests that took a page; False when one lacks the page it needs."""
@@ -131,4 +137,4 @@ class DecodeBatches:
 
 def _device(values: np.ndarray, device: torch.device) -> torch.Tensor:
     """A copy of `values` on `device` (never sharing memory with the array, which later steps update in place)."""
-    return torch.from_numpy(np.array(values, copy=True)).to(device, non_blocking=True)
+    return to_device(torch.from_numpy(np.array(values, copy=True)), device)

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 
 from slora.backend.adapter_store import AdapterInfo
-from slora.backend.config import EngineConfig, effective_admit_interval
+from slora.backend.config import EngineConfig, effective_admit_interval, overlap_enabled
 from slora.backend.detokenizer import IncrementalDetokenizer
 from slora.backend.errors import CapacityError, EngineOverloadedError, InvalidRequestError
+from slora.backend.inflight import InflightStep
 from slora.backend.model_runner import ModelRunner
 from slora.backend.model_spec import LORA_MODULES
 from slora.backend.outputs import Completion, EngineStats, RequestOutput
@@ -62,6 +63,8 @@ class LLMEngine:
         self._seeds = torch.Generator().manual_seed(self.config.seed)
         self._seed_lock = threading.Lock()  # prepare() runs in callers' threads
         self._buffered: list[RequestOutput] = []
+        self.overlap = overlap_enabled(self.config, self.device)
+        self._inflight: InflightStep | None = None  # the launched step whose tokens are not read yet (overlap)
         self.generated_tokens = 0
         self.finished_requests = 0
         if self.config.preload_adapters:
@@ -153,21 +156,42 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample, and return what each touched request produced."""
+        """Schedule, launch one forward and its sampling, and return what each touched request produced.
+
+        With overlapped steps (EngineConfig.overlap_steps) the tokens returned are the previous step's, read
+        back after this step is launched, so the host's work here runs while the GPU computes (inflight.py)."""
         outputs, self._buffered = self._buffered, []
-        if not self.scheduler.has_work():
-            return outputs
+        previous, self._inflight = self._inflight, None
+        launched = self._launch(previous) if self.scheduler.has_work() else None
+        if previous is not None:
+            outputs += self._take(previous)
+        if launched is not None and not self.overlap:
+            outputs += self._take(launched)
+        elif launched is not None:
+            self._inflight = launched
+        if not self.scheduler.running and self._inflight is None:
+            self.check_idle_integrity()
+        return outputs
+
+    def _launch(self, previous: InflightStep | None) -> InflightStep | None:
         plan = self.scheduler.schedule()
         if not plan.seqs:
-            raise RuntimeError("scheduler made no progress with work pending (pool accounting bug)")
-        sampled = self.runner.run(plan.seqs)
+            if previous is None:
+                raise RuntimeError("scheduler made no progress with work pending (pool accounting bug)")
+            return None  # every running request's last token is in flight
+        launched = self.runner.launch(plan.seqs, previous)
         for seq in plan.seqs:
             seq.request.num_computed += seq.num_tokens
+        return launched
+
+    def _take(self, step: InflightStep) -> list[RequestOutput]:
+        """Read a launched step's tokens and append them; those of requests finished since it was launched (an
+        abort, or a stop found in the step before) are dropped."""
+        outputs = []
         now = time.monotonic()
-        for request, token in sampled:
-            outputs.append(self._append_token(request, token, now))
-        if not self.scheduler.running:
-            self.check_idle_integrity()
+        for request, token in self.runner.collect(step):
+            if not request.finished:
+                outputs.append(self._append_token(request, token, now))
         return outputs
 
     def capture_graphs_for_host_adapters(self) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from slora.backend.adapter_cache import ResidentAdapter
-from slora.kernels.metadata import row_alignment
+from slora.kernels.metadata import row_alignment, to_device
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,11 @@ def build_tables(adapters: list[ResidentAdapter], device: torch.device) -> LoraT
     a_rows = torch.cat([a.a_rows for a in adapters])
     b_rows = torch.cat([a.b_rows for a in adapters])
     return LoraTables(
-        ranks=torch.from_numpy(ranks).to(device, non_blocking=True),
-        scales=torch.from_numpy(scales).to(device, non_blocking=True),
-        row_start=torch.from_numpy(row_start).to(device, non_blocking=True),
-        a_rows=a_rows.to(device, non_blocking=True),
-        b_rows=b_rows.to(device, non_blocking=True),
+        ranks=to_device(torch.from_numpy(ranks), device),
+        scales=to_device(torch.from_numpy(scales), device),
+        row_start=to_device(torch.from_numpy(row_start), device),
+        a_rows=to_device(a_rows, device),
+        b_rows=to_device(b_rows, device),
         max_rank=int(ranks.max()),
         ranks_host=ranks.tolist(),
         scales_host=[list(a.host.scales) for a in adapters],

@@ -11,11 +11,12 @@ import torch
 from slora.backend.batch import ForwardBatch, ScheduledSeq
 from slora.backend.cuda_graphs import DecodeGraphs
 from slora.backend.decode_batch import DecodeBatches
+from slora.backend.inflight import InflightStep, patch_inputs
 from slora.backend.lora_tables import LoraTablesCache
 from slora.backend.model import DecoderModel
 from slora.backend.page_pool import PagePool
 from slora.backend.request import Request
-from slora.backend.sampler import sample
+from slora.backend.sampler import sample_on_device
 
 PHASES = ("build", "wait", "launch", "sample")
 
@@ -25,8 +26,9 @@ class StepShape:
     kind: str  # "graph" (a replayed decode graph), "decode" (eager, one token per sequence) or "mixed"
     num_seqs: int
     num_tokens: int
-    # Host seconds of each PHASE: building the batch, waiting for adapter copies, launching the forward (eager:
-    # every kernel launch; the GPU runs behind), sampling (which waits for the GPU to finish the forward).
+    # Host seconds of each PHASE: building the batch, waiting for adapter copies, launching the forward and the
+    # sampling (eager: every kernel launch; the GPU runs behind), reading sampled tokens back (which waits for the
+    # GPU: for this step's, or with overlapped steps for the previous step's, read after this one is launched).
     phases: tuple[float, ...] = (0.0,) * len(PHASES)
 
 
@@ -50,8 +52,16 @@ class ModelRunner:
 
     def run(self, seqs: list[ScheduledSeq]) -> list[tuple[Request, int]]:
         """Compute the scheduled tokens; return (request, next token) for each sequence that samples."""
+        return self.collect(self.launch(seqs))
+
+    def launch(self, seqs: list[ScheduledSeq], previous: InflightStep | None = None) -> InflightStep:
+        """Build the batch, launch the forward and the sampling, and return without waiting for the device.
+
+        `previous`: the step launched before, if its tokens are still in flight: this step's inputs that are
+        among them are taken from the device (inflight.py)."""
         began = time.perf_counter()
-        batch = self.batches.build(seqs)
+        batch = self.batches.build(seqs, previous.tokens if previous is not None else None)
+        patch_inputs(batch, previous)
         built = time.perf_counter()
         self._wait_for_adapters(batch)
         waited = time.perf_counter()
@@ -61,14 +71,27 @@ class ModelRunner:
             logits = self.graphs.forward(batch)  # [num_sampled, vocab]: every decode sequence samples
         else:
             logits = self.model.forward(batch, self.pool)  # [num_sampled, vocab]
-        launched = time.perf_counter()
         if self.logits_hook is not None:
             self.logits_hook(logits)
         sampled = batch.sampled
-        tokens = sample(logits, [s.request.sampling for s in sampled], [s.request.generator for s in sampled])
-        phases = (built - began, waited - built, launched - waited, time.perf_counter() - launched)
+        requests = [s.request for s in sampled]
+        tokens = sample_on_device(logits, [r.sampling for r in requests], [r.generator for r in requests])
+        for request in requests:
+            request.num_inflight += 1
+        launched = time.perf_counter()
+        phases = (built - began, waited - built, launched - waited, 0.0)
         self.last_step = StepShape(step_kind(batch, graph), len(batch.seqs), batch.num_tokens, phases)
-        return [(s.request, token) for s, token in zip(sampled, tokens)]
+        return InflightStep(batch, tokens, requests, launched)
+
+    def collect(self, step: InflightStep) -> list[tuple[Request, int]]:
+        """Wait for a launched step's tokens: (request, token) for each sequence that sampled. The time spent
+        waiting is the `sample` phase of the latest launched step's shape."""
+        began = time.perf_counter()
+        sampled = step.read()
+        shape = self.last_step
+        phases = (*shape.phases[:-1], shape.phases[-1] + time.perf_counter() - began)
+        self.last_step = StepShape(shape.kind, shape.num_seqs, shape.num_tokens, phases)
+        return sampled
 
     def _wait_for_adapters(self, batch: ForwardBatch) -> None:
         # Adapter copies run on the copier's thread (and a side stream): the forward must not read pages still

@@ -40,6 +40,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_computed: int = 0  # tokens whose K/V are in `pages`
+    num_inflight: int = 0  # tokens sampled by launched steps and not yet read back (overlapped steps, engine.py)
     pages: list[int] = field(default_factory=list)
     resident: ResidentAdapter | None = None  # pinned while running
     arrival_time: float = field(default_factory=time.monotonic)
@@ -60,9 +61,19 @@ class Request:
         return len(self.token_ids) - self.num_prompt
 
     @property
+    def num_tokens(self) -> int:
+        """Prompt and generated tokens, counting those sampled on the device and not yet read back."""
+        return len(self.token_ids) + self.num_inflight
+
+    @property
     def num_pending(self) -> int:
         """Tokens whose K/V still have to be computed (the whole prompt, a chunk's rest, or the last sample)."""
-        return len(self.token_ids) - self.num_computed
+        return self.num_tokens - self.num_computed
+
+    @property
+    def ends_in_flight(self) -> bool:
+        """Its tokens still in flight reach max_tokens: it finishes when they are read, with nothing more to run."""
+        return self.num_inflight > 0 and self.num_output + self.num_inflight >= self.sampling.max_tokens
 
     @property
     def finished(self) -> bool:

@@ -13,12 +13,20 @@ from slora.backend.sampling_params import SamplingParams
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """logits: [num_seqs, vocab] float32 → one token id per row."""
+    return [int(t) for t in sample_on_device(logits, params, generators).tolist()]
+
+
+def sample_on_device(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """The tokens (int64 [num_seqs], on the logits' device) without waiting for them: nothing here reads the
+    device, so the host can go on to the next step while the GPU samples."""
     tokens = torch.argmax(logits, dim=-1)
     for row, (p, generator) in enumerate(zip(params, generators)):
         if not p.greedy:
             probs = filtered_probs(logits[row], p)
             tokens[row] = torch.multinomial(probs, 1, generator=generator)[0]
-    return [int(t) for t in tokens.tolist()]
+    return tokens
 
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -32,6 +40,6 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the token that crosses it is kept).
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop = mass_before >= p.top_p
-        scaled = scaled.scatter(0, order[drop], float("-inf"))
+        drop = mass_before >= p.top_p  # masked in sorted order, then put back: no host sync (as order[drop] has)
+        scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     return torch.softmax(scaled, dim=-1)

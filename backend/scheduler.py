@@ -93,6 +93,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_pending, budget)
+            if n == 0 or request.ends_in_flight:  # its last token is still being sampled (overlapped steps)
+                i += 1
+                continue
             if not self._grow(request, request.num_computed + n, out):
                 continue  # `request` itself was preempted; the list shifted
             out.seqs.append(ScheduledSeq(request, n))
@@ -162,7 +165,7 @@ class Scheduler:
                     return False
             self.adapters.pin(resident)
             request.resident = resident
-        pages = self._alloc(self.pages_for(len(request.token_ids)), request)
+        pages = self._alloc(self.pages_for(request.num_tokens), request)
         if pages is None:
             self._free(request)
             return False

@@ -15,6 +15,18 @@ import torch
 TILE_COLUMNS = 4  # segment, first row, end row (of the segment), tag
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device`, without making the host wait for the device.
+
+    On CUDA the copy goes through page-locked memory (PyTorch's caching host allocator, which keeps the block until
+    the copy is done): a copy from pageable memory may first wait for the stream to drain, which would hold the
+    host up while an earlier step still runs (overlapped steps, backend/engine.py). Elsewhere a plain copy.
+    """
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def tiles_of(segments: list[tuple[int, int, int, int]], block: int, device: torch.device) -> torch.Tensor:
     """int32 [num_tiles, 4]: (segment g, first row, end, tag) of every run of up to `block` rows of each
     (g, start row, end row, tag) segment, in their order.
@@ -24,7 +36,7 @@ def tiles_of(segments: list[tuple[int, int, int, int]], block: int, device: torc
     each program dependent loads.
     """
     tiles = [(g, row, end, tag) for g, start, end, tag in segments for row in range(start, end, block)]
-    return torch.tensor(tiles, dtype=torch.int32).view(-1, TILE_COLUMNS).to(device, non_blocking=True)
+    return to_device(torch.tensor(tiles, dtype=torch.int32).view(-1, TILE_COLUMNS), device)
 
 
 def row_alignment(rows: torch.Tensor, cap: int = 16) -> int:

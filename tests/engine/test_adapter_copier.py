@@ -36,3 +36,18 @@ def test_copies_land_in_their_pages_only(device: str, staging_buffers: int) -> N
     untouched = [p for p in range(pages) if p in order]
     assert torch.all(result[:, untouched] == -1.0)
     copier.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the compute and copy streams")
+def test_copy_waits_for_work_queued_before_it() -> None:
+    """A copy submitted after the compute stream queued a write to the same pages lands after that write: with
+    overlapped steps a launched step may still use pages that were freed and handed to an adapter."""
+    storage = torch.zeros((2, 8, 1 << 20), device="cuda")
+    copier = AdapterCopier(storage)
+    torch.cuda._sleep(200_000_000)  # keeps the compute stream busy for a while (~0.1 s)
+    storage[:, 3].fill_(-1.0)  # a late write by "the step in flight"
+    image = torch.ones((2, 1, 1 << 20))
+    event = copier.submit(image, torch.tensor([3], dtype=torch.int64)).result(timeout=60)
+    torch.cuda.current_stream().wait_event(event)
+    assert bool(torch.all(storage[:, 3] == 1.0))
+    copier.close()

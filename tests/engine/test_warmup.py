@@ -18,10 +18,12 @@ from slora.kernels import lora_expand, lora_shrink
 from tests.engine.conftest import ModelWithAdapters
 
 
-def _engine(model: ModelWithAdapters, warmup: bool, max_batch_tokens: int = 48) -> LLMEngine:
+def _engine(
+    model: ModelWithAdapters, warmup: bool, max_batch_tokens: int = 48, overlap_steps: bool | None = None
+) -> LLMEngine:
     config = EngineConfig(model=str(model.base), adapter_root=str(model.adapter_root), device="cpu", dtype="float32",
                           page_size=8, pool_bytes=16 << 20, max_num_seqs=12, max_batch_tokens=max_batch_tokens,
-                          preload_adapters=True, warmup=warmup)  # fmt: skip
+                          preload_adapters=True, warmup=warmup, overlap_steps=overlap_steps)  # fmt: skip
     return LLMEngine(config)
 
 
@@ -51,21 +53,27 @@ def _logits(engine: LLMEngine, prompts: list[list[int]], adapters: list, greedy:
     return logits
 
 
-def test_warm_up_reaches_every_lora_tile_shape(llama: ModelWithAdapters, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_warm_up_reaches_every_lora_tile_shape(
+    llama: ModelWithAdapters, monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
     """The warm-up's steps include each LoRA kernel config (decodes only, decodes with prompts, prompts only), so
-    that on a GPU none of them compiles while serving (each compile is a stall of ~1 s on the H200 host)."""
+    that on a GPU none of them compiles while serving (each compile is a stall of ~1 s on the H200 host); also
+    with overlapped steps (the default on CUDA)."""
     seen = set()
     build = DecodeBatches.build
 
-    def recording_build(self: DecodeBatches, seqs: list[ScheduledSeq]) -> ForwardBatch:
-        batch = build(self, seqs)
+    def recording_build(
+        self: DecodeBatches, seqs: list[ScheduledSeq], inflight: torch.Tensor | None = None
+    ) -> ForwardBatch:
+        batch = build(self, seqs, inflight)
         if batch.lora is not None:
             group = batch.lora.whole()
             seen.add((lora_shrink.shrink_config(group), lora_expand.expand_config(group)))
         return batch
 
     monkeypatch.setattr(DecodeBatches, "build", recording_build)
-    _engine(llama, warmup=True, max_batch_tokens=2048)  # the default budget: a wave's prompts fit one step
+    _engine(llama, warmup=True, max_batch_tokens=2048, overlap_steps=overlap)  # default budget: prompts fit a step
     kinds = {(lora_shrink.DECODE, lora_expand.DECODE), (lora_shrink.MIXED, lora_expand.MIXED)}
     kinds.add((lora_shrink.PREFILL, lora_expand.PREFILL))
     assert seen == kinds

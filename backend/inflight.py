@@ -1,0 +1,57 @@
+"""A launched step whose sampled tokens are still on the device (overlapped steps, engine.py).
+
+With overlap, the engine launches step N + 1 before it reads step N's tokens back, so that the host builds and
+launches the next step while the GPU still runs the last one (vLLM's async scheduling does the same). A request
+whose token is in flight counts it in `Request.num_inflight`; the next step's batch takes that token as its input
+on the device: as the whole input of a decode step built from the previous one (decode_batch.py), or row by row
+(`patch_inputs`) for any other batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from slora.backend.batch import ForwardBatch
+from slora.backend.request import Request
+from slora.kernels.metadata import to_device
+
+
+@dataclass
+class InflightStep:
+    batch: ForwardBatch
+    tokens: torch.Tensor  # int64 [num_sampled], on the device: one per batch.sampled
+    requests: list[Request]  # batch.sampled's requests, in that order
+    launched_at: float  # perf_counter() when the step was launched
+    index: dict[int, int] = field(default_factory=dict)  # id(request) -> its position in `tokens`, built lazily
+
+    def position(self, request: Request) -> int:
+        if not self.index:
+            self.index = {id(r): i for i, r in enumerate(self.requests)}
+        return self.index[id(request)]
+
+    def read(self) -> list[tuple[Request, int]]:
+        """(request, token) for each sampled sequence; waits for the device. The tokens leave flight."""
+        values = self.tokens.tolist()
+        for request in self.requests:
+            request.num_inflight -= 1
+        return list(zip(self.requests, values))
+
+
+def patch_inputs(batch: ForwardBatch, previous: InflightStep | None) -> None:
+    """Write into `batch.input_ids` the tokens of its rows whose input is still in flight in `previous`."""
+    if previous is None or batch.input_ids is previous.tokens:
+        return
+    rows: list[int] = []
+    sources: list[int] = []
+    starts = batch.attn.q_start_host
+    for i, s in enumerate(batch.seqs):
+        r = s.request
+        if r.num_inflight and r.num_computed >= len(r.token_ids):  # its first token this step is not on the host
+            rows.append(starts[i])
+            sources.append(previous.position(r))
+    if rows:
+        device = batch.input_ids.device
+        index = to_device(torch.tensor(sources, dtype=torch.int64), device)
+        batch.input_ids[to_device(torch.tensor(rows, dtype=torch.int64), device)] = previous.tokens[index]

@@ -1,0 +1,115 @@
+"""Overlapped steps (EngineConfig.overlap_steps, backend/inflight.py): each step is launched before the previous
+step's tokens are read back, so the next step's inputs come from the device. The tokens, finish reasons and pool
+state must be exactly those of the engine that reads every step's tokens before it schedules the next."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from slora.backend.config import EngineConfig
+from slora.backend.engine import LLMEngine
+from slora.backend.outputs import Completion
+from slora.backend.sampling_params import SamplingParams
+from tests.engine import test_scheduling as scheduling
+from tests.engine.conftest import ModelWithAdapters
+
+
+def _engine(model: ModelWithAdapters, overlap: bool) -> LLMEngine:
+    config = EngineConfig(model=str(model.base), adapter_root=str(model.adapter_root), device="cpu", dtype="float32",
+                          page_size=4, pool_bytes=8 << 20, max_num_seqs=16, max_batch_tokens=48,
+                          overlap_steps=overlap)  # fmt: skip
+    return LLMEngine(config)
+
+
+def _finishes(completions: list[Completion]) -> list[tuple[list[int], str]]:
+    return [(c.token_ids, c.finish_reason) for c in completions]
+
+
+def test_outputs_come_one_step_later(llama: ModelWithAdapters) -> None:
+    engine = _engine(llama, overlap=True)
+    request_id = engine.add_request([5, 9, 14], llama.adapters[0], SamplingParams(max_tokens=3, temperature=0.0))
+    request = engine.requests[request_id]
+    assert engine.step() == []  # the prompt's step is launched, its token not read yet
+    assert request.num_inflight == 1 and request.num_computed == 3
+    first = engine.step()  # launches the first decode (its input on the device), then reads the prompt's token
+    assert [o.new_token_ids for o in first] == [request.output_ids] and request.num_inflight == 1
+    outputs = first + engine.step() + engine.step()
+    assert outputs[-1].finished and outputs[-1].finish_reason == "length"
+    assert not engine.has_unfinished() and engine._inflight is None  # the last token needed no further step
+    engine.check_idle_integrity()
+
+
+def test_mixed_finishes_match_the_synchronous_engine(llama: ModelWithAdapters) -> None:
+    """Greedy and seeded random requests of several adapters, ending by length, by a stop token, by EOS, and
+    arriving while others decode."""
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    reference = _engine(llama, overlap=False)
+    probe = reference.generate([[7, 3, 9]], None, greedy)[0].token_ids
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=(probe[4],)),
+        SamplingParams(max_tokens=12, temperature=0.0),  # EOS: a token the model makes, as below
+        SamplingParams(max_tokens=9, temperature=0.9, top_k=20, top_p=0.9, seed=3, ignore_eos=True),
+        SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+    ]
+    prompts = [[7, 3, 9], [11, 2], [7, 3, 9], [7, 3, 9], [4, 4, 8, 1], [6, 5]]
+    adapters = [llama.adapters[0], None, None, None, llama.adapters[1], None]
+    results = []
+    for overlap in (False, True):
+        engine = _engine(llama, overlap)
+        engine.eos_token_ids = frozenset({probe[6]})
+        results.append(_finishes(engine.generate(prompts, adapters, params)))
+        engine.check_idle_integrity()
+    assert results[0] == results[1]
+    assert {reason for _, reason in results[0]} == {"length", "stop"}
+    assert len(results[0][2][0]) < 12 and len(results[0][3][0]) < 12  # the stop token and EOS did end them
+
+
+def test_abort_while_its_token_is_in_flight(llama: ModelWithAdapters) -> None:
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 9, 14, 2], [3, 3, 3], [11, 12], [8, 1, 4, 4, 4]]
+    adapters = [llama.adapters[0], None, llama.adapters[1], llama.adapters[0]]
+    want = [c.token_ids for c in _engine(llama, overlap=False).generate(prompts, adapters, greedy)]
+    engine = _engine(llama, overlap=True)
+    ids = [engine.add_request(p, a, greedy) for p, a in zip(prompts, adapters)]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    for _ in range(4):
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    victim = engine.requests[ids[2]]
+    assert victim.num_inflight == 1
+    final = engine.abort(ids[2])
+    assert final is not None and final.finish_reason == "abort"
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id != ids[2]
+            tokens[out.request_id] += out.new_token_ids
+    engine.check_idle_integrity()
+    assert [tokens[i] for i in (ids[0], ids[1], ids[3])] == [want[0], want[1], want[3]]
+    assert tokens[ids[2]] == want[2][: len(tokens[ids[2]])]
+
+
+def test_preemption_and_eviction_match(llama: ModelWithAdapters) -> None:
+    """A pool too small for the batch: requests are preempted (some with a token in flight) and adapters evicted;
+    the tokens are the roomy synchronous engine's."""
+    prompts, adapters = scheduling._workload(llama, 12, seed=1)
+    expected = scheduling._engine(llama, pages=2000, overlap_steps=False).generate(prompts, adapters, scheduling.GREEDY)
+    tight = scheduling._engine(llama, pages=80, overlap_steps=True)
+    got = scheduling._run_checked(tight, prompts, adapters)
+    assert tight.scheduler.num_preemptions > 0 and tight.cache.evictions > 0
+    assert list(got.values()) == [c.token_ids for c in expected]
+
+
+def test_stop_strings_match(tiny_text_model: Path) -> None:
+    outputs = []
+    for overlap in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(tiny_text_model), page_size=8, pool_bytes=64 << 20,
+                                        overlap_steps=overlap))  # fmt: skip
+        [free] = engine.generate(["Tell me"], None, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        stop = free.text[3:6]
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=(stop,))
+        pieces = list(engine.stream("Tell me", None, params))
+        outputs.append(("".join(p.text for p in pieces), pieces[-1].finish_reason, free.text))
+    assert outputs[0] == outputs[1] and outputs[0][1] == "stop"
+    assert outputs[0][0] == outputs[0][2][: outputs[0][2].index(outputs[0][2][3:6])]
