@@ -138,6 +138,6 @@ class AdapterCache:
         page_index = torch.tensor(pages, dtype=torch.int64)
         a_rows = page_index[host.a_local // page_elems] * page_elems + host.a_local % page_elems
         b_rows = page_index[host.b_local // page_elems] * page_elems + host.b_local % page_elems
-        # No wait on the compute stream: these pages were free before this step was scheduled, and the engine
-        # synchronizes at the end of every step, so no kernel in flight reads or writes them.
+        # The copier makes the copy wait for the work queued so far on the compute stream: with overlapped steps a
+        # launched step may still read or write these pages, freed after it was launched.
         return ResidentAdapter(host, pages, a_rows, b_rows, ready=self.copier.submit(host.image, page_index))

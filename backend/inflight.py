@@ -25,6 +25,17 @@ class InflightStep:
     requests: list[Request]  # batch.sampled's requests, in that order
     launched_at: float  # perf_counter() when the step was launched
     index: dict[int, int] = field(default_factory=dict)  # id(request) -> its position in `tokens`, built lazily
+    host_tokens: torch.Tensor | None = None  # CUDA: page-locked copy of `tokens`, complete once `copied` is
+    copied: torch.cuda.Event | None = None
+
+    def __post_init__(self) -> None:
+        # Reading `tokens` itself would queue its copy behind everything launched since (the next step): the copy
+        # to the host is queued now, right behind the sampling, and read() waits for it alone.
+        if self.tokens.is_cuda:
+            self.host_tokens = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+            self.host_tokens.copy_(self.tokens, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
 
     def position(self, request: Request) -> int:
         if not self.index:
@@ -33,7 +44,11 @@ class InflightStep:
 
     def read(self) -> list[tuple[Request, int]]:
         """(request, token) for each sampled sequence; waits for the device. The tokens leave flight."""
-        values = self.tokens.tolist()
+        if self.copied is not None and self.host_tokens is not None:
+            self.copied.synchronize()
+            values = self.host_tokens.tolist()
+        else:
+            values = self.tokens.tolist()
         for request in self.requests:
             request.num_inflight -= 1
         return list(zip(self.requests, values))

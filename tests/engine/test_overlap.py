@@ -6,8 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
+
 from slora.backend.config import EngineConfig
 from slora.backend.engine import LLMEngine
+from slora.backend.inflight import InflightStep
 from slora.backend.outputs import Completion
 from slora.backend.sampling_params import SamplingParams
 from tests.engine import test_scheduling as scheduling
@@ -113,3 +117,18 @@ def test_stop_strings_match(tiny_text_model: Path) -> None:
         outputs.append(("".join(p.text for p in pieces), pieces[-1].finish_reason, free.text))
     assert outputs[0] == outputs[1] and outputs[0][1] == "stop"
     assert outputs[0][0] == outputs[0][2][: outputs[0][2].index(outputs[0][2][3:6])]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: reading a step's tokens while later work runs")
+def test_reading_a_step_does_not_wait_for_the_next() -> None:
+    """A launched step's tokens are read as soon as its own sampling is done, not after the work queued behind it
+    (the next step): otherwise nothing would overlap."""
+    logits = torch.randn(8, 100, device="cuda")
+    step = InflightStep(batch=None, tokens=torch.argmax(logits, dim=-1), requests=[], launched_at=0.0)  # type: ignore[arg-type]
+    torch.cuda._sleep(1_000_000_000)  # "the next step": ~0.5 s of GPU time queued behind the sampling
+    later = torch.cuda.Event()
+    later.record()
+    step.read()
+    assert not later.query(), "read() waited for the work queued after the step"
+    assert step.host_tokens is not None and torch.equal(step.host_tokens, torch.argmax(logits, dim=-1).cpu())
+    torch.cuda.synchronize()
