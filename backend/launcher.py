@@ -5,7 +5,11 @@
 
 Steps: find the server and the Python stub for this interpreter (server_locator.py), resolve the model (the
 default one is converted once), check the engine options, render the model repository with them
-(model_repository.py), run tritonserver with its output shown here, poll readiness, forward Ctrl-C / SIGTERM.
+(model_repository.py), run tritonserver with its output shown here, poll readiness, stop it on Ctrl-C / SIGTERM.
+
+Stopping: the slora model first ends every request in flight (drain.py; Triton alone would wait out its exit timeout
+for a streamed ensemble request and hang), then tritonserver gets SIGTERM; a second Ctrl-C kills it at once. No
+process of the server (Python stubs, engine processes) outlives slora-serve.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from slora.backend import drain
 from slora.backend.config import EngineConfig
 from slora.backend.default_model import resolve_model_path
 from slora.backend.model_repository import render_repository
@@ -38,6 +44,9 @@ logger = logging.getLogger("slora.serve")
 # Flags that map one-to-one onto EngineConfig fields (flag dest == field name).
 ENGINE_FLAGS = ("device", "dtype", "max_model_len", "max_num_seqs", "max_batch_tokens", "max_waiting",
                 "page_size", "pool_bytes", "pool_fraction", "kernel_backend", "max_lora_rank", "seed")  # fmt: skip
+DRAIN_TIMEOUT_S = 10.0  # how long the slora model may take to end its requests before tritonserver is stopped anyway
+STOP_TIMEOUT_S = 60.0  # how long tritonserver may take to exit after SIGTERM before it is killed
+LEFTOVER_GRACE_S = 5.0  # how long its stubs and engine processes may take to follow it before they are killed
 
 
 @dataclass(frozen=True)
@@ -144,7 +153,9 @@ def parse_options(argv: Sequence[str] | None = None) -> LaunchOptions:
     )
 
 
-def repository_parameters(options: LaunchOptions, model_path: Path) -> dict[str, dict[str, str]]:
+def repository_parameters(
+    options: LaunchOptions, model_path: Path, drain_file: Path | None = None
+) -> dict[str, dict[str, str]]:
     """Each model's config.pbtxt parameters; the engine's are checked here, before the server starts."""
     engine = dict(options.engine)
     engine["model"] = str(model_path)
@@ -165,6 +176,8 @@ def repository_parameters(options: LaunchOptions, model_path: Path) -> dict[str,
         slora["default_max_tokens"] = str(options.default_max_tokens)
     if options.cancel_check_s is not None:
         slora["cancel_check_s"] = str(options.cancel_check_s)
+    if drain_file is not None:
+        slora["drain_file"] = str(drain_file)
     text = {"tokenizer": engine.get("tokenizer", str(model_path))}
     return {
         "slora": slora,
@@ -233,7 +246,10 @@ def _serve(options: LaunchOptions, workspace: Path) -> int:
         raise RuntimeError(problem)
     logger.info("model: %s", options.model)
     model_path = resolve_model_path(options.model)  # the default model is converted here, once
-    repository = render_repository(workspace / "model_repository", repository_parameters(options, model_path))
+    drain_file = workspace / "drain"
+    drain.clear(drain_file)
+    parameters = repository_parameters(options, model_path, drain_file)
+    repository = render_repository(workspace / "model_repository", parameters)
     command = server_command(install, repository, options)
     if options.dry_run:
         logger.info("repository: %s", repository)
@@ -241,24 +257,50 @@ def _serve(options: LaunchOptions, workspace: Path) -> int:
             logger.info("env %s=%s", key, value)
         logger.info("command: %s", " ".join(command))
         return 0
-    return run_server(command, env, options)
+    return run_server(command, env, options, drain_file)
 
 
-def run_server(command: list[str], env: dict[str, str], options: LaunchOptions) -> int:
-    """Run tritonserver until it exits or we are asked to stop; returns its exit status (0 after a clean stop)."""
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+@dataclass
+class StopRequests:
+    """Ctrl-C / SIGTERM: the first asks for a clean stop, the second for an immediate one."""
+
+    stop: threading.Event = field(default_factory=threading.Event)
+    force: threading.Event = field(default_factory=threading.Event)
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        (self.force if self.stop.is_set() else self.stop).set()
+
+
+def run_server(command: list[str], env: dict[str, str], options: LaunchOptions, drain_file: Path | None = None) -> int:
+    """Run tritonserver until it exits or we are asked to stop; returns its exit status (0 after a clean stop, 130
+    after a second Ctrl-C). `drain_file`: the slora model's, to have it end its requests before SIGTERM."""
+    requests = StopRequests()
+    previous = {signum: signal.signal(signum, requests.on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = _run(command, env, options, drain_file, requests)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if requests.force.is_set():
+        return 130
+    return 0 if requests.stop.is_set() and code in (0, -signal.SIGTERM) else code
+
+
+def _run(
+    command: list[str], env: dict[str, str], options: LaunchOptions, drain_file: Path | None, requests: StopRequests
+) -> int:
     logger.info("starting: %s", " ".join(command))
     process = subprocess.Popen(command, env=env, preexec_fn=_child_setup)
+    ready = False
     try:
-        if _wait_ready(process, options, stop):
+        ready = _wait_ready(process, options, requests.stop)
+        if ready and not requests.stop.is_set():
             _announce(options)
-            while process.poll() is None and not stop.wait(0.5):
+            while process.poll() is None and not requests.stop.wait(0.5):
                 pass
     finally:
-        code = _shutdown(process)
-    return 0 if stop.is_set() and code in (0, -signal.SIGTERM) else code
+        code = _shutdown(process, requests.force, drain_file if ready else None)
+    return code
 
 
 def _child_setup() -> None:
@@ -272,6 +314,8 @@ def _child_setup() -> None:
 
 
 def _wait_ready(process: subprocess.Popen, options: LaunchOptions, stop: threading.Event) -> bool:
+    """Whether the models are ready: True once they are, or if they were ready by the time we were asked to stop
+    (clients may have sent requests before we saw it)."""
     url = f"http://127.0.0.1:{options.http_port}/v2/health/ready"
     started = time.monotonic()
     reported = started
@@ -288,7 +332,7 @@ def _wait_ready(process: subprocess.Popen, options: LaunchOptions, stop: threadi
             logger.info("waiting for the models to load (%.0f s)", now - started)
             reported = now
         stop.wait(0.5)
-    return False
+    return process.poll() is None and _is_ready(url)
 
 
 def _is_ready(url: str) -> bool:
@@ -307,18 +351,79 @@ def _announce(options: LaunchOptions) -> None:
                 host, options.grpc_port)  # fmt: skip
 
 
-def _shutdown(process: subprocess.Popen, timeout_s: float = 60.0) -> int:
+def _shutdown(process: subprocess.Popen, force: threading.Event, drain_file: Path | None) -> int:
+    """Stop tritonserver: the slora model ends its requests, then SIGTERM; kill it if it hangs or on a second
+    Ctrl-C. Then make sure that none of its processes (Python stubs, engine processes) outlives it."""
+    if process.poll() is None and drain_file is not None:
+        _drain(process, drain_file, force)
     if process.poll() is None:
-        logger.info("stopping tritonserver")
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("tritonserver did not stop within %.0f s; killing it", timeout_s)
-            process.kill()
-            process.wait()
+        _terminate(process, force)
+    _reap_group(process.pid, force)
     logger.info("tritonserver exited with status %s", process.returncode)
     return int(process.returncode)
+
+
+def _drain(process: subprocess.Popen, drain_file: Path, force: threading.Event) -> None:
+    """Ask the slora model to end every request in flight and wait until it has (drain.py)."""
+    logger.info("stopping: ending the requests in flight (Ctrl-C again to stop at once)")
+    drain_file.touch()
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    while not drain.done_file(drain_file).exists():
+        if process.poll() is not None or force.is_set():
+            return
+        if time.monotonic() > deadline:
+            logger.warning("the requests in flight did not end within %.0f s; stopping anyway", DRAIN_TIMEOUT_S)
+            return
+        force.wait(0.05)
+
+
+def _terminate(process: subprocess.Popen, force: threading.Event) -> None:
+    logger.info("stopping tritonserver")
+    process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while process.poll() is None and not force.is_set() and time.monotonic() < deadline:
+        force.wait(0.1)
+    if process.poll() is None:
+        reason = "interrupted again" if force.is_set() else f"tritonserver did not stop within {STOP_TIMEOUT_S:.0f} s"
+        logger.warning("%s: killing it", reason)
+        _kill_group(process.pid)
+        process.wait()
+
+
+def _reap_group(group: int, force: threading.Event) -> None:
+    """tritonserver runs in a session of its own, with its stubs and their engine processes: wait for those to
+    exit (they follow the server within a second), kill those still there after LEFTOVER_GRACE_S."""
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    left = _live_members(group)
+    while left and not force.is_set() and time.monotonic() < deadline:
+        force.wait(0.1)
+        left = _live_members(group)
+    if left:
+        logger.warning("killing %d processes tritonserver left behind: %s", len(left), " ".join(map(str, left)))
+        _kill_group(group)
+        deadline = time.monotonic() + LEFTOVER_GRACE_S  # SIGKILL takes effect asynchronously
+        while _live_members(group) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+def _live_members(group: int) -> list[int]:
+    """The processes of process group `group` that still run (a zombie has exited); none where /proc is absent."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command)": state, ppid, pgrp, ...
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == group:
+            members.append(int(stat.parent.name))
+    return members
+
+
+def _kill_group(group: int) -> None:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 if __name__ == "__main__":

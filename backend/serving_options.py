@@ -24,6 +24,7 @@ class ServingOptions:
     lora_info_metric: bool = False  # export vllm:lora_requests_info (Gateway API Inference Extension)
     cancel_check_s: float = 0.2  # how often in-flight requests are checked for client cancellation
     engine_process: bool = True  # run the engine in a process of its own (else on a thread of the stub)
+    drain_file: str | None = None  # slora-serve writes it before it stops Triton (drain.py)
 
     def __post_init__(self) -> None:
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
@@ -43,6 +44,8 @@ class ServingOptions:
                 serving[key] = _bool(values.pop(key), key)
         if "cancel_check_s" in values:
             serving["cancel_check_s"] = _float(values.pop("cancel_check_s"), "cancel_check_s")
+        if "drain_file" in values:
+            serving["drain_file"] = values.pop("drain_file") or None
         registry = version_dir / MULTI_LORA_FILE if version_dir is not None else None
         if not values.get("adapter_registry") and registry is not None and registry.is_file():
             values["adapter_registry"] = str(registry)

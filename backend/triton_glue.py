@@ -10,7 +10,8 @@ The engine runs in a process of its own by default (`engine_process=true`, engin
 Python work and the responder's do not share one GIL; `engine_process=false` runs it on a thread of the stub.
 Control requests (`adapter_command` input: list | load | unload) are answered from a worker thread with one
 response holding `adapter_result` (JSON). This module and the other `triton_*` modules are the only code that
-imports triton_python_backend_utils; the engine knows nothing of Triton.
+imports triton_python_backend_utils; the engine knows nothing of Triton. Before slora-serve stops the server, the
+model drains (drain.py): it refuses new requests and ends every one in flight.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from slora.backend.drain import DrainWatcher
 from slora.backend.engine import LLMEngine
 from slora.backend.engine_process import EngineProcess
 from slora.backend.engine_service import EngineService, LocalEngine, Submission
+from slora.backend.errors import EngineOverloadedError
 from slora.backend.gc_freeze import freeze_startup_objects
 from slora.backend.request_inputs import (
     RawRequest,
@@ -66,6 +69,7 @@ class TritonPythonModel:
         self.metrics = _metrics(self.options)
         self.engine.on_stats(self.metrics.update_stats)
         self.responder = Responder(self.engine, self.metrics, self.options.cancel_check_s)
+        self.drain = DrainWatcher(Path(self.options.drain_file), self.responder) if self.options.drain_file else None
         self.admin = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slora-admin")
         self._ids = itertools.count()
         info = self.engine.info
@@ -79,6 +83,8 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         logger.info("stopping the engine (%d requests in flight)", self.responder.in_flight())
+        if self.drain is not None:
+            self.drain.close()
         self.admin.shutdown(wait=True)
         self.engine.stop()
         self.responder.stop()
@@ -101,6 +107,8 @@ class TritonPythonModel:
 
     def _submit(self, request: Any, sender: Any, raw: RawRequest, arrival: float) -> None:
         """Hand a well-formed request to the engine; what the engine refuses comes back through the responder."""
+        if self.drain is not None and self.drain.draining:
+            raise EngineOverloadedError("the server is shutting down")
         inputs = parse_generate(raw, self.options.default_max_tokens)
         request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
         stream = ResponseStream(inputs.stream, arrival, inputs.prefix_text, requested_outputs(request))

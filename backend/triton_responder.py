@@ -8,7 +8,8 @@ request that queued up while this thread was busy go out as one response: under 
 
 Cancellation: a client that cancels its gRPC stream or drops its HTTP SSE connection marks the request
 cancelled in the server. In-flight requests are checked every `check_s` (each check is a cheap message to the
-server); a cancelled one is aborted in the engine, which frees its pages at once.
+server); a cancelled one is aborted in the engine, which frees its pages at once. When the server is stopping
+(drain.py), every request in flight is aborted and ends with a FINAL response whose finish_reason is "abort".
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class _InFlight:
     sender: Any  # its response sender
     stream: ResponseStream
     checked_at: float = field(default_factory=time.monotonic)
-    cancelled: bool = False
+    cancelled: bool = False  # by the client
+    stopped: bool = False  # by the server, which is stopping (drain.py)
 
 
 class Responder:
@@ -70,6 +72,16 @@ class Responder:
     def in_flight(self) -> int:
         with self._lock:
             return len(self._in_flight)
+
+    def abort_all(self) -> int:
+        """Abort every request in flight in the engine (the server is stopping); each then ends with a FINAL
+        response whose finish_reason is "abort". Returns how many were in flight; aborting one twice is harmless."""
+        with self._lock:
+            entries = list(self._in_flight.values())
+        for entry in entries:
+            entry.stopped = True
+            self._engine.abort(entry.request_id)
+        return len(entries)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Send what is queued, then stop (after the engine loop has stopped and aborted what was left)."""
@@ -117,7 +129,7 @@ class Responder:
     def _deliver(self, entry: _InFlight, outputs: list[tuple[RequestOutput, float]]) -> None:
         last, at = outputs[-1]
         try:
-            if last.finish_reason in ("error", "abort", "rejected"):
+            if _ends_in_error(entry, last):
                 if len(outputs) > 1:
                     self._reply(entry, outputs[:-1])  # tokens produced before the failure still go out
                 self._send_failure(entry, last)
@@ -181,3 +193,12 @@ class Responder:
             logger.info("request %s was cancelled by the client; aborting it", entry.request_id)
             entry.cancelled = True
             self._engine.abort(entry.request_id)
+
+
+def _ends_in_error(entry: _InFlight, last: RequestOutput) -> bool:
+    """Failures, refusals and aborts end with an error response, except a request aborted because the server is
+    stopping: that one ends with a regular FINAL response (finish_reason "abort"), since Triton 2.51's ensemble
+    never completes a request whose composing model fails while one of its later steps is still running."""
+    if last.finish_reason == "abort":
+        return not entry.stopped
+    return last.finish_reason in ("error", "rejected")

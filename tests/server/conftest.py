@@ -101,26 +101,47 @@ def _wait_ready(url: str, process: subprocess.Popen, log: Path) -> None:
     pytest.fail(f"the server was not ready after {READY_TIMEOUT_S} s:\n{log.read_text()[-6000:]}")
 
 
+@dataclass(frozen=True)
+class Launched:
+    """A slora-serve process that is ready, and where it listens."""
+
+    http_url: str
+    grpc_url: str
+    metrics_url: str
+    workspace: Path
+    log: Path
+    process: subprocess.Popen
+
+
+def launch(root: Path, *options: str) -> Launched:
+    """Start slora-serve (the default model on CPU, on free local ports) with `options`; wait until it is ready."""
+    http, grpc, metrics = _free_ports(3)
+    log = root / "server.log"
+    workspace = root / "workspace"
+    command = _serve_command() + [
+        "--model", "default", "--device", "cpu", "--host", "127.0.0.1", "--http-port", str(http),
+        "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--workspace", str(workspace), *options,
+    ]  # fmt: skip
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+    _wait_ready(f"127.0.0.1:{http}", process, log)
+    return Launched(f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"127.0.0.1:{metrics}", workspace, log, process)
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("server")
     adapters, spare, registry = _make_adapters(root)
-    http, grpc, metrics = _free_ports(3)
-    log = root / "server.log"
-    command = _serve_command() + [
-        "--model", "default", "--adapter-dir", str(adapters), "--lora-registry", str(registry),
-        "--device", "cpu", "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-        "--host", "127.0.0.1", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
-        "--max-waiting", str(MAX_WAITING), "--pool-bytes", POOL_BYTES, "--lora-info-metric",
-        "--workspace", str(root / "workspace"),
-    ]  # fmt: skip
-    with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+    launched = launch(
+        root, "--adapter-dir", str(adapters), "--lora-registry", str(registry), "--max-model-len", str(MAX_MODEL_LEN),
+        "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting", str(MAX_WAITING), "--pool-bytes", POOL_BYTES,
+        "--lora-info-metric",
+    )  # fmt: skip
     try:
-        _wait_ready(f"127.0.0.1:{http}", process, log)
-        yield Server(f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"127.0.0.1:{metrics}", adapters, spare, log, process)
+        yield Server(launched.http_url, launched.grpc_url, launched.metrics_url, adapters, spare, launched.log,
+                     launched.process)  # fmt: skip
     finally:
-        _stop(process, log)
+        _stop(launched.process, launched.log)
 
 
 def _stop(process: subprocess.Popen, log: Path) -> None:

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +17,7 @@ from tritonclient.grpc import model_config_pb2
 
 from slora.backend.detokenizer import IncrementalDetokenizer
 from slora.backend.errors import InvalidRequestError
-from slora.backend.launcher import main, parse_options, repository_parameters, server_command
+from slora.backend.launcher import LaunchOptions, main, parse_options, repository_parameters, run_server, server_command
 from slora.backend.model_repository import MODELS, render_repository
 from slora.backend.server_locator import STUB, ServerNotFoundError, locate_server, python_version, stub_python_version
 from slora.backend.text_steps import decode_spans, encode_prompt, prompt_prefix
@@ -79,6 +84,59 @@ def test_dry_run(tmp_path: Path, default_model_dir: Path) -> None:
     assert main(["--dry-run", "--device", "cpu", "--workspace", str(tmp_path)]) == 0
     assert (tmp_path / "model_repository" / "ensemble" / "config.pbtxt").is_file()
     assert main(["--max-waiting", "0", "--dry-run", "--workspace", str(tmp_path)]) == 1  # refused, named
+
+
+# A stand-in for tritonserver: it starts a "stub" that ignores SIGTERM, writes the stub's pid to argv[1], then exits
+# on SIGTERM, or ignores it too when argv[2] is "stubborn".
+FAKE_SERVER = """
+import signal, subprocess, sys, time
+stub_code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"
+stub = subprocess.Popen([sys.executable, "-c", stub_code])
+signal.signal(signal.SIGTERM, signal.SIG_IGN if sys.argv[2] == "stubborn" else lambda *_: sys.exit(0))
+open(sys.argv[1], "w").write(str(stub.pid))
+time.sleep(300)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _serve_fake(tmp_path: Path, behaviour: str, interrupts: int) -> tuple[int, float, int]:
+    """run_server on the fake server, Ctrl-C'd `interrupts` times once its stub runs: (exit status, seconds, stub)."""
+    pid_file = tmp_path / "stub.pid"
+
+    def interrupt() -> None:
+        while not (pid_file.exists() and pid_file.read_text()):
+            time.sleep(0.05)
+        for _ in range(interrupts):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
+
+    with socket.socket() as s:  # a port where no server answers: the fake is never ready
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    threading.Thread(target=interrupt, daemon=True).start()
+    started = time.monotonic()
+    command = [sys.executable, "-c", FAKE_SERVER, str(pid_file), behaviour]
+    options = LaunchOptions(http_port=port, grpc_port=port + 1, metrics_port=port + 2)
+    code = run_server(command, dict(os.environ), options)
+    return code, time.monotonic() - started, int(pid_file.read_text())
+
+
+def test_no_process_of_the_server_outlives_the_launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("slora.backend.launcher.LEFTOVER_GRACE_S", 0.5)
+    code, _, stub = _serve_fake(tmp_path, "clean", interrupts=1)
+    assert code == 0 and not _running(stub)
+
+
+def test_a_second_ctrl_c_kills_the_server_at_once(tmp_path: Path) -> None:
+    code, seconds, stub = _serve_fake(tmp_path, "stubborn", interrupts=2)
+    assert code == 130 and seconds < 10 and not _running(stub)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the launcher's handlers are gone
 
 
 def test_text_spans_rebuild_the_detokenizer_text_exactly(tokenizer) -> None:  # type: ignore[no-untyped-def]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from slora.backend import drain
 from slora.backend.detokenizer import TextSpan
 from slora.backend.errors import InvalidRequestError
 from slora.backend.outputs import RequestOutput
@@ -162,13 +165,49 @@ def test_serving_options_split_engine_and_serving_keys(tmp_path) -> None:  # typ
     parameters = model_config_parameters(
         {"parameters": {"model": {"string_value": "/m"}, "max_num_seqs": {"string_value": "8"},
                         "lora_info_metric": {"string_value": "true"}, "default_max_tokens": {"string_value": "32"},
-                        "pool_bytes": {"string_value": ""}}}
+                        "pool_bytes": {"string_value": ""}, "drain_file": {"string_value": "/ws/drain"}}}
     )  # fmt: skip
     options = ServingOptions.from_parameters(parameters, tmp_path)
     assert (options.engine.model, options.engine.max_num_seqs, options.engine.pool_bytes) == ("/m", 8, None)
-    assert options.lora_info_metric and options.default_max_tokens == 32
+    assert options.lora_info_metric and options.default_max_tokens == 32 and options.drain_file == "/ws/drain"
     assert options.engine.adapter_registry == str(tmp_path / "multi_lora.json")
     with pytest.raises(ValueError, match="unknown engine option 'max_batch'"):
         ServingOptions.from_parameters({"max_batch": "4"})
     with pytest.raises(ValueError, match="adapter_admin must be true or false"):
         ServingOptions.from_parameters({"adapter_admin": "maybe"})
+
+
+class _InFlight:
+    """Requests for the drain watcher; the first abort misses them (they were being submitted as it began)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.aborts = 0
+
+    def in_flight(self) -> int:
+        return self.count
+
+    def abort_all(self) -> int:
+        self.aborts += 1
+        if self.aborts > 1:
+            self.count = 0
+        return self.count
+
+
+def test_drain_ends_every_request_in_flight_then_acknowledges(tmp_path: Path) -> None:
+    drain_file = tmp_path / "drain"
+    requests = _InFlight(2)
+    watcher = drain.DrainWatcher(drain_file, requests, poll_s=0.01)
+    try:
+        time.sleep(0.05)
+        assert not watcher.draining and requests.aborts == 0
+        drain_file.touch()
+        deadline = time.monotonic() + 5.0
+        while not drain.done_file(drain_file).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert watcher.draining and requests.aborts == 2 and requests.count == 0
+        assert drain.done_file(drain_file).exists()
+    finally:
+        watcher.close()
+    drain.clear(drain_file)  # what slora-serve does before it starts a server in a reused workspace
+    assert not drain_file.exists() and not drain.done_file(drain_file).exists()
