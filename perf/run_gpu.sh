@@ -15,6 +15,7 @@
 #   serving-s1  engine S1 n=5, n=2000; served `slora` n=5, n=2000; served `ensemble` n=2000               [~8 min]
 #   peft        engine S1 n=5, n=100; PEFT S1 n=5, n=100 (bounded prefixes)                               [~6 min]
 #   peft-only   PEFT S1 n=5, n=100 alone (run after engine-s1 in the same call)                          [~3 min]
+#   served-both engine S1 n=2000; served `slora` n=2000 and `ensemble` n=2000 (the served target, both paths)  [~6 min]
 #   served      engine S1 n=2000 (and base model); served `slora` n=2000 (adapters preloaded at start); perf_analyzer slora  [~6 min]
 #   checks      kernel and engine tests on the GPU, then perf.bench_decode_step (CUDA graphs, batch 1/8/64),
 #               perf.bench_host_step (host time of a 256-sequence decode step) and perf.bench_host_forward
@@ -276,6 +277,13 @@ suite() {
         perf_analyzer slora
       fi
       stop_server ;;
+    served-both)  # the in-process headline run, then the same trace served through `slora` and the `ensemble`
+      engine "$KERNEL" S1 "$s1_big"
+      if start_server S1; then
+        serving slora "$s1_big"
+        serving ensemble "$s1_big"
+      fi
+      stop_server ;;
     checks)  # correctness on the GPU, then issue 4's decode-step target (graphs on/off, adapters on/off)
       local root
       root=$(adapters S1)
@@ -302,7 +310,7 @@ suite() {
       s1_100=$(trace s1 100)
       peft "$s1_5" "$s1_100" ;;
     *)
-      log "unknown suite $1 (all, headline, lora-vs-base, engine-s1, engine-s2, bmm, serving-s1, served, checks, peft, peft-only)"; return 2 ;;
+      log "unknown suite $1 (all, headline, lora-vs-base, engine-s1, engine-s2, bmm, serving-s1, served, served-both, checks, peft, peft-only)"; return 2 ;;
   esac
 }
 
