@@ -31,31 +31,50 @@ KERNELS = (  # (module, kernel)
 
 def compiled_variants() -> dict[str, int]:
     """Kernel name → compiled variants so far, for the kernels whose modules are imported."""
-    counts = {}
+    return {name: len(keys) for name, keys in variant_keys().items()}
+
+
+def variant_keys() -> dict[str, set[str]]:
+    """Kernel name → the specialization key of each compiled variant (what tells two variants apart: constexprs,
+    integer-argument classes, dtypes), for the kernels whose modules are imported."""
+    keys = {}
     for module_name, kernel_name in KERNELS:
         try:
             kernel = getattr(importlib.import_module(module_name), kernel_name)
         except ImportError:
             continue
-        counts[kernel_name] = _count(kernel)
-    return counts
+        keys[kernel_name] = {str(key) for key in _cache_keys(kernel)}
+    return keys
 
 
 def _count(kernel: Any) -> int:
+    return len(_cache_keys(kernel))
+
+
+def _cache_keys(kernel: Any) -> list[Any]:
     caches = getattr(kernel, "device_caches", None)
     if not isinstance(caches, dict):
-        return 0
-    total = 0
+        return []
+    keys: list[Any] = []
     for entry in caches.values():
         if isinstance(entry, tuple) and entry and isinstance(entry[0], dict):
-            total += len(entry[0])  # the kernel cache comes first in triton 3.x's per-device tuple
-    return total
+            keys += entry[0]  # the kernel cache comes first in triton 3.x's per-device tuple
+    return keys
 
 
 def compiled_since(before: dict[str, int]) -> dict[str, int]:
     """Kernel name → variants compiled since `before` (a compiled_variants() result), for those that compiled."""
     return {
         name: count - before.get(name, 0) for name, count in compiled_variants().items() if count > before.get(name, 0)
+    }
+
+
+def keys_since(before: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Kernel name → the keys of the variants compiled since `before` (a variant_keys() result), for those that
+    compiled: which specialization a warm-up missed."""
+    now = variant_keys()
+    return {
+        name: sorted(keys - before.get(name, set())) for name, keys in now.items() if keys - before.get(name, set())
     }
 
 

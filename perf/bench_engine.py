@@ -41,7 +41,7 @@ from slora.backend.engine import LLMEngine
 from slora.backend.errors import EngineOverloadedError, SloraError
 from slora.backend.gc_freeze import startup_objects_frozen
 from slora.backend.model_runner import PHASES, StepShape
-from slora.kernels.jit_stats import compiled_since, compiled_variants
+from slora.kernels.jit_stats import keys_since, variant_keys
 
 logger = logging.getLogger(__name__)
 
@@ -260,14 +260,16 @@ def run_one(
     warm_up(engine, trace, options)
     engine.evict_adapters()
     before = engine.stats()
-    compiled_before = compiled_variants()
+    compiled_before = variant_keys()
     replay = Replay(engine, trace, options)
     with startup_objects_frozen():  # as a serving process once started: no full collection of them in the clock
         duration = replay.run()
     after = engine.stats()
-    compiles = compiled_since(compiled_before)
+    compiled_keys = keys_since(compiled_before)
+    compiles = {kernel: len(keys) for kernel, keys in compiled_keys.items()}
     if compiles:
-        logger.warning("%s: kernel variants compiled inside the clock (the warm-up missed them): %s", name, compiles)
+        logger.warning("%s: kernel variants compiled inside the clock (the warm-up missed them): %s", name,
+                       compiled_keys)  # fmt: skip
     metrics = summarize(list(replay.records.values()), duration, options.window_fraction)
     metrics.update(
         engine_steps=replay.steps,
@@ -281,6 +283,7 @@ def run_one(
         step_kinds={kind: tally.summary() for kind, tally in sorted(replay.kinds.items())},
         triton_compiles=sum(compiles.values()),  # kernel variants compiled inside the clock (warm-up missed)
         triton_compiles_by_kernel=compiles,
+        triton_compile_keys=compiled_keys,  # their specialization keys: which launch shape the warm-up missed
     )
     options_info = {**asdict(options), "mode": spec.mode, "engine": _engine_info(engine)}
     records = list(replay.records.values())

@@ -45,6 +45,13 @@ def test_compiled_since_names_the_kernels_that_compiled(monkeypatch: pytest.Monk
     assert jit_stats.compiled_since({"_a_kernel": 1, "_b_kernel": 1}) == {"_a_kernel": 2, "_c_kernel": 2}
 
 
+def test_keys_since_names_the_new_specializations(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = types.SimpleNamespace(device_caches={0: ({"(16, 'fp16')": 1, "(1, 'fp16')": 2}, {}), 1: ({"(8,)": 3},)})
+    assert sorted(jit_stats._cache_keys(kernel)) == ["(1, 'fp16')", "(16, 'fp16')", "(8,)"]
+    monkeypatch.setattr(jit_stats, "variant_keys", lambda: {"_a_kernel": {"x", "y"}, "_b_kernel": {"z"}})
+    assert jit_stats.keys_since({"_a_kernel": {"x"}, "_b_kernel": {"z"}}) == {"_a_kernel": ["y"]}
+
+
 def test_kernels_replaced_stands_in_for_every_kernel_and_puts_them_back() -> None:
     def current() -> dict[str, Any]:
         return {(module, name): getattr(importlib.import_module(module), name) for module, name in jit_stats.KERNELS}
