@@ -49,7 +49,7 @@ def expand_config(group: SegmentGroup) -> ExpandConfig:
     return {"decode": DECODE, "mixed": MIXED, "prompts": PREFILL}[group.kind]
 
 
-@triton.jit(do_not_specialize=["split_k", "stride_v_split"])
+@triton.jit(do_not_specialize=["split_k", "stride_v_split", "stride_v_tok"])  # as the shrink: rank-dependent
 def _lora_expand_kernel(
     v_ptr,  # float32 [split_k, num_tokens, R]: the shrink kernel's partial sums
     stride_v_split,

@@ -78,7 +78,10 @@ def fused_rows(ranks_ptr, row_start_ptr, table, NUM_SLICES: tl.constexpr):
     return rank, tl.load(row_start_ptr + table)
 
 
-@triton.jit(do_not_specialize=["stride_v_split"])  # num_tokens × rank: its parity changes every step
+# stride_v_split (num_tokens × rank) changes every step; stride_v_tok is v's width, the step's largest fused rank:
+# specialized, a step whose adapters all have ranks not divisible by 16 (S2's rank 8: 24 for q, k, v) compiled
+# variants of its own while serving (S2 n = 2000 on the H200, perf/RESULTS.md ㉕).
+@triton.jit(do_not_specialize=["stride_v_split", "stride_v_tok"])
 def _lora_shrink_kernel(
     x_ptr,  # [num_tokens, in_features], unit column stride
     stride_x,  # row stride of x
