@@ -4,6 +4,8 @@ state must be exactly those of the engine that reads every step's tokens before 
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -11,8 +13,9 @@ import torch
 
 from slora.backend.config import EngineConfig
 from slora.backend.engine import LLMEngine
+from slora.backend.engine_loop import EngineLoop
 from slora.backend.inflight import InflightStep
-from slora.backend.outputs import Completion
+from slora.backend.outputs import Completion, RequestOutput
 from slora.backend.sampling_params import SamplingParams
 from tests.engine import test_scheduling as scheduling
 from tests.engine.conftest import ModelWithAdapters
@@ -117,6 +120,43 @@ def test_stop_strings_match(tiny_text_model: Path) -> None:
         outputs.append(("".join(p.text for p in pieces), pieces[-1].finish_reason, free.text))
     assert outputs[0] == outputs[1] and outputs[0][1] == "stop"
     assert outputs[0][0] == outputs[0][2][: outputs[0][2].index(outputs[0][2][3:6])]
+
+
+def test_engine_loop_aborts_a_stream_mid_way(llama: ModelWithAdapters) -> None:
+    """As a server runs it: the engine on its own thread, one stream cancelled by its client after two tokens."""
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 9, 14, 2], [3, 3, 3], [11, 12]]
+    adapters = [llama.adapters[0], None, llama.adapters[1]]
+    want = [c.token_ids for c in _engine(llama, overlap=False).generate(prompts, adapters, greedy)]
+    loop = EngineLoop(_engine(llama, overlap=True))
+    outputs: dict[int, list[RequestOutput]] = {i: [] for i in range(len(prompts))}
+    finished = threading.Semaphore(0)
+    ids: dict[int, str] = {}
+
+    def collect(i: int) -> Callable[[RequestOutput], None]:
+        def callback(output: RequestOutput) -> None:
+            outputs[i].append(output)
+            if i == 1 and len(outputs[i]) == 2:
+                loop.abort(ids[1])
+            if output.finished:
+                finished.release()
+
+        return callback
+
+    loop.start()
+    try:
+        for i, (prompt, adapter) in enumerate(zip(prompts, adapters)):
+            ids[i] = loop.submit(prompt, collect(i), adapter, greedy)
+        for _ in prompts:
+            assert finished.acquire(timeout=60)
+        integrity = loop.call(lambda engine: engine.check_idle_integrity())
+    finally:
+        loop.stop()
+    assert integrity is None
+    tokens = {i: [t for o in outs for t in o.new_token_ids] for i, outs in outputs.items()}
+    assert tokens[0] == want[0] and tokens[2] == want[2]
+    assert outputs[1][-1].finish_reason == "abort" and [o.finished for o in outputs[1]].count(True) == 1
+    assert tokens[1] == want[1][: len(tokens[1])] and 2 <= len(tokens[1]) < len(want[1])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: reading a step's tokens while later work runs")
