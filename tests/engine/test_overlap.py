@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -157,6 +158,56 @@ def test_engine_loop_aborts_a_stream_mid_way(llama: ModelWithAdapters) -> None:
     assert tokens[0] == want[0] and tokens[2] == want[2]
     assert outputs[1][-1].finish_reason == "abort" and [o.finished for o in outputs[1]].count(True) == 1
     assert tokens[1] == want[1][: len(tokens[1])] and 2 <= len(tokens[1]) < len(want[1])
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(llama: ModelWithAdapters, overlap: bool) -> None:
+    """A forward that raises (with overlap: while the step before is still in flight) ends the requests in flight
+    with an error; the pool is whole afterwards and later requests get the tokens they would have had."""
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 9, 14, 2], [3, 3, 3]]
+    adapters = [llama.adapters[0], None]
+    want = [c.token_ids for c in _engine(llama, overlap=False).generate(prompts, adapters, greedy)]
+    engine = _engine(llama, overlap)
+    forward = engine.runner.model.forward
+    calls = {"n": 0}
+
+    def failing_forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("injected device fault")
+        return forward(*args, **kwargs)
+
+    engine.runner.model.forward = failing_forward  # type: ignore[method-assign]
+    loop = EngineLoop(engine)
+    finals: dict[str, RequestOutput] = {}
+    done = threading.Semaphore(0)
+
+    def callback(output: RequestOutput) -> None:
+        if output.finished:
+            finals[output.request_id] = output
+            done.release()
+
+    loop.start()
+    try:
+        first = [loop.submit(p, callback, a, greedy) for p, a in zip(prompts, adapters)]
+        for _ in first:
+            assert done.acquire(timeout=60)
+        tokens: dict[str, list[int]] = {}
+
+        def collect(output: RequestOutput) -> None:
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+            callback(output)
+
+        second = [loop.submit(p, collect, a, greedy) for p, a in zip(prompts, adapters)]
+        for _ in second:
+            assert done.acquire(timeout=60)
+        loop.call(lambda e: e.check_idle_integrity())
+    finally:
+        loop.stop()
+    assert [finals[i].finish_reason for i in first] == ["error", "error"]
+    assert "injected device fault" in (finals[first[0]].error or "")
+    assert [tokens[i] for i in second] == want and [finals[i].finish_reason for i in second] == ["length"] * 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: reading a step's tokens while later work runs")
