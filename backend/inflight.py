@@ -23,7 +23,6 @@ class InflightStep:
     batch: ForwardBatch
     tokens: torch.Tensor  # int64 [num_sampled], on the device: one per batch.sampled
     requests: list[Request]  # batch.sampled's requests, in that order
-    launched_at: float  # perf_counter() when the step was launched
     index: dict[int, int] = field(default_factory=dict)  # id(request) -> its position in `tokens`, built lazily
     host_tokens: torch.Tensor | None = None  # CUDA: page-locked copy of `tokens`, complete once `copied` is
     copied: torch.cuda.Event | None = None

@@ -215,7 +215,7 @@ def test_reading_a_step_does_not_wait_for_the_next() -> None:
     """A launched step's tokens are read as soon as its own sampling is done, not after the work queued behind it
     (the next step): otherwise nothing would overlap."""
     logits = torch.randn(8, 100, device="cuda")
-    step = InflightStep(batch=None, tokens=torch.argmax(logits, dim=-1), requests=[], launched_at=0.0)  # type: ignore[arg-type]
+    step = InflightStep(batch=None, tokens=torch.argmax(logits, dim=-1), requests=[])  # type: ignore[arg-type]
     torch.cuda._sleep(1_000_000_000)  # "the next step": ~0.5 s of GPU time queued behind the sampling
     later = torch.cuda.Event()
     later.record()
