@@ -47,10 +47,6 @@ def variant_keys() -> dict[str, set[str]]:
     return keys
 
 
-def _count(kernel: Any) -> int:
-    return len(_cache_keys(kernel))
-
-
 def _cache_keys(kernel: Any) -> list[Any]:
     caches = getattr(kernel, "device_caches", None)
     if not isinstance(caches, dict):
@@ -62,20 +58,11 @@ def _cache_keys(kernel: Any) -> list[Any]:
     return keys
 
 
-def compiled_since(before: dict[str, int]) -> dict[str, int]:
-    """Kernel name → variants compiled since `before` (a compiled_variants() result), for those that compiled."""
-    return {
-        name: count - before.get(name, 0) for name, count in compiled_variants().items() if count > before.get(name, 0)
-    }
-
-
 def keys_since(before: dict[str, set[str]]) -> dict[str, list[str]]:
     """Kernel name → the keys of the variants compiled since `before` (a variant_keys() result), for those that
     compiled: which specialization a warm-up missed."""
-    now = variant_keys()
-    return {
-        name: sorted(keys - before.get(name, set())) for name, keys in now.items() if keys - before.get(name, set())
-    }
+    new = {name: keys - before.get(name, set()) for name, keys in variant_keys().items()}
+    return {name: sorted(keys) for name, keys in new.items() if keys}
 
 
 @contextlib.contextmanager

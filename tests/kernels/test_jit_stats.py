@@ -15,12 +15,12 @@ from slora.kernels import jit_stats
 
 def test_counts_every_cached_variant_across_devices() -> None:
     kernel = types.SimpleNamespace(device_caches={0: ({"k1": 1, "k2": 2}, {}, "t", "b", "bind"), 1: ({"k3": 3},)})
-    assert jit_stats._count(kernel) == 3
+    assert len(jit_stats._cache_keys(kernel)) == 3
 
 
 def test_unknown_layouts_and_interpreted_kernels_count_zero() -> None:
-    assert jit_stats._count(types.SimpleNamespace()) == 0
-    assert jit_stats._count(types.SimpleNamespace(device_caches={0: "not a tuple"})) == 0
+    assert jit_stats._cache_keys(types.SimpleNamespace()) == []
+    assert jit_stats._cache_keys(types.SimpleNamespace(device_caches={0: "not a tuple"})) == []
 
 
 def test_every_project_kernel_is_listed() -> None:
@@ -40,16 +40,15 @@ def test_no_project_kernel_is_left_out() -> None:
     assert found and found <= set(jit_stats.KERNELS), found - set(jit_stats.KERNELS)
 
 
-def test_compiled_since_names_the_kernels_that_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jit_stats, "compiled_variants", lambda: {"_a_kernel": 3, "_b_kernel": 1, "_c_kernel": 2})
-    assert jit_stats.compiled_since({"_a_kernel": 1, "_b_kernel": 1}) == {"_a_kernel": 2, "_c_kernel": 2}
-
-
 def test_keys_since_names_the_new_specializations(monkeypatch: pytest.MonkeyPatch) -> None:
     kernel = types.SimpleNamespace(device_caches={0: ({"(16, 'fp16')": 1, "(1, 'fp16')": 2}, {}), 1: ({"(8,)": 3},)})
     assert sorted(jit_stats._cache_keys(kernel)) == ["(1, 'fp16')", "(16, 'fp16')", "(8,)"]
-    monkeypatch.setattr(jit_stats, "variant_keys", lambda: {"_a_kernel": {"x", "y"}, "_b_kernel": {"z"}})
-    assert jit_stats.keys_since({"_a_kernel": {"x"}, "_b_kernel": {"z"}}) == {"_a_kernel": ["y"]}
+    now = {"_a_kernel": {"x", "y", "v"}, "_b_kernel": {"z"}, "_c_kernel": {"w"}}
+    monkeypatch.setattr(jit_stats, "variant_keys", lambda: now)
+    assert jit_stats.keys_since({"_a_kernel": {"x"}, "_b_kernel": {"z"}}) == {
+        "_a_kernel": ["v", "y"],
+        "_c_kernel": ["w"],
+    }
 
 
 def test_kernels_replaced_stands_in_for_every_kernel_and_puts_them_back() -> None:
