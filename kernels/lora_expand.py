@@ -41,12 +41,16 @@ class ExpandConfig:
 
 
 DECODE = ExpandConfig(4, 16, (1024,), 1024, 4, 2, gemv=True)  # picked as the shrink's (shrink_config)
+DECODE_ONE = DECODE  # calls of one module (o, down), as the shrink's
 MIXED = ExpandConfig(16, 16, (256,), 512, 4, 2)  # one width: no variant compiled for a new tile count
 PREFILL = ExpandConfig(64, 16, (128,), 512, 4, 2)
 
 
-def expand_config(group: SegmentGroup) -> ExpandConfig:
-    return {"decode": DECODE, "mixed": MIXED, "prompts": PREFILL}[group.kind]
+def expand_config(group: SegmentGroup, num_slices: int) -> ExpandConfig:
+    """The config of a call of num_slices fused modules, picked as the shrink's (shrink_config)."""
+    if group.kind == "decode":
+        return DECODE_ONE if num_slices == 1 else DECODE
+    return MIXED if group.kind == "mixed" else PREFILL
 
 
 @triton.jit(do_not_specialize=["split_k", "stride_v_split", "stride_v_tok"])  # as the shrink: rank-dependent
@@ -208,7 +212,7 @@ def expand_launch(
     num_slices = len(out_widths)
     _check(y, v, flat_layer, meta, first_module, out_offsets, out_widths)
     group = meta.whole()
-    cfg = expand_config(group)
+    cfg = expand_config(group, num_slices)
     tiles = group.tiles(cfg.block_m)
     num_tiles = int(tiles.shape[0])
     if num_tiles == 0:

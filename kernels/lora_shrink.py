@@ -52,12 +52,17 @@ MAX_SPLIT_K = 16  # K splits at most: each adds a partial sum of v that the expa
 # decode shape for a step that mixes decodes with prompts, prompt-shaped ones for a step of prompts only.
 # GEMV: tiles of up to 4 tokens (one program's tokens run one after the other), one K block per program.
 DECODE = ShrinkConfig(4, 16, 1024, 1 << 20, 4, 2, gemv=True)  # H200 sweep (perf/RESULTS.md)
+# Decode calls of one module (o, down) have a third of q/k/v's rows per tile, so fewer programs: swept apart.
+DECODE_ONE = DECODE
 MIXED = ShrinkConfig(16, 32, 128, 512, 4, 3)  # swept on the H200 (perf/RESULTS.md, kernel tuning)
 PREFILL = ShrinkConfig(64, 16, 64, 512, 4, 3)
 
 
-def shrink_config(group: SegmentGroup) -> ShrinkConfig:
-    return {"decode": DECODE, "mixed": MIXED, "prompts": PREFILL}[group.kind]
+def shrink_config(group: SegmentGroup, num_slices: int) -> ShrinkConfig:
+    """The config of a call of num_slices fused modules on the group's segments."""
+    if group.kind == "decode":
+        return DECODE_ONE if num_slices == 1 else DECODE
+    return MIXED if group.kind == "mixed" else PREFILL
 
 
 @triton.jit
@@ -191,7 +196,7 @@ def shrink_launch(
     """
     _check(x, flat_layer, meta, first_module, num_slices)
     group = meta.whole()
-    cfg = shrink_config(group)
+    cfg = shrink_config(group, num_slices)
     fused_rank = meta.fused_rank(first_module, num_slices)
     tiles = group.tiles(cfg.block_m)
     num_tiles = int(tiles.shape[0])

@@ -623,9 +623,10 @@ def sweep(
     return sorted(results, key=lambda r: r.get("ms", float("inf")))
 
 
-def tune_lora(label: str, case: LoraCase) -> list[dict[str, Any]]:
-    """Shrink and expand config sweeps of the q/k/v call of `case` (each variant's launches built afresh)."""
-    _, modules, in_features = lora_calls(case.model)[0]
+def tune_lora(label: str, case: LoraCase, call: int = 0) -> list[dict[str, Any]]:
+    """Shrink and expand config sweeps of one LoRA call of `case` (lora_calls: 0 = q/k/v, 1 = o, 3 = down), each
+    variant's launches built afresh. Calls of one module sweep their own decode configs (DECODE_ONE)."""
+    name, modules, in_features = lora_calls(case.model)[call]
     widths = tuple(case.model.widths(m)[1] for m in modules)
     offsets = tuple(itertools.accumulate(widths, initial=0))[:-1]
     x = torch.randn((case.num_tokens, in_features), device=DEVICE).to(torch.bfloat16)
@@ -636,23 +637,51 @@ def tune_lora(label: str, case: LoraCase) -> list[dict[str, Any]]:
         case.meta.launches.clear()  # the launches a step keeps were built with the previous variant
         ops.lora(y, x, case.flat_layer, case.meta, modules, offsets, widths)
 
-    # The GEMV kernels' configs, and the tensor-core kernels' decode configs to compare with.
-    # Each variant compiles (about a second on the H200 host): a grid around the defaults, not every combination.
-    shrink = [ShrinkConfig(16, br, bk, 1 << 20, w, 2, gemv=True) for br in (16, 32) for bk in (256, 512, 1024)
+    kind = case.meta.whole().kind
+    attr = {"decode": "DECODE", "mixed": "MIXED", "prompts": "PREFILL"}[kind]  # the config it uses
+    if len(modules) == 1:
+        if kind != "decode":
+            raise ValueError(f"one-module calls are swept on decode steps only, not on a {kind} step")
+        shrink, expand, attr = single_module_variants(), single_module_expand_variants(), "DECODE_ONE"
+    else:
+        shrink, expand = fused_variants(), fused_expand_variants()
+    results = sweep(f"lora_shrink ({label} {name})", lora_shrink, attr, shrink, lora)
+    return results + sweep(f"lora_expand ({label} {name})", lora_expand, attr, expand, lora)
+
+
+# Each variant compiles (about a second on the H200 host): grids around the defaults, not every combination.
+def fused_variants() -> list[ShrinkConfig]:
+    """The GEMV shrink configs of fused calls, and the tensor-core kernels' decode configs to compare with."""
+    shrink = [ShrinkConfig(4, br, bk, 1 << 20, w, 2, gemv=True) for br in (16, 32) for bk in (256, 512, 1024)
               for w in (4, 8)]  # fmt: skip
     shrink += [dataclasses.replace(lora_shrink.DECODE, target_programs=tp) for tp in (512, 1024)]
     shrink += [dataclasses.replace(lora_shrink.DECODE, block_m=bm) for bm in (1, 2, 8, 16)]
     shrink += [dataclasses.replace(lora_shrink.MIXED, block_m=bm) for bm in (32, 64)]  # prompts in fewer tiles
-    shrink.append(lora_shrink.MIXED)
+    return shrink + [lora_shrink.MIXED]
+
+
+def fused_expand_variants() -> list[ExpandConfig]:
     expand = [ExpandConfig(4, br, (bn,), 1024, w, 2, gemv=True) for br in (8, 16) for bn in (512, 1024, 2048)
               for w in (4, 8)]  # fmt: skip
     expand += [dataclasses.replace(lora_expand.DECODE, block_m=bm) for bm in (1, 2, 8, 16)]
     expand += [dataclasses.replace(lora_expand.MIXED, block_n=(bn,)) for bn in (64, 128, 256)]
     expand += [dataclasses.replace(lora_expand.MIXED, block_m=bm) for bm in (32, 64)]
-    expand.append(lora_expand.MIXED)
-    attr = {"decode": "DECODE", "mixed": "MIXED", "prompts": "PREFILL"}[case.meta.whole().kind]  # the config it uses
-    results = sweep(f"lora_shrink ({label} qkv)", lora_shrink, attr, shrink, lora)
-    return results + sweep(f"lora_expand ({label} qkv)", lora_expand, attr, expand, lora)
+    return expand + [lora_expand.MIXED]
+
+
+def single_module_variants() -> list[ShrinkConfig]:
+    """GEMV shrink configs of one-module decode calls: shorter K blocks (more splits, so more programs), wider rank
+    chunks; tiles stay 4 tokens (the decode graphs' static tile table)."""
+    shrink = [ShrinkConfig(4, br, bk, 1 << 20, w, 2, gemv=True) for br in (8, 16, 32) for bk in (256, 512, 1024)
+              for w in (2, 4)]  # fmt: skip
+    return shrink + [ShrinkConfig(4, 16, bk, 1 << 20, 8, 2, gemv=True) for bk in (512, 2048)]
+
+
+def single_module_expand_variants() -> list[ExpandConfig]:
+    """GEMV expand configs of one-module decode calls: narrower column blocks (more programs), rank chunks."""
+    expand = [ExpandConfig(4, br, (bn,), 1024, w, 2, gemv=True) for br in (8, 16, 32) for bn in (256, 512, 1024)
+              for w in (2, 4)]  # fmt: skip
+    return expand + [ExpandConfig(4, 16, (bn,), 1024, 8, 2, gemv=True) for bn in (512, 2048)]
 
 
 def tune(smoke: bool, only: str | None = None) -> list[dict[str, Any]]:
@@ -668,6 +697,10 @@ def tune(smoke: bool, only: str | None = None) -> list[dict[str, Any]]:
         results += tune_lora("mixed-rank decode", lora_case("tune", mha, adapters(mixed), [(i, 1) for i in range(n)]))
         s1_mixed = [(i, 1) for i in range(2 * n)] + [(2 * n + i, 4 * n) for i in range(4)]  # decodes and prompts
         results += tune_lora("S1 mixed", lora_case("tune", mha, [S1] * (2 * n + 4), s1_mixed))
+        r16 = lora_case("tune", mha, [(16,) * 7] * n, [(i, 1) for i in range(n)])
+        mixed_all = lora_case("tune", mha, adapters(mixed), [(i, 1) for i in range(n)])
+        for call in (1, 3):  # o and down: one module each
+            results += tune_lora("r16 decode", r16, call) + tune_lora("mixed-rank decode", mixed_all, call)
     if only == "lora":
         return results
     rng = random.Random(1)

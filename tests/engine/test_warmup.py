@@ -69,11 +69,13 @@ def test_warm_up_reaches_every_lora_tile_shape(
         batch = build(self, seqs, inflight)
         if batch.lora is not None:
             group = batch.lora.whole()
-            seen.add((lora_shrink.shrink_config(group), lora_expand.expand_config(group)))
+            for slices in (1, 3):  # one module (o, down) and fused ones (q, k, v)
+                seen.add((lora_shrink.shrink_config(group, slices), lora_expand.expand_config(group, slices)))
         return batch
 
     monkeypatch.setattr(DecodeBatches, "build", recording_build)
     _engine(llama, warmup=True, max_batch_tokens=2048, overlap_steps=overlap)  # default budget: prompts fit a step
     kinds = {(lora_shrink.DECODE, lora_expand.DECODE), (lora_shrink.MIXED, lora_expand.MIXED)}
+    kinds.add((lora_shrink.DECODE_ONE, lora_expand.DECODE_ONE))
     kinds.add((lora_shrink.PREFILL, lora_expand.PREFILL))
     assert seen == kinds

@@ -178,26 +178,33 @@ def test_lora_split_k(step: str, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_lora_decode_step_on_tensor_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step of decodes through the tensor-core kernels with decode-shaped tiles (the mixed steps' configs) instead
     of the GEMV kernels."""
-    monkeypatch.setattr(lora_shrink, "DECODE", lora_shrink.MIXED)
-    monkeypatch.setattr(lora_expand, "DECODE", lora_expand.MIXED)
+    for name in ("DECODE", "DECODE_ONE"):
+        monkeypatch.setattr(lora_shrink, name, lora_shrink.MIXED)
+        monkeypatch.setattr(lora_expand, name, lora_expand.MIXED)
     case = build_case(TINY, torch.bfloat16, list(TINY_ADAPTERS), TINY_STEPS["decode"], seed=27)
     check_layer(case, "triton", seed=28)
 
 
 def test_lora_kernel_kind_follows_the_step() -> None:
-    """GEMV kernels for a step of decodes only, tensor-core tiles once a prompt is in the step."""
+    """GEMV kernels for a step of decodes only (configs of their own for one-module calls), tensor-core tiles once
+    a prompt is in the step."""
     kinds = {}
     steps = {**TINY_STEPS, "prompts": [(4, 70), (None, 5), (0, 20)]}  # "prefill" has prompts of 3 and 7 tokens
     for name in ("decode", "mixed", "prefill", "prompts"):
         group = build_case(TINY, torch.float32, list(TINY_ADAPTERS), steps[name], seed=3).meta.whole()
-        kinds[name] = (lora_shrink.shrink_config(group), lora_expand.expand_config(group))
+        kinds[name] = (lora_shrink.shrink_config(group, 3), lora_expand.expand_config(group, 3))
+        single = (lora_shrink.shrink_config(group, 1), lora_expand.expand_config(group, 1))
+        assert single == (kinds[name] if name != "decode" else (lora_shrink.DECODE_ONE, lora_expand.DECODE_ONE))
     assert kinds["decode"] == (lora_shrink.DECODE, lora_expand.DECODE)
     assert kinds["mixed"] == (lora_shrink.MIXED, lora_expand.MIXED)
     assert kinds["prefill"] == (lora_shrink.MIXED, lora_expand.MIXED)
     assert kinds["prompts"] == (lora_shrink.PREFILL, lora_expand.PREFILL)
     assert lora_shrink.DECODE.gemv and lora_expand.DECODE.gemv and not lora_shrink.MIXED.gemv
-    # decode graphs fill one static tile table that both kernels read
-    assert lora_shrink.DECODE.block_m == lora_expand.DECODE.block_m == cuda_graphs.TILE_BLOCK
+    assert lora_shrink.DECODE_ONE.gemv and lora_expand.DECODE_ONE.gemv
+    # decode graphs fill one static tile table that every decode kernel reads
+    decode = (lora_shrink.DECODE, lora_expand.DECODE, lora_shrink.DECODE_ONE, lora_expand.DECODE_ONE)
+    blocks = {c.block_m for c in decode}
+    assert blocks == {cuda_graphs.TILE_BLOCK}
 
 
 @pytest.mark.parametrize("step", sorted(TINY_STEPS))
