@@ -660,9 +660,15 @@ def fused_variants() -> list[ShrinkConfig]:
     return shrink + [lora_shrink.MIXED]
 
 
+def gemv_expand_variants() -> list[ExpandConfig]:
+    """GEMV expand configs: rank chunks (one width, or wide ones then narrow ones), column blocks, warps."""
+    chunks = [(8, 0), (16, 0), (32, 0), (8, 32), (8, 64), (16, 32), (16, 64)]
+    return [ExpandConfig(4, br, (bn,), 1024, w, 2, gemv=True, block_r_big=big) for br, big in chunks
+            for bn in (512, 1024) for w in (2, 4)]  # fmt: skip
+
+
 def fused_expand_variants() -> list[ExpandConfig]:
-    expand = [ExpandConfig(4, br, (bn,), 1024, w, 2, gemv=True) for br in (8, 16) for bn in (512, 1024, 2048)
-              for w in (4, 8)]  # fmt: skip
+    expand = gemv_expand_variants() + [dataclasses.replace(lora_expand.DECODE, num_warps=8, block_n=(2048,))]
     expand += [dataclasses.replace(lora_expand.DECODE, block_m=bm) for bm in (1, 2, 8, 16)]
     expand += [dataclasses.replace(lora_expand.MIXED, block_n=(bn,)) for bn in (64, 128, 256)]
     expand += [dataclasses.replace(lora_expand.MIXED, block_m=bm) for bm in (32, 64)]
@@ -678,10 +684,9 @@ def single_module_variants() -> list[ShrinkConfig]:
 
 
 def single_module_expand_variants() -> list[ExpandConfig]:
-    """GEMV expand configs of one-module decode calls: narrower column blocks (more programs), rank chunks."""
-    expand = [ExpandConfig(4, br, (bn,), 1024, w, 2, gemv=True) for br in (8, 16, 32) for bn in (256, 512, 1024)
-              for w in (2, 4)]  # fmt: skip
-    return expand + [ExpandConfig(4, 16, (bn,), 1024, 8, 2, gemv=True) for bn in (512, 2048)]
+    """GEMV expand configs of one-module decode calls, and narrower column blocks (more programs)."""
+    return gemv_expand_variants() + [dataclasses.replace(lora_expand.DECODE, block_n=(256,), num_warps=w)
+                                     for w in (2, 4)]  # fmt: skip
 
 
 def tune(smoke: bool, only: str | None = None) -> list[dict[str, Any]]:
