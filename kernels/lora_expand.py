@@ -44,9 +44,9 @@ class ExpandConfig:
     block_r_big: int = 0
 
 
-# Rank chunks of 8 rows (S1's rank 8 in one), 32 while 32 are left: the H200 sweeps favoured 8-row chunks on S1
-# decodes (1.09×, 1.72× with 5 adapters) and 32-row ones on mixed ranks 1-128 (1.14-1.18×; perf/RESULTS.md).
-DECODE = ExpandConfig(4, 8, (1024,), 1024, 4, 2, gemv=True, block_r_big=32)  # picked as the shrink's
+# Rank chunks of 16 rows, 32 while 32 are left: on the H200 32-row chunks were 1.14-1.18× faster on mixed ranks 1-128
+# and 8-row ones 1.09× on S1's rank 8, but 8 rows then 32 made rank 16 (two chunks) 13% slower (perf/RESULTS.md).
+DECODE = ExpandConfig(4, 16, (1024,), 1024, 4, 2, gemv=True, block_r_big=32)  # picked as the shrink's
 DECODE_ONE = DECODE  # calls of one module (o, down), as the shrink's
 MIXED = ExpandConfig(16, 16, (256,), 512, 4, 2)  # one width: no variant compiled for a new tile count
 PREFILL = ExpandConfig(64, 16, (128,), 512, 4, 2)
