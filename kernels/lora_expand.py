@@ -38,16 +38,13 @@ class ExpandConfig:
     # The GEMV kernel: one program per (tile, column block, module), one token at a time on CUDA cores (see
     # ShrinkConfig.gemv); the modules of a call run side by side instead of one after the other.
     gemv: bool = False
-    # GEMV only: rank rows per chunk while at least this many are left, then block_r per chunk (0: block_r only).
-    # A program's chunks are loaded one after the other, each a round trip to memory, so a high-rank adapter's
-    # programs set the kernel's time; wide chunks shorten them, narrow ones spend nothing on a low rank's padding.
-    block_r_big: int = 0
 
 
-# Rank chunks of 16 rows, 32 while 32 are left: on the H200 32-row chunks were 1.14-1.18× faster on mixed ranks 1-128
-# and 8-row ones 1.09× on S1's rank 8, but 8 rows then 32 made rank 16 (two chunks) 13% slower (perf/RESULTS.md).
-DECODE = ExpandConfig(4, 16, (1024,), 1024, 4, 2, gemv=True, block_r_big=32)  # picked as the shrink's
-DECODE_ONE = DECODE  # calls of one module (o, down), as the shrink's
+DECODE = ExpandConfig(4, 16, (1024,), 1024, 4, 2, gemv=True)  # picked as the shrink's (shrink_config)
+# Calls of one module (o, down): 32-row rank chunks in 512-column blocks, 2 warps: 1.14-1.18× the default above on
+# mixed ranks 1-128, even (0.96-1.0×) on rank 16, in the H200 sweep (perf/RESULTS.md). The fused calls lost with
+# 32-row chunks: a rank-16 call of gate/up ran 1.19× slower (registers for the wider chunk: fewer programs resident).
+DECODE_ONE = ExpandConfig(4, 32, (512,), 1024, 2, 2, gemv=True)
 MIXED = ExpandConfig(16, 16, (256,), 512, 4, 2)  # one width: no variant compiled for a new tile count
 PREFILL = ExpandConfig(64, 16, (128,), 512, 4, 2)
 
@@ -133,26 +130,6 @@ def _lora_expand_kernel(
         v_col += rank
 
 
-@triton.jit
-def _gemv_chunks(
-    acc, v_row, stride_v_split, split_k, b_rows, pool_ptr, n, n_mask, c_lo, c_hi, rank,
-    ROW_ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS: tl.constexpr,
-):  # fmt: skip
-    """acc + Σ_j v[j] · Bᵀ[j, n] over rank rows c_lo .. c_hi - 1, BLOCK_R rows at a time; v's split partials summed."""
-    sp = tl.arange(0, SPLITS)
-    for c in range(c_lo, c_hi, BLOCK_R):
-        j = c + tl.arange(0, BLOCK_R)
-        j_mask = j < rank
-        # every split's partial sums at once: [SPLITS, BLOCK_R], summed over the splits
-        v_ptrs = v_row + sp[:, None].to(tl.int64) * stride_v_split + j[None, :]
-        vt = tl.sum(tl.load(v_ptrs, mask=(sp[:, None] < split_k) & j_mask[None, :], other=0.0), axis=0)
-        rows = tl.load(b_rows + j, mask=j_mask, other=0)
-        rows = tl.multiple_of(rows, ROW_ALIGN)
-        bt = tl.load(pool_ptr + rows[:, None] + n[None, :], mask=j_mask[:, None] & n_mask[None, :], other=0.0)
-        acc += tl.sum(vt[:, None] * bt.to(tl.float32), axis=0)
-    return acc
-
-
 @triton.jit(do_not_specialize=["split_k", "stride_v_split", "stride_v_tok"])
 def _lora_expand_gemv_kernel(
     v_ptr,
@@ -180,7 +157,6 @@ def _lora_expand_gemv_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,  # a power of two ≥ split_k
-    BIG_R: tl.constexpr,  # ExpandConfig.block_r_big
 ):
     """The dot kernel's work (same arguments) with the call's module on grid axis 2, one token at a time:
     y_t += (Σ_j v_t[j] · Bᵀ[j, :]) · scale in float32. The tile's later tokens read Bᵀ again, from cache."""
@@ -201,19 +177,23 @@ def _lora_expand_gemv_kernel(
     if (rank > 0) & (n0 < width):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < width
+        sp = tl.arange(0, SPLITS)
         for i in range(0, tl.minimum(end - first, BLOCK_M)):  # the tile's tokens (rows first + i)
             t = first.to(tl.int64) + i
             y_row = y_ptr + t * stride_y + offset
             yt = tl.load(y_row + n, mask=n_mask, other=0.0)
             v_row = v_ptr + t * stride_v_tok + v_col
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            big_end = rank * 0
-            if BIG_R > 0:
-                big_end = (rank // BIG_R) * BIG_R
-                acc = _gemv_chunks(acc, v_row, stride_v_split, split_k, b_rows_ptr + row0, pool_ptr, n, n_mask, 0,
-                                   big_end, rank, ROW_ALIGN, BIG_R, SPLITS)  # fmt: skip
-            acc = _gemv_chunks(acc, v_row, stride_v_split, split_k, b_rows_ptr + row0, pool_ptr, n, n_mask, big_end,
-                               rank, rank, ROW_ALIGN, BLOCK_R, SPLITS)  # fmt: skip
+            for c in range(0, rank, BLOCK_R):
+                j = c + tl.arange(0, BLOCK_R)
+                j_mask = j < rank
+                # every split's partial sums at once: [SPLITS, BLOCK_R], summed over the splits
+                v_ptrs = v_row + sp[:, None].to(tl.int64) * stride_v_split + j[None, :]
+                vt = tl.sum(tl.load(v_ptrs, mask=(sp[:, None] < split_k) & j_mask[None, :], other=0.0), axis=0)
+                rows = tl.load(b_rows_ptr + row0 + j, mask=j_mask, other=0)
+                rows = tl.multiple_of(rows, ROW_ALIGN)
+                bt = tl.load(pool_ptr + rows[:, None] + n[None, :], mask=j_mask[:, None] & n_mask[None, :], other=0.0)
+                acc += tl.sum(vt[:, None] * bt.to(tl.float32), axis=0)
             tl.store(y_row + n, (yt.to(tl.float32) + acc * scale).to(yt.dtype), mask=n_mask)
 
 
@@ -257,7 +237,7 @@ def expand_launch(
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     blocks = cdiv(max(out_widths), block_n)
     if cfg.gemv:
-        args.update(SPLITS=next_power_of_2(v.shape[0]), BIG_R=cfg.block_r_big)
+        args.update(SPLITS=next_power_of_2(v.shape[0]))
         grid = (num_tiles, blocks, num_slices)
         return Relaunch(_lora_expand_gemv_kernel, grid, args, options, changing=("pool_ptr", "y_ptr"))
     args.update(DOT_PRECISION=dot_precision(y.dtype))

@@ -661,10 +661,9 @@ def fused_variants() -> list[ShrinkConfig]:
 
 
 def gemv_expand_variants() -> list[ExpandConfig]:
-    """GEMV expand configs: rank chunks (one width, or wide ones then narrow ones), column blocks, warps."""
-    chunks = [(8, 0), (16, 0), (32, 0), (8, 32), (8, 64), (16, 32), (16, 64)]
-    return [ExpandConfig(4, br, (bn,), 1024, w, 2, gemv=True, block_r_big=big) for br, big in chunks
-            for bn in (512, 1024) for w in (2, 4)]  # fmt: skip
+    """GEMV expand configs: rank chunks, column blocks, warps."""
+    return [ExpandConfig(4, br, (bn,), 1024, w, 2, gemv=True) for br in (8, 16, 32) for bn in (512, 1024)
+            for w in (2, 4)]  # fmt: skip
 
 
 def fused_expand_variants() -> list[ExpandConfig]:

@@ -175,18 +175,6 @@ def test_lora_split_k(step: str, monkeypatch: pytest.MonkeyPatch) -> None:
     check_layer(case, "triton", seed=20)
 
 
-@pytest.mark.parametrize("chunks", [(16, 0), (8, 32), (1, 8), (32, 64)], ids=str)
-def test_lora_decode_expand_rank_chunks(chunks: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The GEMV expand's rank chunks (block_r, block_r_big: wide chunks while enough rows are left, then narrow
-    ones) on ranks 1 to 128: every row counted once, whatever the split."""
-    block_r, big = chunks
-    for name in ("DECODE", "DECODE_ONE"):
-        config = getattr(lora_expand, name)
-        monkeypatch.setattr(lora_expand, name, dataclasses.replace(config, block_r=block_r, block_r_big=big))
-    case = build_case(TINY, torch.float32, list(TINY_ADAPTERS), TINY_STEPS["decode"], seed=29)
-    check_layer(case, "triton", seed=30)
-
-
 def test_lora_decode_step_on_tensor_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step of decodes through the tensor-core kernels with decode-shaped tiles (the mixed steps' configs) instead
     of the GEMV kernels."""
