@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from slora.backend.adapter import HostAdapter
@@ -30,15 +31,22 @@ AdapterKey = tuple[str, int]
 class ResidentAdapter:
     host: HostAdapter
     pages: list[int]
-    a_rows: torch.Tensor  # int64 [sum(ranks)] on CPU: element offset of each lora_A row in a flat pool layer
-    b_rows: torch.Tensor  # int64 [sum(ranks)] on CPU: element offset of each lora_Bᵀ row
+    a_rows: np.ndarray  # int64 [sum(ranks)]: element offset of each lora_A row in a flat pool layer
+    b_rows: np.ndarray  # int64 [sum(ranks)]: element offset of each lora_Bᵀ row
     ready: CopyDone | None = None  # the copy into the pool, until a batch has waited for it
     refcount: int = 0
     last_used: int = 0
-    key: AdapterKey = field(init=False)  # the host adapter's (name, generation), read many times a step
+    # Read by every step that runs the adapter (lora_tables.build_tables), so computed once here:
+    key: AdapterKey = field(init=False)  # the host adapter's (name, generation)
+    ranks: np.ndarray = field(init=False)  # int32 [7]
+    scales: np.ndarray = field(init=False)  # float32 [7]
+    rows_or: int = field(init=False)  # bitwise OR of every row offset: its lowest set bit bounds their alignment
 
     def __post_init__(self) -> None:
         self.key = self.host.key
+        self.ranks = np.array(self.host.ranks, dtype=np.int32)
+        self.scales = np.array(self.host.scales, dtype=np.float32)
+        self.rows_or = int(np.bitwise_or.reduce(np.concatenate([self.a_rows, self.b_rows]), initial=0))
 
     def wait_copied(self, device: torch.device) -> None:
         """Wait until the copy into the pool is issued and, on CUDA, make the current stream follow it. Work
@@ -135,9 +143,11 @@ class AdapterCache:
 
     def _copy_in(self, host: HostAdapter, pages: list[int]) -> ResidentAdapter:
         page_elems = self.pool.geometry.page_elems
-        page_index = torch.tensor(pages, dtype=torch.int64)
-        a_rows = page_index[host.a_local // page_elems] * page_elems + host.a_local % page_elems
-        b_rows = page_index[host.b_local // page_elems] * page_elems + host.b_local % page_elems
+        page_index = np.array(pages, dtype=np.int64)
+        a_local, b_local = host.a_local.numpy(), host.b_local.numpy()
+        a_rows = page_index[a_local // page_elems] * page_elems + a_local % page_elems
+        b_rows = page_index[b_local // page_elems] * page_elems + b_local % page_elems
         # The copier makes the copy wait for the work queued so far on the compute stream: with overlapped steps a
         # launched step may still read or write these pages, freed after it was launched.
-        return ResidentAdapter(host, pages, a_rows, b_rows, ready=self.copier.submit(host.image, page_index))
+        ready = self.copier.submit(host.image, torch.from_numpy(page_index))
+        return ResidentAdapter(host, pages, a_rows, b_rows, ready=ready)

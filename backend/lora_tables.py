@@ -9,13 +9,15 @@ ResidentAdapter) never matches an old entry.
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from slora.backend.adapter_cache import ResidentAdapter
-from slora.kernels.metadata import row_alignment, to_device
+from slora.kernels.metadata import alignment_of, to_device
 
 
 @dataclass(frozen=True)
@@ -33,24 +35,26 @@ class LoraTables:
 
 
 def build_tables(adapters: list[ResidentAdapter], device: torch.device) -> LoraTables:
-    ranks = np.array([a.host.ranks for a in adapters], dtype=np.int32)  # [num_adapters, 7]
-    scales = np.array([a.host.scales for a in adapters], dtype=np.float32)
+    """The tables of `adapters` in this order, from what each ResidentAdapter holds ready (numpy arrays: this runs
+    whenever a step's adapter list changes, for up to max_num_seqs adapters)."""
+    ranks = np.concatenate([a.ranks for a in adapters]).reshape(len(adapters), -1)  # [num_adapters, 7]
+    scales = np.concatenate([a.scales for a in adapters]).reshape(ranks.shape)
     flat = ranks.ravel()
     # Start of each (adapter, module) in the concatenated row tables: adapters, then modules, in order.
     row_start = (np.cumsum(flat, dtype=np.int32) - flat).reshape(ranks.shape)
-    a_rows = torch.cat([a.a_rows for a in adapters])
-    b_rows = torch.cat([a.b_rows for a in adapters])
+    a_rows = np.concatenate([a.a_rows for a in adapters])
+    b_rows = np.concatenate([a.b_rows for a in adapters])
     return LoraTables(
         ranks=to_device(torch.from_numpy(ranks), device),
         scales=to_device(torch.from_numpy(scales), device),
         row_start=to_device(torch.from_numpy(row_start), device),
-        a_rows=to_device(a_rows, device),
-        b_rows=to_device(b_rows, device),
+        a_rows=to_device(torch.from_numpy(a_rows), device),
+        b_rows=to_device(torch.from_numpy(b_rows), device),
         max_rank=int(ranks.max()),
         ranks_host=ranks.tolist(),
         scales_host=[list(a.host.scales) for a in adapters],
         row_start_host=row_start.tolist(),
-        row_align=row_alignment(torch.cat([a_rows, b_rows])),
+        row_align=alignment_of(functools.reduce(operator.or_, (a.rows_or for a in adapters), 0)),
     )
 
 

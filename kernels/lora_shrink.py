@@ -52,7 +52,8 @@ MAX_SPLIT_K = 16  # K splits at most: each adds a partial sum of v that the expa
 # decode shape for a step that mixes decodes with prompts, prompt-shaped ones for a step of prompts only.
 # GEMV: tiles of up to 4 tokens (one program's tokens run one after the other), one K block per program.
 DECODE = ShrinkConfig(4, 16, 1024, 1 << 20, 4, 2, gemv=True)  # H200 sweep (perf/RESULTS.md)
-# Decode calls of one module (o, down) have a third of q/k/v's rows per tile, so fewer programs: swept apart.
+# Decode calls of one module (o, down), swept apart from the fused ones: no config beat DECODE on them by more than
+# 1.03× on the H200 (perf/RESULTS.md, ㉗), so they share it; their expand config differs (lora_expand.DECODE_ONE).
 DECODE_ONE = DECODE
 MIXED = ShrinkConfig(16, 32, 128, 512, 4, 3)  # swept on the H200 (perf/RESULTS.md, kernel tuning)
 PREFILL = ShrinkConfig(64, 16, 64, 512, 4, 3)

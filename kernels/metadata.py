@@ -10,6 +10,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 TILE_COLUMNS = 4  # segment, first row, end row (of the segment), tag
@@ -41,10 +42,13 @@ def tiles_of(segments: list[tuple[int, int, int, int]], block: int, device: torc
 
 def row_alignment(rows: torch.Tensor, cap: int = 16) -> int:
     """The largest power of two up to `cap` that divides every offset in `rows` (lets kernels vectorize loads)."""
-    align = cap
-    while align > 1 and bool((rows % align).any()):
-        align //= 2
-    return align
+    return alignment_of(int(np.bitwise_or.reduce(rows.numpy(force=True), initial=0)), cap)
+
+
+def alignment_of(offsets_or: int, cap: int = 16) -> int:
+    """row_alignment from the bitwise OR of the offsets: a power of two divides them all exactly when it divides
+    their OR, and the largest one that does is the OR's lowest set bit (none: every offset is 0)."""
+    return min(cap, offsets_or & -offsets_or) if offsets_or else cap
 
 
 SHORT_SEGMENT = 16  # segments of up to this many tokens (decodes) get decode-shaped tiles

@@ -6,6 +6,9 @@ step of ~208 requests in perf/RESULTS.md), so it is worth measuring on its own, 
 
     python -m perf.bench_host_step --model /tmp/slora-perf/model --adapter-root /tmp/slora-perf/adapters/S1 \\
         --seqs 256 --prompt-len 300 --out host_step.json
+
+With --join K, K new requests (prompts of --join-prompt-len tokens, one output token) join before every step: the
+host time of mixed steps, whose new adapters are loaded and whose LoRA tables are rebuilt every step.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class HostStep:
     adapters: int
     median_ms: float
     repeats_ms: list[float]
+    joins: int = 0  # new requests per step (Joiners); 0: decode steps only
 
 
 def fill(engine: LLMEngine, seqs: int, prompt_len: int, adapter_names: list[str]) -> None:
@@ -59,12 +63,32 @@ def stub_forward(engine: LLMEngine) -> None:
     engine.runner.graphs = None
 
 
-def measure(engine: LLMEngine, steps: int, repeats: int) -> list[float]:
-    """Milliseconds per step of `repeats` runs of `steps` decode steps each."""
+class Joiners:
+    """Before each step, `count` new requests with prompts of `prompt_len` tokens and one output token each, so that
+    every step is a mixed one (the running decodes plus these prompts) while the batch keeps its size. Their
+    adapters continue the cycle through the list after the running requests' (new adapters to load, as at n = 2000)."""
+
+    def __init__(self, engine: LLMEngine, count: int, prompt_len: int, adapter_names: list[str], first: int) -> None:
+        self._engine, self._count, self._prompt_len = engine, count, prompt_len
+        self._names, self._next = adapter_names, first
+        self._params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def __call__(self) -> None:
+        for _ in range(self._count):
+            i, self._next = self._next, self._next + 1
+            prompt = synthetic_prompt(i, self._prompt_len, self._engine.spec.vocab_size)
+            adapter = self._names[i % len(self._names)] if self._names else None
+            self._engine.add_request(prompt, adapter, self._params, detokenize=False)
+
+
+def measure(engine: LLMEngine, steps: int, repeats: int, joiners: Joiners | None = None) -> list[float]:
+    """Milliseconds per step of `repeats` runs of `steps` steps each (joiners, if any, added before each step)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(steps):
+            if joiners is not None:
+                joiners()
             engine.step()
         times.append(1000 * (time.perf_counter() - start) / steps)
     return times
@@ -72,16 +96,18 @@ def measure(engine: LLMEngine, steps: int, repeats: int) -> list[float]:
 
 def run(args: argparse.Namespace) -> HostStep:
     root = Path(args.adapter_root) if args.adapter_root else None
+    joining = args.join * (args.join_prompt_len + 1)  # each step's new prompts, and their finishing tokens
     config = EngineConfig(model=args.model, load_format="dummy", device=args.device, kernel_backend="torch",
-                          adapter_root=str(root) if root else None, max_num_seqs=args.seqs,
-                          max_batch_tokens=max(2048, args.seqs))  # fmt: skip
+                          adapter_root=str(root) if root else None, max_num_seqs=args.seqs + 2 * args.join,
+                          max_batch_tokens=max(2048, args.seqs + joining))  # fmt: skip
     engine = LLMEngine(config)
     names = adapter_dirs(str(root), args.adapters) if root else []
-    fill(engine, args.seqs, args.prompt_len, names)
+    fill(engine, args.seqs, args.prompt_len, names[: args.seqs])
     stub_forward(engine)
-    measure(engine, args.steps, 1)  # warm
-    times = measure(engine, args.steps, args.repeats)
-    return HostStep(args.seqs, len(names), statistics.median(times), [round(t, 3) for t in times])
+    joiners = Joiners(engine, args.join, args.join_prompt_len, names, args.seqs) if args.join else None
+    measure(engine, args.steps, 1, joiners)  # warm
+    times = measure(engine, args.steps, args.repeats, joiners)
+    return HostStep(args.seqs, len(names), statistics.median(times), [round(t, 3) for t in times], args.join)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,6 +117,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--adapters", type=int, default=1 << 30, help="use at most this many of them")
     parser.add_argument("--seqs", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=300)
+    parser.add_argument(
+        "--join",
+        type=int,
+        default=0,
+        help="new requests before each step (prompts of --join-prompt-len, one output token): mixed steps",
+    )
+    parser.add_argument("--join-prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
@@ -102,8 +135,8 @@ def main(argv: list[str] | None = None) -> HostStep:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
     result = run(args)
-    logger.info("host-only decode step, %d sequences, %d adapters: median %.2f ms (runs %s)",
-                result.seqs, result.adapters, result.median_ms, result.repeats_ms)  # fmt: skip
+    logger.info("host-only step, %d sequences + %d new each step, %d adapters: median %.2f ms (runs %s)",
+                result.seqs, result.joins, result.adapters, result.median_ms, result.repeats_ms)  # fmt: skip
     if args.out is not None:
         args.out.write_text(json.dumps(asdict(result), indent=1))
     return result

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+import pytest
 import torch
 
 from slora.backend.adapter_cache import ResidentAdapter
 from slora.backend.lora_tables import LoraTables, LoraTablesCache, build_tables
 from slora.backend.page_pool import PoolGeometry
+from slora.kernels.metadata import row_alignment
 from tests.kernels.builders import DEVICE, TINY, adapter_pages, make_adapter, make_resident, scrambled_pool
 
 RANKS = [(8, 8, 8, 8, 0, 0, 0), (4, 0, 4, 0, 2, 2, 2), (16, 16, 16, 16, 16, 16, 16)]
@@ -49,3 +52,38 @@ def test_an_adapter_copied_elsewhere_is_not_mistaken_for_the_old_copy() -> None:
     reloaded = _residents(seed=3)
     new = cache.get(reloaded, DEVICE)
     assert new is not old and cache.hits == 0 and _equal(new, build_tables(reloaded, DEVICE))
+
+
+def _brute_alignment(rows: list[int], cap: int = 16) -> int:
+    return max(a for a in (1, 2, 4, 8, 16) if a <= cap and all(r % a == 0 for r in rows))
+
+
+def test_tables_hold_each_adapters_rows_in_list_order() -> None:
+    """Against a construction from each adapter's own fields: ranks, scales, row starts (adapters, then modules),
+    row offsets concatenated in list order, and the largest power of two up to 16 dividing every offset."""
+    residents = _residents(seed=4)[::-1]
+    t = build_tables(residents, DEVICE)
+    assert t.ranks_host == [list(r.host.ranks) for r in residents]
+    assert t.scales_host == [list(r.host.scales) for r in residents]
+    starts, row = [], 0
+    for r in residents:
+        starts.append([])
+        for rank in r.host.ranks:
+            starts[-1].append(row)
+            row += rank
+    assert t.row_start_host == starts
+    a_rows = [int(x) for r in residents for x in r.a_rows]
+    b_rows = [int(x) for r in residents for x in r.b_rows]
+    assert t.a_rows.tolist() == a_rows and t.b_rows.tolist() == b_rows and len(a_rows) == row
+    assert t.ranks.tolist() == t.ranks_host and t.row_start.tolist() == starts
+    assert t.max_rank == max(max(r.host.ranks) for r in residents)
+    assert t.row_align == _brute_alignment(a_rows + b_rows)
+
+
+@pytest.mark.parametrize("shift", [0, 1, 2, 3, 4, 6])
+def test_row_alignment_is_the_largest_power_of_two_dividing_every_offset(shift: int) -> None:
+    rng = np.random.default_rng(shift)
+    rows = (rng.integers(1, 1 << 20, size=50) << shift).tolist()
+    assert row_alignment(torch.tensor(rows, dtype=torch.int64)) == _brute_alignment(rows)
+    assert row_alignment(torch.tensor(rows, dtype=torch.int64), cap=4) == _brute_alignment(rows, cap=4)
+    assert row_alignment(torch.zeros(3, dtype=torch.int64)) == 16  # offsets of 0 are aligned to anything
