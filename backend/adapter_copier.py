@@ -49,7 +49,7 @@ class AdapterCopier:
         self, image: torch.Tensor, page_index: torch.Tensor, after: torch.cuda.Event | None
     ) -> torch.cuda.Event | None:
         if self._stream is None:
-            self._storage.index_copy_(1, page_index, image)
+            copy_pages_on_host(self._storage, page_index, image)
             return None
         source = image if image.is_pinned() else self._stage(image)
         assert after is not None
@@ -76,3 +76,19 @@ class AdapterCopier:
         staged = buffer[: image.numel()].view(image.shape)
         staged.copy_(image)
         return staged
+
+
+_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def copy_pages_on_host(storage: torch.Tensor, page_index: torch.Tensor, image: torch.Tensor) -> None:
+    """storage[:, page_index] = image for a pool in host memory, through numpy (integer views of the same width:
+    numpy has no bfloat16), so that this thread runs no torch CPU op.
+
+    A torch op that goes parallel (a large copy, any GEMM) on a second thread starts an OpenMP thread team of its
+    own. With more OpenMP threads than cores, libgomp throttles its threads' spin-waiting for good, and the engine
+    thread's small CPU GEMMs then ran 2.5-4x slower (19 us -> 50-75 us for 128x64 by 64x256 on the 2-core CI
+    machine, from the first adapter copy on; perf/RESULTS.md).
+    """
+    as_int = _SAME_WIDTH_INT[storage.element_size()]
+    storage.view(as_int).numpy()[:, page_index.numpy()] = image.view(as_int).numpy()

@@ -11,18 +11,19 @@ from slora.backend.adapter_copier import AdapterCopier
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("staging_buffers", [1, 2])
-def test_copies_land_in_their_pages_only(device: str, staging_buffers: int) -> None:
+def test_copies_land_in_their_pages_only(device: str, staging_buffers: int, dtype: torch.dtype) -> None:
     layers, pages, page_elems = 3, 40, 64
-    storage = torch.full((layers, pages, page_elems), -1.0, device=device)
+    storage = torch.full((layers, pages, page_elems), -1.0, device=device, dtype=dtype)
     copier = AdapterCopier(storage, staging_buffers)
     generator = torch.Generator().manual_seed(0)
     order = torch.randperm(pages, generator=generator).tolist()
     placed: list[tuple[list[int], torch.Tensor]] = []
     for size in (3, 1, 5, 2, 4, 3, 6, 2):  # more copies than buffers, of different sizes
         chosen, order = order[:size], order[size:]
-        image = torch.randn((layers, size, page_elems), generator=generator)
+        image = torch.randn((layers, size, page_elems), generator=generator).to(dtype)
         placed.append((chosen, image))
     done = [copier.submit(image, torch.tensor(chosen, dtype=torch.int64)) for chosen, image in placed]
     for future in done:
