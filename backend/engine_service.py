@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -21,6 +20,7 @@ from slora.backend.adapter_admin import run_adapter_command
 from slora.backend.engine import LLMEngine
 from slora.backend.engine_loop import EngineLoop, OutputCallback
 from slora.backend.errors import SloraError
+from slora.backend.fresh_threads import FreshThreadExecutor
 from slora.backend.outputs import EngineStats, failed_output
 from slora.backend.request_inputs import AdapterCommand
 from slora.backend.sampling_params import SamplingParams
@@ -71,7 +71,8 @@ class LocalEngine:
     def __init__(self, engine: LLMEngine, intake_threads: int = INTAKE_THREADS) -> None:
         self.loop = EngineLoop(engine)
         self.info = EngineInfo(engine.pool.num_pages, engine.max_model_len, len(engine.list_adapters()))
-        self._intake = ThreadPoolExecutor(max_workers=intake_threads, thread_name_prefix="slora-intake")
+        # Adapter reads run torch CPU ops: on threads that end with them (fresh_threads.py says why)
+        self._intake = FreshThreadExecutor(max_workers=intake_threads, thread_name_prefix="slora-intake")
         self.loop.start()
 
     def submit(self, job: Submission, callback: OutputCallback) -> None:

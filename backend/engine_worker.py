@@ -17,13 +17,13 @@ import logging
 import pickle
 import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
 from slora.backend.config import EngineConfig
 from slora.backend.engine import LLMEngine
 from slora.backend.engine_service import LocalEngine
+from slora.backend.fresh_threads import FreshThreadExecutor, run_in_fresh_thread
 from slora.backend.gc_freeze import freeze_startup_objects
 from slora.backend.outputs import EngineStats, RequestOutput
 from slora.backend.request_inputs import AdapterCommand
@@ -125,7 +125,7 @@ def worker_main(config: EngineConfig, requests: Connection, outputs: Connection)
     _route_logging(pump)
     hide_packages_broken_by_numpy()  # the server's sys.path came along (a NumPy 1 first, on some hosts)
     try:
-        service = LocalEngine(LLMEngine(config))
+        service = LocalEngine(run_in_fresh_thread(lambda: LLMEngine(config)))  # fresh_threads.py: why
         freeze_startup_objects()
     except Exception as exc:
         logger.debug("engine construction failed", exc_info=exc)
@@ -134,7 +134,7 @@ def worker_main(config: EngineConfig, requests: Connection, outputs: Connection)
         return
     service.on_stats(pump.stats)
     pump.post(("ready", service.info, service.stats()))
-    admin = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slora-admin")
+    admin = FreshThreadExecutor(max_workers=1, thread_name_prefix="slora-admin")  # adapter reads: fresh_threads.py
     try:
         _serve(requests, service, pump, admin)
     finally:
@@ -144,7 +144,7 @@ def worker_main(config: EngineConfig, requests: Connection, outputs: Connection)
         pump.close()
 
 
-def _serve(requests: Connection, service: LocalEngine, pump: OutputPump, admin: ThreadPoolExecutor) -> None:
+def _serve(requests: Connection, service: LocalEngine, pump: OutputPump, admin: FreshThreadExecutor) -> None:
     while True:
         try:
             message = requests.recv()

@@ -20,7 +20,6 @@ import itertools
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from slora.backend.engine import LLMEngine
 from slora.backend.engine_process import EngineProcess
 from slora.backend.engine_service import EngineService, LocalEngine, Submission
 from slora.backend.errors import EngineOverloadedError
+from slora.backend.fresh_threads import FreshThreadExecutor, run_in_fresh_thread
 from slora.backend.gc_freeze import freeze_startup_objects
 from slora.backend.request_inputs import (
     RawRequest,
@@ -70,7 +70,7 @@ class TritonPythonModel:
         self.engine.on_stats(self.metrics.update_stats)
         self.responder = Responder(self.engine, self.metrics, self.options.cancel_check_s)
         self.drain = DrainWatcher(Path(self.options.drain_file), self.responder) if self.options.drain_file else None
-        self.admin = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slora-admin")
+        self.admin = FreshThreadExecutor(max_workers=1, thread_name_prefix="slora-admin")  # adapter reads: see there
         self._ids = itertools.count()
         info = self.engine.info
         logger.info("engine ready in %.1f s: %d pool pages, context %d tokens, %d adapters known",
@@ -130,7 +130,7 @@ class TritonPythonModel:
 def _start_engine(options: ServingOptions) -> EngineService:
     if options.engine_process:
         return EngineProcess(options.engine)
-    service = LocalEngine(LLMEngine(options.engine))
+    service = LocalEngine(run_in_fresh_thread(lambda: LLMEngine(options.engine)))  # fresh_threads.py: why
     freeze_startup_objects()
     return service
 
