@@ -80,7 +80,13 @@ class FreshThreadExecutor:
             thread = threading.Thread(target=self._run, args=(future, fn), name=f"{self._prefix}_{self._count}")
             with self._lock:
                 self._running.add(thread)
-            thread.start()
+            try:
+                thread.start()
+            except RuntimeError as exc:  # no thread to be had (resource limits): this task fails, later ones may run
+                with self._lock:
+                    self._running.discard(thread)
+                self._slots.release()
+                future.set_exception(exc)
 
     def _run(self, future: Future[Any], fn: Callable[[], Any]) -> None:
         try:

@@ -103,3 +103,22 @@ def test_shutdown_runs_what_was_queued_then_refuses() -> None:
         executor.submit(lambda: None)
     with pytest.raises(ValueError, match="at least 1"):
         FreshThreadExecutor(max_workers=0, thread_name_prefix="slora-test")
+
+
+def test_a_task_whose_thread_cannot_start_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    executor = FreshThreadExecutor(max_workers=1, thread_name_prefix="slora-test")
+    real_start = threading.Thread.start
+    refused = [False]
+
+    def start_once_refused(self: threading.Thread) -> None:
+        if self.name.startswith("slora-test_") and not refused[0]:
+            refused[0] = True
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start_once_refused)
+    first, second = executor.submit(lambda: 1), executor.submit(lambda: 2)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        first.result(timeout=10)
+    assert second.result(timeout=10) == 2
+    executor.shutdown(wait=True)
