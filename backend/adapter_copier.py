@@ -90,5 +90,7 @@ def copy_pages_on_host(storage: torch.Tensor, page_index: torch.Tensor, image: t
     thread's small CPU GEMMs then ran 2.5-4x slower (19 us -> 50-75 us for 128x64 by 64x256 on the 2-core CI
     machine, from the first adapter copy on; perf/RESULTS.md).
     """
+    if image.dtype != storage.dtype:  # the integer views below would reinterpret the bits
+        raise ValueError(f"adapter image is {image.dtype}, the pool {storage.dtype}")
     as_int = _SAME_WIDTH_INT[storage.element_size()]
     storage.view(as_int).numpy()[:, page_index.numpy()] = image.view(as_int).numpy()

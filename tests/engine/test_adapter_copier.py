@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slora.backend.adapter_copier import AdapterCopier
+from slora.backend.adapter_copier import AdapterCopier, copy_pages_on_host
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -52,3 +52,10 @@ def test_copy_waits_for_work_queued_before_it() -> None:
     torch.cuda.current_stream().wait_event(event)
     assert bool(torch.all(storage[:, 3] == 1.0))
     copier.close()
+
+
+def test_a_host_pool_refuses_an_image_of_another_dtype() -> None:
+    storage = torch.zeros((2, 4, 8), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="float32.*bfloat16"):
+        copy_pages_on_host(storage, torch.tensor([1]), torch.ones((2, 1, 8), dtype=torch.float32))
+    assert not storage.any()
