@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from slora.backend.adapter_admin import run_adapter_command
+from slora.backend.config import EngineConfig
 from slora.backend.engine import LLMEngine
 from slora.backend.engine_loop import EngineLoop, OutputCallback
 from slora.backend.errors import SloraError
-from slora.backend.fresh_threads import FreshThreadExecutor
+from slora.backend.fresh_threads import FreshThreadExecutor, run_in_fresh_thread
+from slora.backend.gc_freeze import freeze_startup_objects
 from slora.backend.outputs import EngineStats, failed_output
 from slora.backend.request_inputs import AdapterCommand
 from slora.backend.sampling_params import SamplingParams
@@ -67,6 +69,14 @@ class EngineService(Protocol):
 
 class LocalEngine:
     """The engine loop on a thread of this process; cold adapters are read in a small intake pool."""
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> LocalEngine:
+        """A server's engine: built on a thread that ends afterwards (fresh_threads.py says why), then the
+        start-up objects frozen out of the garbage collector's reach (gc_freeze.py)."""
+        service = cls(run_in_fresh_thread(lambda: LLMEngine(config)))
+        freeze_startup_objects()
+        return service
 
     def __init__(self, engine: LLMEngine, intake_threads: int = INTAKE_THREADS) -> None:
         self.loop = EngineLoop(engine)

@@ -21,10 +21,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from slora.backend.config import EngineConfig
-from slora.backend.engine import LLMEngine
 from slora.backend.engine_service import LocalEngine
-from slora.backend.fresh_threads import FreshThreadExecutor, run_in_fresh_thread
-from slora.backend.gc_freeze import freeze_startup_objects
+from slora.backend.fresh_threads import FreshThreadExecutor
 from slora.backend.outputs import EngineStats, RequestOutput
 from slora.backend.request_inputs import AdapterCommand
 from slora.backend.stub_compat import hide_packages_broken_by_numpy
@@ -125,8 +123,7 @@ def worker_main(config: EngineConfig, requests: Connection, outputs: Connection)
     _route_logging(pump)
     hide_packages_broken_by_numpy()  # the server's sys.path came along (a NumPy 1 first, on some hosts)
     try:
-        service = LocalEngine(run_in_fresh_thread(lambda: LLMEngine(config)))  # fresh_threads.py: why
-        freeze_startup_objects()
+        service = LocalEngine.start(config)
     except Exception as exc:
         logger.debug("engine construction failed", exc_info=exc)
         pump.post(("failed", f"{type(exc).__name__}: {exc}"))

@@ -26,6 +26,7 @@ T = TypeVar("T")
 def run_in_fresh_thread(fn: Callable[[], T], name: str = "slora-build") -> T:
     """fn() on a new thread, waited for; its result, or its exception raised here."""
     future: Future[T] = Future()
+    future.set_running_or_notify_cancel()  # nobody else holds it: it cannot have been cancelled
     thread = threading.Thread(target=_run_into, args=(future, fn), name=name, daemon=True)
     thread.start()
     thread.join()
@@ -90,16 +91,15 @@ class FreshThreadExecutor:
 
     def _run(self, future: Future[Any], fn: Callable[[], Any]) -> None:
         try:
-            _run_into(future, fn, running=True)
+            _run_into(future, fn)
         finally:
             with self._lock:
                 self._running.discard(threading.current_thread())
             self._slots.release()
 
 
-def _run_into(future: Future[T], fn: Callable[[], T], running: bool = False) -> None:
-    if not running and not future.set_running_or_notify_cancel():
-        return
+def _run_into(future: Future[T], fn: Callable[[], T]) -> None:
+    """fn()'s result or exception into `future`, already set running."""
     try:
         result = fn()
     except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future

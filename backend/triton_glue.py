@@ -27,12 +27,10 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from slora.backend.drain import DrainWatcher
-from slora.backend.engine import LLMEngine
 from slora.backend.engine_process import EngineProcess
 from slora.backend.engine_service import EngineService, LocalEngine, Submission
 from slora.backend.errors import EngineOverloadedError
-from slora.backend.fresh_threads import FreshThreadExecutor, run_in_fresh_thread
-from slora.backend.gc_freeze import freeze_startup_objects
+from slora.backend.fresh_threads import FreshThreadExecutor
 from slora.backend.request_inputs import (
     RawRequest,
     is_adapter_command,
@@ -130,9 +128,7 @@ class TritonPythonModel:
 def _start_engine(options: ServingOptions) -> EngineService:
     if options.engine_process:
         return EngineProcess(options.engine)
-    service = LocalEngine(run_in_fresh_thread(lambda: LLMEngine(options.engine)))  # fresh_threads.py: why
-    freeze_startup_objects()
-    return service
+    return LocalEngine.start(options.engine)
 
 
 def _metrics(options: ServingOptions) -> NullMetrics:
