@@ -21,6 +21,7 @@ import torch
 from slora.backend.adapter import HostAdapter
 from slora.backend.adapter_copier import AdapterCopier, CopyDone
 from slora.backend.page_pool import PageKind, PagePool
+from slora.kernels.metadata import offsets_or
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class ResidentAdapter:
         self.key = self.host.key
         self.ranks = np.array(self.host.ranks, dtype=np.int32)
         self.scales = np.array(self.host.scales, dtype=np.float32)
-        self.rows_or = int(np.bitwise_or.reduce(np.concatenate([self.a_rows, self.b_rows]), initial=0))
+        self.rows_or = offsets_or(self.a_rows) | offsets_or(self.b_rows)
 
     def wait_copied(self, device: torch.device) -> None:
         """Wait until the copy into the pool is issued and, on CUDA, make the current stream follow it. Work

@@ -83,10 +83,10 @@ def build_batch(
             sampled.append(s)
     width = max(len(t) for t in tables)
     attn = AttentionMeta(
-        q_start=_tensor(q_start, torch.int32, device),
-        seq_lens=_tensor(seq_lens, torch.int32, device),
-        block_tables=_tensor([t + [0] * (width - len(t)) for t in tables], torch.int32, device),
-        slot_mapping=_tensor(slots, torch.int64, device),
+        q_start=list_to_device(q_start, torch.int32, device),
+        seq_lens=list_to_device(seq_lens, torch.int32, device),
+        block_tables=list_to_device([t + [0] * (width - len(t)) for t in tables], torch.int32, device),
+        slot_mapping=list_to_device(slots, torch.int64, device),
         block_size=block_size,
         max_q_len=max(s.num_tokens for s in seqs),
         max_seq_len=max(seq_lens),
@@ -95,11 +95,11 @@ def build_batch(
         block_tables_host=tables,
     )
     return ForwardBatch(
-        input_ids=_tensor(input_ids, torch.int64, device),
-        positions=_tensor(positions, torch.int64, device),
+        input_ids=list_to_device(input_ids, torch.int64, device),
+        positions=list_to_device(positions, torch.int64, device),
         attn=attn,
         lora=build_lora_meta(seqs, q_start, device, lora_tables),
-        sample_index=_tensor(sample_rows, torch.int64, device),
+        sample_index=list_to_device(sample_rows, torch.int64, device),
         seqs=seqs,
         sampled=sampled,
     )
@@ -115,9 +115,9 @@ def build_lora_meta(
         return None
     t = tables.get(adapters, device) if tables is not None else build_tables(adapters, device)
     return LoraMeta(
-        token_adapter=_tensor(token_adapter, torch.int32, device),
-        seg_start=_tensor(seg_start, torch.int32, device),
-        seg_adapter=_tensor(seg_adapter, torch.int32, device),
+        token_adapter=list_to_device(token_adapter, torch.int32, device),
+        seg_start=list_to_device(seg_start, torch.int32, device),
+        seg_adapter=list_to_device(seg_adapter, torch.int32, device),
         ranks=t.ranks,
         scales=t.scales,
         row_start=t.row_start,
@@ -161,7 +161,7 @@ _ARRAY_CODES = {torch.int32: "i", torch.int64: "q", torch.float32: "f"}
 _NUMPY_TYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
 
 
-def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def list_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a tensor on `device`: through array/numpy, which convert Python ints several times faster
     than torch.tensor (this runs for about a dozen lists per step, some of thousands of entries)."""
     if not values:

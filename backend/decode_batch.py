@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from slora.backend.batch import ForwardBatch, ScheduledSeq, adapter_order, build_batch
+from slora.backend.batch import ForwardBatch, ScheduledSeq, adapter_order, build_batch, list_to_device
 from slora.backend.lora_tables import LoraTablesCache
 from slora.backend.request import Request
 from slora.kernels.metadata import AttentionMeta, to_device
@@ -115,7 +115,7 @@ class DecodeBatches:
 
     def _input_ids(self, ordered: list[ScheduledSeq], positions: np.ndarray) -> torch.Tensor:
         ids = [s.request.token_ids[p] for s, p in zip(ordered, positions.tolist())]
-        return to_device(torch.tensor(ids, dtype=torch.int64), self.device)
+        return list_to_device(ids, torch.int64, self.device)
 
     def _grow(self, ordered: list[ScheduledSeq], grown: np.ndarray, blocks: np.ndarray) -> bool:
         """Block-table rows of the requests that took a page; False when one lacks the page it needs."""

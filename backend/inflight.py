@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slora.backend.batch import ForwardBatch
+from slora.backend.batch import ForwardBatch, list_to_device
 from slora.backend.request import Request
-from slora.kernels.metadata import to_device
 
 
 @dataclass
@@ -67,5 +66,5 @@ def patch_inputs(batch: ForwardBatch, previous: InflightStep | None) -> None:
             sources.append(previous.position(r))
     if rows:
         device = batch.input_ids.device
-        index = to_device(torch.tensor(sources, dtype=torch.int64), device)
-        batch.input_ids[to_device(torch.tensor(rows, dtype=torch.int64), device)] = previous.tokens[index]
+        index = list_to_device(sources, torch.int64, device)
+        batch.input_ids[list_to_device(rows, torch.int64, device)] = previous.tokens[index]

@@ -42,7 +42,12 @@ def tiles_of(segments: list[tuple[int, int, int, int]], block: int, device: torc
 
 def row_alignment(rows: torch.Tensor, cap: int = 16) -> int:
     """The largest power of two up to `cap` that divides every offset in `rows` (lets kernels vectorize loads)."""
-    return alignment_of(int(np.bitwise_or.reduce(rows.numpy(force=True), initial=0)), cap)
+    return alignment_of(offsets_or(rows.numpy(force=True)), cap)
+
+
+def offsets_or(offsets: np.ndarray) -> int:
+    """The bitwise OR of every offset (0 for none): what alignment_of needs, and can be combined across arrays."""
+    return int(np.bitwise_or.reduce(offsets, initial=0))
 
 
 def alignment_of(offsets_or: int, cap: int = 16) -> int:
