@@ -20,10 +20,12 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from slora.kernels.launch import cdiv, dot_precision, next_power_of_2
 from slora.kernels.lora_shrink import MODULES, NUM_MODULES, tile_bounds
 from slora.kernels.metadata import LoraMeta, SegmentGroup
+from slora.kernels.pdl import pdl_enabled
 from slora.kernels.relaunch import Relaunch
 
 
@@ -82,11 +84,14 @@ def _lora_expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with PDL behind the shrink: wait for its v (kernels/pdl.py)
     DOT_PRECISION: tl.constexpr,
 ):
     n0 = tl.program_id(1) * BLOCK_N
     first, end, adapter = tile_bounds(tiles_ptr, tl.program_id(0))
     table = adapter * MODULES + FIRST_MODULE
+    if USE_PDL:
+        gdc_wait()
 
     tokens = first + tl.arange(0, BLOCK_M)
     tok_mask = tokens < end
@@ -157,9 +162,13 @@ def _lora_expand_gemv_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,  # a power of two ≥ split_k
+    USE_PDL: tl.constexpr,
 ):
     """The dot kernel's work (same arguments) with the call's module on grid axis 2, one token at a time:
-    y_t += (Σ_j v_t[j] · Bᵀ[j, :]) · scale in float32. The tile's later tokens read Bᵀ again, from cache."""
+    y_t += (Σ_j v_t[j] · Bᵀ[j, :]) · scale in float32. The tile's later tokens read Bᵀ again, from cache.
+
+    The first rank chunk of Bᵀ is read before anything the shrink kernel writes: launched with PDL, that read
+    overlaps the shrink (kernels/pdl.py)."""
     n0 = tl.program_id(1) * BLOCK_N
     s = tl.program_id(2)
     first, end, adapter = tile_bounds(tiles_ptr, tl.program_id(0))
@@ -174,22 +183,29 @@ def _lora_expand_gemv_kernel(
     v_col = 0  # this module's first column in v: the ranks of the call's modules before it
     for before in tl.static_range(NUM_SLICES - 1):
         v_col += tl.where(before < s, tl.load(ranks_ptr + table + before), 0)
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = n < width
+    j0 = tl.arange(0, BLOCK_R)
+    j0_mask = j0 < rank
+    rows0 = tl.multiple_of(tl.load(b_rows_ptr + row0 + j0, mask=j0_mask, other=0), ROW_ALIGN)
+    bt0 = tl.load(pool_ptr + rows0[:, None] + n[None, :], mask=j0_mask[:, None] & n_mask[None, :], other=0.0)
+    if USE_PDL:
+        gdc_wait()  # every program, also one with nothing to add: the expand ends only after the shrink
     if (rank > 0) & (n0 < width):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < width
         sp = tl.arange(0, SPLITS)
+        split_mask = sp[:, None] < split_k
         for i in range(0, tl.minimum(end - first, BLOCK_M)):  # the tile's tokens (rows first + i)
             t = first.to(tl.int64) + i
             y_row = y_ptr + t * stride_y + offset
             yt = tl.load(y_row + n, mask=n_mask, other=0.0)
-            v_row = v_ptr + t * stride_v_tok + v_col
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for c in range(0, rank, BLOCK_R):
+            # every split's partial sums at once: [SPLITS, BLOCK_R], summed over the splits
+            v_row = v_ptr + t * stride_v_tok + v_col + sp[:, None].to(tl.int64) * stride_v_split
+            vt = tl.sum(tl.load(v_row + j0[None, :], mask=split_mask & j0_mask[None, :], other=0.0), axis=0)
+            acc = tl.sum(vt[:, None] * bt0.to(tl.float32), axis=0)
+            for c in range(BLOCK_R, rank, BLOCK_R):
                 j = c + tl.arange(0, BLOCK_R)
                 j_mask = j < rank
-                # every split's partial sums at once: [SPLITS, BLOCK_R], summed over the splits
-                v_ptrs = v_row + sp[:, None].to(tl.int64) * stride_v_split + j[None, :]
-                vt = tl.sum(tl.load(v_ptrs, mask=(sp[:, None] < split_k) & j_mask[None, :], other=0.0), axis=0)
+                vt = tl.sum(tl.load(v_row + j[None, :], mask=split_mask & j_mask[None, :], other=0.0), axis=0)
                 rows = tl.load(b_rows_ptr + row0 + j, mask=j_mask, other=0)
                 rows = tl.multiple_of(rows, ROW_ALIGN)
                 bt = tl.load(pool_ptr + rows[:, None] + n[None, :], mask=j_mask[:, None] & n_mask[None, :], other=0.0)
@@ -232,9 +248,11 @@ def expand_launch(
         offset0=offsets[0], offset1=offsets[1], offset2=offsets[2],
         width0=widths[0], width1=widths[1], width2=widths[2],
         FIRST_MODULE=first_module, NUM_SLICES=num_slices, ROW_ALIGN=meta.row_align,
-        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=block_n,
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=block_n, USE_PDL=pdl_enabled(y.device),
     )  # fmt: skip
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if args["USE_PDL"]:
+        options.update(launch_pdl=True)
     blocks = cdiv(max(out_widths), block_n)
     if cfg.gemv:
         args.update(SPLITS=next_power_of_2(v.shape[0]))

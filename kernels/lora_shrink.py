@@ -24,9 +24,11 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from slora.kernels.launch import cdiv, dot_precision
 from slora.kernels.metadata import LoraMeta, SegmentGroup
+from slora.kernels.pdl import pdl_enabled
 from slora.kernels.relaunch import Relaunch
 
 NUM_MODULES = 7  # q, k, v, o, gate, up, down: the columns of LoraMeta's tables
@@ -107,8 +109,11 @@ def _lora_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,  # let the expand kernel, launched with PDL, start now (kernels/pdl.py)
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no tf32 rounding)
 ):
+    if USE_PDL:
+        gdc_launch_dependents()
     split = tl.program_id(2)
     first, end, adapter = tile_bounds(tiles_ptr, tl.program_id(0))
     rank, row0 = fused_rows(ranks_ptr, row_start_ptr, adapter * MODULES + FIRST_MODULE, NUM_SLICES)
@@ -154,9 +159,12 @@ def _lora_shrink_gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """The dot kernel's work (same arguments, grid and output) one token at a time: v_t = Σ_k A[:, k] · x_t[k] as
     an elementwise product summed along K, in float32. The tile's later tokens read A again, from cache."""
+    if USE_PDL:
+        gdc_launch_dependents()
     split = tl.program_id(2)
     first, end, adapter = tile_bounds(tiles_ptr, tl.program_id(0))
     rank, row0 = fused_rows(ranks_ptr, row_start_ptr, adapter * MODULES + FIRST_MODULE, NUM_SLICES)
@@ -212,7 +220,7 @@ def shrink_launch(
         tiles_ptr=tiles, ranks_ptr=meta.ranks, row_start_ptr=meta.row_start, a_rows_ptr=meta.a_rows,
         in_features=in_features, k_per_split=k_per_split,
         FIRST_MODULE=first_module, NUM_SLICES=num_slices, ROW_ALIGN=meta.row_align,
-        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, USE_PDL=pdl_enabled(x.device),
     )  # fmt: skip
     kernel = _lora_shrink_gemv_kernel
     if not cfg.gemv:

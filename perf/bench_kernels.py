@@ -44,7 +44,7 @@ from slora.backend.model_spec import LORA_MODULES
 from slora.backend.page_pool import PageKind, PagePool, PoolGeometry
 from slora.backend.request import Request
 from slora.backend.sampling_params import SamplingParams
-from slora.kernels import lora_expand, lora_shrink, paged_attention, paged_decode
+from slora.kernels import lora_expand, lora_shrink, paged_attention, paged_decode, pdl
 from slora.kernels.attention_ref import paged_attention_ref, write_kv_ref
 from slora.kernels.lora_expand import ExpandConfig
 from slora.kernels.lora_padded import lora_padded_bmm
@@ -53,6 +53,7 @@ from slora.kernels.lora_shrink import ShrinkConfig
 from slora.kernels.metadata import AttentionMeta, LoraMeta
 from slora.kernels.paged_attention import AttentionConfig
 from slora.kernels.paged_decode import DecodeConfig
+from slora.kernels.pdl import pdl_enabled
 from slora.kernels.triton_ops import TritonOps
 
 logger = logging.getLogger("bench_kernels")
@@ -761,6 +762,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         DEVICE = torch.device("cpu")
     torch.manual_seed(0)
+    logger.info("LoRA expand launched with PDL: %s (%s=0 turns it off)", pdl_enabled(DEVICE), pdl.ENV)
     device, rows = run_all(args.smoke, args.only)
     checks = check_targets(rows)
     sys.stdout.write(table(rows))
@@ -770,6 +772,7 @@ def main(argv: list[str] | None = None) -> int:
     payload: dict[str, Any] = {
         "device": asdict(device),
         "flush": flush_mode,
+        "lora_pdl": pdl_enabled(DEVICE),
         "rows": [asdict(r) for r in rows],
         "targets": checks,
     }
