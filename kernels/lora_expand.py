@@ -167,8 +167,8 @@ def _lora_expand_gemv_kernel(
     """The dot kernel's work (same arguments) with the call's module on grid axis 2, one token at a time:
     y_t += (Σ_j v_t[j] · Bᵀ[j, :]) · scale in float32. The tile's later tokens read Bᵀ again, from cache.
 
-    The first rank chunk of Bᵀ is read before anything the shrink kernel writes: launched with PDL, that read
-    overlaps the shrink (kernels/pdl.py)."""
+    Each rank chunk of Bᵀ is read before the chunk's v: launched with PDL, the first chunk's read overlaps the
+    shrink (kernels/pdl.py)."""
     n0 = tl.program_id(1) * BLOCK_N
     s = tl.program_id(2)
     first, end, adapter = tile_bounds(tiles_ptr, tl.program_id(0))
@@ -183,34 +183,31 @@ def _lora_expand_gemv_kernel(
     v_col = 0  # this module's first column in v: the ranks of the call's modules before it
     for before in tl.static_range(NUM_SLICES - 1):
         v_col += tl.where(before < s, tl.load(ranks_ptr + table + before), 0)
-    n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = n < width
-    j0 = tl.arange(0, BLOCK_R)
-    j0_mask = j0 < rank
-    rows0 = tl.multiple_of(tl.load(b_rows_ptr + row0 + j0, mask=j0_mask, other=0), ROW_ALIGN)
-    bt0 = tl.load(pool_ptr + rows0[:, None] + n[None, :], mask=j0_mask[:, None] & n_mask[None, :], other=0.0)
-    if USE_PDL:
-        gdc_wait()  # every program, also one with nothing to add: the expand ends only after the shrink
     if (rank > 0) & (n0 < width):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < width
         sp = tl.arange(0, SPLITS)
-        split_mask = sp[:, None] < split_k
         for i in range(0, tl.minimum(end - first, BLOCK_M)):  # the tile's tokens (rows first + i)
             t = first.to(tl.int64) + i
             y_row = y_ptr + t * stride_y + offset
-            yt = tl.load(y_row + n, mask=n_mask, other=0.0)
-            # every split's partial sums at once: [SPLITS, BLOCK_R], summed over the splits
-            v_row = v_ptr + t * stride_v_tok + v_col + sp[:, None].to(tl.int64) * stride_v_split
-            vt = tl.sum(tl.load(v_row + j0[None, :], mask=split_mask & j0_mask[None, :], other=0.0), axis=0)
-            acc = tl.sum(vt[:, None] * bt0.to(tl.float32), axis=0)
-            for c in range(BLOCK_R, rank, BLOCK_R):
+            yt = tl.load(y_row + n, mask=n_mask, other=0.0)  # written before the shrink started: no wait
+            v_row = v_ptr + t * stride_v_tok + v_col
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for c in range(0, rank, BLOCK_R):
                 j = c + tl.arange(0, BLOCK_R)
                 j_mask = j < rank
-                vt = tl.sum(tl.load(v_row + j[None, :], mask=split_mask & j_mask[None, :], other=0.0), axis=0)
                 rows = tl.load(b_rows_ptr + row0 + j, mask=j_mask, other=0)
                 rows = tl.multiple_of(rows, ROW_ALIGN)
                 bt = tl.load(pool_ptr + rows[:, None] + n[None, :], mask=j_mask[:, None] & n_mask[None, :], other=0.0)
+                if USE_PDL:
+                    gdc_wait()  # the shrink's v from here on (a no-op once the shrink has ended)
+                # every split's partial sums at once: [SPLITS, BLOCK_R], summed over the splits
+                v_ptrs = v_row + sp[:, None].to(tl.int64) * stride_v_split + j[None, :]
+                vt = tl.sum(tl.load(v_ptrs, mask=(sp[:, None] < split_k) & j_mask[None, :], other=0.0), axis=0)
                 acc += tl.sum(vt[:, None] * bt.to(tl.float32), axis=0)
             tl.store(y_row + n, (yt.to(tl.float32) + acc * scale).to(yt.dtype), mask=n_mask)
+    if USE_PDL:
+        gdc_wait()  # also a program with nothing to add: the expand must not end before the shrink
 
 
 def expand_launch(

@@ -11,6 +11,7 @@
 #   lora-vs-base  engine S1 n=2000 and n=2000 base model (the LoRA / base target alone)                 [~2 min]
 #   engine-s1   engine S1 n=5, 100, 1000, 2000, n=2000 base model, n=2000 single adapter                [~6 min]
 #   engine-s2   engine S2 n=5, 100, 1000, 2000, n=2000 base model                                       [~6 min]
+#   s2-ratio    engine S2 n=5, n=2000, n=2000 base model (S2's two ratio targets alone)                 [~3 min]
 #   engine-sall engine S-all (ranks 64/32/16/8 on all seven projections) n=5, n=2000, n=2000 base model [~4 min]
 #   bmm         padded-BMM LoRA (kernel_backend=bmm) and triton side by side, S1 n=5 and n=2000, no graphs [~6 min]
 #   serving-s1  engine S1 n=5, n=2000; served `slora` n=5, n=2000; served `ensemble` n=2000               [~8 min]
@@ -252,6 +253,9 @@ suite() {
     engine-s2)
       s2_5=$(trace s2 5); s2_100=$(trace s2 100); s2_1000=$(trace s2 1000); s2_big=$(trace s2 "$N_BIG")
       engine "$KERNEL" S2 "$s2_5" "$s2_100" "$s2_1000" "$s2_big" "$s2_big@base" ;;
+    s2-ratio)
+      s2_5=$(trace s2 5); s2_big=$(trace s2 "$N_BIG")
+      engine "$KERNEL" S2 "$s2_5" "$s2_big" "$s2_big@base" ;;
     engine-sall)
       local sa_5 sa_big
       sa_5=$(trace sall 5); sa_big=$(trace sall "$N_BIG")
@@ -315,7 +319,7 @@ suite() {
       s1_100=$(trace s1 100)
       peft "$s1_5" "$s1_100" ;;
     *)
-      log "unknown suite $1 (all, headline, lora-vs-base, engine-s1, engine-s2, engine-sall, bmm, serving-s1, served, served-both, checks, peft, peft-only)"; return 2 ;;
+      log "unknown suite $1 (all, headline, lora-vs-base, engine-s1, engine-s2, s2-ratio, engine-sall, bmm, serving-s1, served, served-both, checks, peft, peft-only)"; return 2 ;;
   esac
 }
 
