@@ -47,15 +47,22 @@ def variant_keys() -> dict[str, set[str]]:
     return keys
 
 
+def compiled_kernels(kernel: Any) -> list[Any]:
+    """The compiled variants of one kernel so far (Triton's compiled kernels, with their metadata), on every
+    device; none under the interpreter or an unknown cache layout."""
+    return [compiled for cache in _kernel_caches(kernel) for compiled in cache.values()]
+
+
 def _cache_keys(kernel: Any) -> list[Any]:
+    return [key for cache in _kernel_caches(kernel) for key in cache]
+
+
+def _kernel_caches(kernel: Any) -> list[dict[Any, Any]]:
     caches = getattr(kernel, "device_caches", None)
     if not isinstance(caches, dict):
         return []
-    keys: list[Any] = []
-    for entry in caches.values():
-        if isinstance(entry, tuple) and entry and isinstance(entry[0], dict):
-            keys += entry[0]  # the kernel cache comes first in triton 3.x's per-device tuple
-    return keys
+    # the kernel cache comes first in triton 3.x's per-device tuple
+    return [entry[0] for entry in caches.values() if isinstance(entry, tuple) and entry and isinstance(entry[0], dict)]
 
 
 def keys_since(before: dict[str, set[str]]) -> dict[str, list[str]]:

@@ -53,7 +53,6 @@ from slora.kernels.lora_shrink import ShrinkConfig
 from slora.kernels.metadata import AttentionMeta, LoraMeta
 from slora.kernels.paged_attention import AttentionConfig
 from slora.kernels.paged_decode import DecodeConfig
-from slora.kernels.pdl import pdl_enabled
 from slora.kernels.triton_ops import TritonOps
 
 logger = logging.getLogger("bench_kernels")
@@ -762,7 +761,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         DEVICE = torch.device("cpu")
     torch.manual_seed(0)
-    logger.info("LoRA expand launched with PDL: %s (%s=0 turns it off)", pdl_enabled(DEVICE), pdl.ENV)
+    logger.info("LoRA expand launched with PDL: %s (%s=0 turns it off)", pdl.pdl_enabled(DEVICE), pdl.ENV)
     device, rows = run_all(args.smoke, args.only)
     checks = check_targets(rows)
     sys.stdout.write(table(rows))
@@ -772,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
     payload: dict[str, Any] = {
         "device": asdict(device),
         "flush": flush_mode,
-        "lora_pdl": pdl_enabled(DEVICE),
+        "lora_pdl": pdl.pdl_enabled(DEVICE),
         "rows": [asdict(r) for r in rows],
         "targets": checks,
     }

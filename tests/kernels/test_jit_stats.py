@@ -80,3 +80,9 @@ def test_step_dependent_arguments_are_not_specialized(kernel_name: str) -> None:
     else:  # under TRITON_INTERPRET=1: the interpreter keeps triton.jit's arguments
         unspecialized = set(kernel.kwargs["do_not_specialize"] or ())
     assert STEP_DEPENDENT[kernel_name] <= unspecialized, STEP_DEPENDENT[kernel_name] - unspecialized
+
+
+def test_compiled_kernels_are_the_caches_values_on_every_device() -> None:
+    kernel = types.SimpleNamespace(device_caches={0: ({"k1": "c1"}, {}), 1: ({"k2": "c2", "k3": "c3"},), 2: "odd"})
+    assert sorted(jit_stats.compiled_kernels(kernel)) == ["c1", "c2", "c3"]
+    assert jit_stats.compiled_kernels(types.SimpleNamespace()) == []

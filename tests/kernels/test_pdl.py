@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from slora.kernels import lora_expand, pdl  # noqa: E402
+from slora.kernels import jit_stats, lora_expand, pdl  # noqa: E402
 from tests.kernels.builders import DEVICE, FULL_SHAPES, gpu_only  # noqa: E402
 from tests.kernels.test_lora import build_case, check_layer, gpu_adapters, gpu_step  # noqa: E402
 
@@ -37,11 +37,7 @@ def hopper() -> bool:
 
 def launched_with_pdl() -> set[bool]:
     """launch_pdl of every compiled variant of the decode expand kernel so far."""
-    flags = set()
-    for caches in lora_expand._lora_expand_gemv_kernel.device_caches.values():
-        for compiled in caches[0].values():
-            flags.add(bool(compiled.metadata.launch_pdl))
-    return flags
+    return {bool(c.metadata.launch_pdl) for c in jit_stats.compiled_kernels(lora_expand._lora_expand_gemv_kernel)}
 
 
 @gpu_only
