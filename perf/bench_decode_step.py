@@ -33,13 +33,21 @@ PROMPT_TOKENS = 128
 class StepTiming:
     batch: int
     cuda_graphs: bool
-    adapters: bool
+    adapters: int  # distinct adapters of the batch (0: the base model)
     step_ms: float
     weight_read_ms: float
+    weight_bytes: int = 0
+    kv_bytes: int = 0  # K/V of every sequence at the middle of the timed steps
+    adapter_bytes: int = 0  # pages of the batch's distinct adapters
 
     @property
     def ratio(self) -> float:
         return self.step_ms / self.weight_read_ms
+
+    @property
+    def bandwidth_gbs(self) -> float:
+        """The step's minimum bytes over its time."""
+        return (self.weight_bytes + self.kv_bytes + self.adapter_bytes) / self.step_ms / 1e6
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
@@ -60,10 +68,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_decode(engine: LLMEngine, batch: int, adapters: list[str], steps: int) -> float:
-    """Milliseconds per decode step with `batch` running requests (all prefilled first)."""
+def time_decode(
+    engine: LLMEngine, batch: int, adapters: list[str], steps: int, prompt_len: int = PROMPT_TOKENS
+) -> float:
+    """Milliseconds per decode step with `batch` running requests of prompt_len tokens (all prefilled first)."""
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    prompt = [(7 * i) % engine.spec.vocab_size for i in range(PROMPT_TOKENS)]
+    prompt = [(7 * i) % engine.spec.vocab_size for i in range(prompt_len)]
     ids = start_prefilled(engine, [prompt] * batch, adapters, params, detokenize=True)
     engine.step()  # the first step of every bucket may capture or compile
     _sync(engine.device)
@@ -99,6 +109,18 @@ def adapter_dirs(root: str, count: int) -> list[str]:
     return names[:count]
 
 
+def batch_adapters(names: list[str], count: int, batch: int) -> list[str]:
+    """The adapters of a batch's requests, cycled: none (count 0), one per request (-1) or the first `count`."""
+    return names[: batch if count < 0 else min(count, batch)]
+
+
+def kv_bytes(engine: LLMEngine, batch: int, context: int) -> int:
+    """K and V of `batch` sequences of `context` tokens, every layer."""
+    spec = engine.spec
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * engine.model.weights.embed.element_size()
+    return batch * context * per_token
+
+
 def run(args: argparse.Namespace) -> list[StepTiming]:
     timings: list[StepTiming] = []
     adapter_names = adapter_dirs(args.adapter_root, max(args.batch)) if args.adapter_root else []
@@ -107,13 +129,20 @@ def run(args: argparse.Namespace) -> list[StepTiming]:
                               adapter_root=args.adapter_root, cuda_graphs=graphs, max_num_seqs=max(args.batch),
                               kernel_backend=args.kernel_backend, pool_bytes=args.pool_bytes)  # fmt: skip
         engine = LLMEngine(config)
-        read_ms = engine.model.weights.nbytes() / copy_bandwidth(engine.device) * 2 * 1000  # a read is half a copy
+        weight_bytes = engine.model.weights.nbytes()
+        read_ms = weight_bytes / copy_bandwidth(engine.device) * 2 * 1000  # a read is half a copy
         for batch in args.batch:
-            for use_adapters in [False, True] if adapter_names else [False]:
-                step_ms = time_decode(engine, batch, adapter_names if use_adapters else [], args.steps)
-                timing = StepTiming(batch, graphs, use_adapters, step_ms, read_ms)
-                logger.info("batch %3d graphs %-5s adapters %-5s: %.2f ms/step, %.2f x the weight read (%.2f ms)",
-                            batch, graphs, use_adapters, step_ms, timing.ratio, read_ms)  # fmt: skip
+            for count in args.adapter_counts if adapter_names else [0]:
+                names = batch_adapters(adapter_names, count, batch)
+                step_ms = time_decode(engine, batch, names, args.steps, args.prompt_len)
+                nbytes = sum(engine.store.get(name).nbytes for name in set(names))
+                context = args.prompt_len + args.steps // 2 + 1
+                timing = StepTiming(batch, graphs, len(set(names)), step_ms, read_ms, weight_bytes,
+                                    kv_bytes(engine, batch, context), nbytes)  # fmt: skip
+                logger.info("batch %3d graphs %-5s adapters %4d: %.2f ms/step, %.2f x the weight read (%.2f ms), "
+                            "%.0f GB/s on %.2f GB (adapters %.2f GB)", batch, graphs, timing.adapters, step_ms,
+                            timing.ratio, read_ms, timing.bandwidth_gbs,
+                            (weight_bytes + timing.kv_bytes + nbytes) / 1e9, nbytes / 1e9)  # fmt: skip
                 timings.append(timing)
         del engine
         if args.device != "cpu":
@@ -132,11 +161,14 @@ def main() -> None:
     parser.add_argument("--pool-bytes", type=parse_size, default=None)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--prompt-len", type=int, default=PROMPT_TOKENS)
+    parser.add_argument("--adapter-counts", type=int, nargs="+", default=[0, -1],
+                        help="adapters per batch: 0 none, -1 one per request, k: k shared round robin")  # fmt: skip
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     timings = run(args)
     if args.out:
-        rows = [{**asdict(t), "ratio": t.ratio} for t in timings]
+        rows = [{**asdict(t), "ratio": t.ratio, "bandwidth_gbs": t.bandwidth_gbs} for t in timings]
         args.out.write_text(json.dumps(rows, indent=2) + "\n")
 
 

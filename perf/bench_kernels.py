@@ -481,6 +481,11 @@ def adapters(ranks: list[int]) -> list[tuple[int, ...]]:
 
 
 S1 = (8, 8, 8, 8, 0, 0, 0)  # rank 8 on q, k, v, o (perf/make_adapters.py's S1)
+S2_RANKS = (64, 32, 16, 8)  # S2: one of these ranks on q, k, v, o
+
+
+def s2_adapters(count: int) -> list[tuple[int, ...]]:
+    return [(r, r, r, r, 0, 0, 0) for r in itertools.islice(itertools.cycle(S2_RANKS), count)]
 
 
 def lora_cases(mha: Model, gqa: Model, n: int, prompt: int) -> list[Callable[[], LoraCase]]:
@@ -496,6 +501,8 @@ def lora_cases(mha: Model, gqa: Model, n: int, prompt: int) -> list[Callable[[],
         lambda: lora_case(f"decode {n} req, {n} adapters r16", mha, adapters([16] * n), decode),
         lambda: lora_case(f"decode {n} req, {n} adapters mixed r1-128", mha, adapters(mixed[:n]), decode),
         lambda: lora_case(f"decode {n} req, 4 adapters r64", mha, adapters([64] * 4), [(i % 4, 1) for i in range(n)]),
+        lambda: lora_case(f"S2 decode {n} req, {n} adapters r64/32/16/8 q,k,v,o", mha, s2_adapters(n), decode),
+        lambda: lora_case(f"S2 decode {n} req, 5 adapters", mha, s2_adapters(5), [(i % 5, 1) for i in range(n)]),
         lambda: lora_case(f"decode {n} req, {n} adapters mixed r1-128", gqa, adapters(mixed[:n]), decode),
         lambda: lora_case(
             f"mixed 4x{prompt} prompt + {n // 2} decode, mixed r1-128", mha, adapters(mixed[: 4 + n // 2]), mixed_step
@@ -524,7 +531,7 @@ def check_targets(rows: list[Row]) -> list[dict[str, object]]:
     for r in rows:
         if r.impl != "triton":
             continue
-        if r.kernel in ("lora_layer", "attention_decode") and r.case.startswith("decode"):
+        if r.kernel in ("lora_layer", "attention_decode") and r.case.startswith(("decode", "S2 decode")):
             same_size = r.frac_same_size_copy
             checks.append({"target": f"{r.kernel} [{r.case}] >= {DECODE_BW_TARGET:.0%} of copy bandwidth",
                            "value": round(r.frac_copy, 3), "met": r.frac_copy >= DECODE_BW_TARGET,
@@ -762,6 +769,8 @@ def main(argv: list[str] | None = None) -> int:
         DEVICE = torch.device("cpu")
     torch.manual_seed(0)
     logger.info("LoRA expand launched with PDL: %s (%s=0 turns it off)", pdl.pdl_enabled(DEVICE), pdl.ENV)
+    logger.info("LoRA GEMV token loop inside the weight loads: %s (%s=outer: outside)", lora_shrink.tokens_inner(),
+                lora_shrink.TOKEN_LOOP_ENV)  # fmt: skip
     device, rows = run_all(args.smoke, args.only)
     checks = check_targets(rows)
     sys.stdout.write(table(rows))
@@ -772,6 +781,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": asdict(device),
         "flush": flush_mode,
         "lora_pdl": pdl.pdl_enabled(DEVICE),
+        "lora_tokens_inner": lora_shrink.tokens_inner(),
         "rows": [asdict(r) for r in rows],
         "targets": checks,
     }

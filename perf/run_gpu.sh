@@ -19,6 +19,8 @@
 #   peft-only   PEFT S1 n=5, n=100 alone (run after engine-s1 in the same call)                          [~3 min]
 #   served-both engine S1 n=2000; served `slora` n=2000 and `ensemble` n=2000 (the served target, both paths)  [~6 min]
 #   served      engine S1 n=2000 (and base model); served `slora` n=2000 (adapters preloaded at start); perf_analyzer slora  [~6 min]
+#   s2-floor    perf.bench_decode_step on S2 adapters, batch 96 of 320-token prompts, no adapter / 5 / one per
+#               request: step time, minimum bytes and bandwidth (the S2 LoRA / base ratio's bytes floor) [~3 min]
 #   checks      kernel and engine tests on the GPU, then perf.bench_decode_step (CUDA graphs, batch 1/8/64),
 #               perf.bench_host_step (host time of a 256-sequence decode step) and perf.bench_host_forward
 #               (host time of eager steps, kernels stubbed: this host's Python against the CPU machine's) [~8 min]
@@ -311,6 +313,9 @@ suite() {
         step -m perf.bench_host_forward --model "$WORK/deep" --adapter-root "$WORK/deep-adapters" --seqs 128 \
           --out "$OUT/host_forward.json"
       fi ;;
+    s2-floor)  # whole decode steps at the S2 runs' batch: does a LoRA step pay more than its adapters' bytes?
+      step -m perf.bench_decode_step --model "$MODEL" --load-format dummy --adapter-root "$(adapters S2)" \
+        --batch 96 --prompt-len 320 --adapter-counts 0 5 -1 --out "$OUT/s2_floor.json" ;;
     peft)
       s1_100=$(trace s1 100)
       engine "$KERNEL" S1 "$s1_5" "$s1_100"
@@ -319,7 +324,7 @@ suite() {
       s1_100=$(trace s1 100)
       peft "$s1_5" "$s1_100" ;;
     *)
-      log "unknown suite $1 (all, headline, lora-vs-base, engine-s1, engine-s2, s2-ratio, engine-sall, bmm, serving-s1, served, served-both, checks, peft, peft-only)"; return 2 ;;
+      log "unknown suite $1 (all, headline, lora-vs-base, engine-s1, engine-s2, s2-ratio, engine-sall, bmm, serving-s1, served, served-both, s2-floor, checks, peft, peft-only)"; return 2 ;;
   esac
 }
 

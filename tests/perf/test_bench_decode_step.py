@@ -11,10 +11,15 @@ from perf.bench_decode_step import adapter_dirs, run
 def test_times_every_batch_and_adapter_mix(tiny_model: Path, tiny_adapters: Path) -> None:
     args = argparse.Namespace(
         model=str(tiny_model), load_format="dummy", adapter_root=str(tiny_adapters), device="cpu",
-        kernel_backend="torch", pool_bytes=64 << 20, batch=[1, 3], steps=2,
+        kernel_backend="torch", pool_bytes=64 << 20, batch=[1, 3], steps=2, prompt_len=8, adapter_counts=[0, -1, 2],
     )  # fmt: skip
     timings = run(args)
-    assert [(t.batch, t.adapters) for t in timings] == [(1, False), (1, True), (3, False), (3, True)]
+    counts = [(t.batch, t.adapters) for t in timings]
+    assert counts == [(1, 0), (1, 1), (1, 1), (3, 0), (3, 3), (3, 2)], "count -1: one adapter per request; k: k"
     assert all(t.step_ms > 0 and t.weight_read_ms > 0 and t.ratio > 0 for t in timings)
+    base, one, three = timings[3], timings[1], timings[4]
+    assert base.adapter_bytes == 0 and three.adapter_bytes == 3 * one.adapter_bytes > 0
+    assert three.kv_bytes == 3 * one.kv_bytes > 0 and base.weight_bytes == three.weight_bytes > 0
+    assert three.bandwidth_gbs > 0
     assert len(adapter_dirs(str(tiny_adapters), 3)) == 3
     assert not any(name.startswith(".") for name in adapter_dirs(str(tiny_adapters), 100))
