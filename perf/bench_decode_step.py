@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from perf.step_profiler import StepProfiler
 from slora.backend.config import EngineConfig, parse_size
 from slora.backend.engine import LLMEngine
 from slora.backend.sampling_params import SamplingParams
@@ -69,10 +70,17 @@ def _sync(device: torch.device) -> None:
 
 
 def time_decode(
-    engine: LLMEngine, batch: int, adapters: list[str], steps: int, prompt_len: int = PROMPT_TOKENS
+    engine: LLMEngine,
+    batch: int,
+    adapters: list[str],
+    steps: int,
+    prompt_len: int = PROMPT_TOKENS,
+    profiler: StepProfiler | None = None,
 ) -> float:
-    """Milliseconds per decode step with `batch` running requests of prompt_len tokens (all prefilled first)."""
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    """Milliseconds per decode step with `batch` running requests of prompt_len tokens (all prefilled first); then,
+    outside the clock, the profiler's steps (device kernels, host functions)."""
+    extra = profiler.total_steps if profiler is not None else 0
+    params = SamplingParams(max_tokens=steps + extra + 8, temperature=0.0, ignore_eos=True)
     prompt = [(7 * i) % engine.spec.vocab_size for i in range(prompt_len)]
     ids = start_prefilled(engine, [prompt] * batch, adapters, params, detokenize=True)
     engine.step()  # the first step of every bucket may capture or compile
@@ -82,6 +90,11 @@ def time_decode(
         engine.step()
     _sync(engine.device)
     elapsed = (time.perf_counter() - start) / steps
+    for _ in range(extra):
+        assert profiler is not None
+        profiler.before_step()
+        engine.step()
+        profiler.after_step()
     for request_id in ids:
         engine.abort(request_id)
     return elapsed * 1000
@@ -134,7 +147,9 @@ def run(args: argparse.Namespace) -> list[StepTiming]:
         for batch in args.batch:
             for count in args.adapter_counts if adapter_names else [0]:
                 names = batch_adapters(adapter_names, count, batch)
-                step_ms = time_decode(engine, batch, names, args.steps, args.prompt_len)
+                title = f"batch {batch} graphs {graphs} adapters {len(set(names))}"
+                profiler = StepProfiler(0, args.profile_steps, args.profile, title) if args.profile else None
+                step_ms = time_decode(engine, batch, names, args.steps, args.prompt_len, profiler)
                 nbytes = sum(engine.store.get(name).nbytes for name in set(names))
                 context = args.prompt_len + args.steps // 2 + 1
                 timing = StepTiming(batch, graphs, len(set(names)), step_ms, read_ms, weight_bytes,
@@ -165,6 +180,8 @@ def main() -> None:
     parser.add_argument("--adapter-counts", type=int, nargs="+", default=[0, -1],
                         help="adapters per batch: 0 none, -1 one per request, k: k shared round robin")  # fmt: skip
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--profile", type=Path, help="append torch.profiler and cProfile tables of a few steps here")
+    parser.add_argument("--profile-steps", type=int, default=2)
     args = parser.parse_args()
     timings = run(args)
     if args.out:
