@@ -19,7 +19,6 @@ kernel sums the split_k partials.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -48,8 +47,6 @@ class ShrinkConfig:
     # of tensor-core tiles: decode tiles hold one or two tokens, for which a tl.dot tile is mostly padding.
     gemv: bool = False
 
-
-TOKEN_LOOP_ENV = "SLORA_LORA_TOKEN_LOOP"  # "outer": the GEMV kernels read the weights again for each token
 
 MAX_SPLIT_K = 16  # K splits at most: each adds a partial sum of v that the expand kernel reads back
 
@@ -163,13 +160,9 @@ def _lora_shrink_gemv_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
-    TOKENS_INNER: tl.constexpr,  # the token loop inside the weight loads (see below; tokens_inner())
 ):
     """The dot kernel's work (same arguments, grid and output) one token at a time: v_t = Σ_k A[:, k] · x_t[k] as
-    an elementwise product summed along K, in float32.
-
-    TOKENS_INNER: each block of A is loaded once and used for every token of the tile (a few popular adapters: a
-    tile of up to BLOCK_M tokens of one adapter); otherwise the tile's later tokens read A again, from cache."""
+    an elementwise product summed along K, in float32. The tile's later tokens read A again, from cache."""
     if USE_PDL:
         gdc_launch_dependents()
     split = tl.program_id(2)
@@ -178,40 +171,22 @@ def _lora_shrink_gemv_kernel(
 
     k_lo = split * k_per_split
     v_split = v_ptr + split.to(tl.int64) * stride_v_split
-    num_tokens = tl.minimum(end - first, BLOCK_M)
-    m = tl.arange(0, BLOCK_M)
-    v_tile = v_split + (first + m).to(tl.int64)[:, None] * stride_v_tok  # [BLOCK_M, 1]
     for c in range(tl.program_id(1) * BLOCK_R, rank, tl.num_programs(1) * BLOCK_R):
         j = c + tl.arange(0, BLOCK_R)
         j_mask = j < rank
         rows = tl.load(a_rows_ptr + row0 + j, mask=j_mask, other=0)
         rows = tl.multiple_of(rows, ROW_ALIGN)
-        if TOKENS_INNER:
-            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)  # row i: token first + i
+        for i in range(0, tl.minimum(end - first, BLOCK_M)):  # the tile's tokens (rows first + i)
+            t = first.to(tl.int64) + i
+            x_row = x_ptr + t * stride_x
+            acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
             for kk in range(0, k_per_split, BLOCK_K):
                 k = k_lo + kk + tl.arange(0, BLOCK_K)
                 k_mask = k < in_features
+                xt = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
                 at = tl.load(pool_ptr + rows[:, None] + k[None, :], mask=j_mask[:, None] & k_mask[None, :], other=0.0)
-                for i in range(0, num_tokens):
-                    x_row = x_ptr + (first + i).to(tl.int64) * stride_x
-                    xt = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
-                    part = tl.sum(at.to(tl.float32) * xt[None, :], axis=1)
-                    acc += tl.where(m[:, None] == i, part[None, :], 0.0)
-            tl.store(v_tile + j[None, :], acc, mask=(m < num_tokens)[:, None] & j_mask[None, :])
-        else:
-            for i in range(0, num_tokens):  # the tile's tokens (rows first + i)
-                t = first.to(tl.int64) + i
-                x_row = x_ptr + t * stride_x
-                acc1 = tl.zeros((BLOCK_R,), dtype=tl.float32)
-                for kk in range(0, k_per_split, BLOCK_K):
-                    k = k_lo + kk + tl.arange(0, BLOCK_K)
-                    k_mask = k < in_features
-                    xt = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
-                    at = tl.load(
-                        pool_ptr + rows[:, None] + k[None, :], mask=j_mask[:, None] & k_mask[None, :], other=0.0
-                    )
-                    acc1 += tl.sum(at.to(tl.float32) * xt[None, :], axis=1)
-                tl.store(v_split + t * stride_v_tok + j, acc1, mask=j_mask)
+                acc += tl.sum(at.to(tl.float32) * xt[None, :], axis=1)
+            tl.store(v_split + t * stride_v_tok + j, acc, mask=j_mask)
 
 
 def shrink_launch(
@@ -248,20 +223,12 @@ def shrink_launch(
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, USE_PDL=pdl_enabled(x.device),
     )  # fmt: skip
     kernel = _lora_shrink_gemv_kernel
-    if cfg.gemv:
-        args.update(TOKENS_INNER=tokens_inner())
-    else:
+    if not cfg.gemv:
         kernel = _lora_shrink_kernel
         args.update(DOT_PRECISION=dot_precision(x.dtype))
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (num_tiles, rank_programs, split_k)
     return v, Relaunch(kernel, grid, args, options, changing=("x_ptr", "pool_ptr"))
-
-
-def tokens_inner() -> bool:
-    """Whether the GEMV kernels load each block of weights once per tile, for all its tokens (the default), or once
-    per token (SLORA_LORA_TOKEN_LOOP=outer, to compare)."""
-    return os.environ.get(TOKEN_LOOP_ENV, "inner") != "outer"
 
 
 def shrink_grid(cfg: ShrinkConfig, num_tiles: int, fused_rank: int, in_features: int) -> tuple[int, int, int]:

@@ -769,8 +769,6 @@ def main(argv: list[str] | None = None) -> int:
         DEVICE = torch.device("cpu")
     torch.manual_seed(0)
     logger.info("LoRA expand launched with PDL: %s (%s=0 turns it off)", pdl.pdl_enabled(DEVICE), pdl.ENV)
-    logger.info("LoRA GEMV token loop inside the weight loads: %s (%s=outer: outside)", lora_shrink.tokens_inner(),
-                lora_shrink.TOKEN_LOOP_ENV)  # fmt: skip
     device, rows = run_all(args.smoke, args.only)
     checks = check_targets(rows)
     sys.stdout.write(table(rows))
@@ -781,7 +779,6 @@ def main(argv: list[str] | None = None) -> int:
         "device": asdict(device),
         "flush": flush_mode,
         "lora_pdl": pdl.pdl_enabled(DEVICE),
-        "lora_tokens_inner": lora_shrink.tokens_inner(),
         "rows": [asdict(r) for r in rows],
         "targets": checks,
     }

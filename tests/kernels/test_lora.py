@@ -175,11 +175,8 @@ def test_lora_split_k(step: str, monkeypatch: pytest.MonkeyPatch) -> None:
     check_layer(case, "triton", seed=20)
 
 
-@pytest.mark.parametrize("loop", ["inner", "outer"])
-def test_lora_decode_tiles_of_several_tokens(loop: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decodes of two adapters (rank 64; ranks up to 128) five tokens each, so full tiles: with the token loop inside
-    the weight loads (each block of weights serves the tile's every token) and outside (read again per token)."""
-    monkeypatch.setenv(lora_shrink.TOKEN_LOOP_ENV, loop)
+def test_lora_decode_tiles_of_several_tokens() -> None:
+    """Decodes of two adapters (rank 64; ranks up to 128) five tokens each: full GEMV tiles of several tokens."""
     step: list[tuple[int | None, int]] = [(4 + i % 2, 1) for i in range(10)] + [(None, 1)]
     case = build_case(TINY, torch.bfloat16, list(TINY_ADAPTERS), step, seed=29)
     check_layer(case, "triton", seed=30)

@@ -1,0 +1,114 @@
+"""Decode steps whose adapters each have many tokens: the GEMV kernels against the tensor-core ones.
+
+A step of decodes only goes to the GEMV LoRA kernels (lora_shrink.DECODE), which read an adapter's rows once per
+token (from cache after the first). When a few adapters serve the whole batch (S-LoRA's small-n and skewed-α
+workloads), the tensor-core kernels read them once per tile of 16 tokens instead. This times one decoder layer's
+four LoRA calls both ways, on the same steps, to decide which kernels such steps should use.
+
+    python -m perf.bench_lora_kinds --out lora_kinds.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from perf import bench_kernels
+from perf.bench_kernels import LLAMA_7B, S1, LoraCase, adapters, lora_calls, lora_case, s2_adapters, timed
+from slora.kernels import lora_expand, lora_shrink
+from slora.kernels.triton_ops import TritonOps
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("gemv", "tensor")
+
+
+@contextlib.contextmanager
+def decode_kernels(kind: str) -> Iterator[None]:
+    """Decode steps through the GEMV kernels (the defaults) or the tensor-core ones (the mixed steps' configs)."""
+    saved = [(m, name, getattr(m, name)) for m in (lora_shrink, lora_expand) for name in ("DECODE", "DECODE_ONE")]
+    try:
+        if kind == "tensor":
+            for module, name, _ in saved:
+                setattr(module, name, module.MIXED)
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def layer_ms(case: LoraCase) -> float:
+    """Device time of the layer's four LoRA calls (graph replay), launches built afresh."""
+    ops = TritonOps()
+    calls = []
+    for _, modules, in_features in lora_calls(case.model):
+        widths = tuple(case.model.widths(m)[1] for m in modules)
+        offsets = tuple(itertools.accumulate(widths, initial=0))[:-1]
+        x = torch.randn((case.num_tokens, in_features), device=bench_kernels.DEVICE).to(torch.bfloat16)
+        y = torch.zeros((case.num_tokens, sum(widths)), device=bench_kernels.DEVICE).to(torch.bfloat16)
+        calls.append((y, x, modules, offsets, widths))
+
+    def layer() -> None:
+        for y, x, modules, offsets, widths in calls:
+            ops.lora(y, x, case.flat_layer, case.meta, modules, offsets, widths)
+
+    case.meta.launches.clear()
+    return timed(layer)[0]
+
+
+def cases(tokens: int) -> list[tuple[str, list[tuple[int, ...]]]]:
+    """(name, adapters' ranks) of decode steps of `tokens` requests spread round robin over the adapters: few
+    adapters, and one adapter per request to compare."""
+    return [
+        (f"{tokens} decodes, 1 adapter S2 r64", s2_adapters(1)),
+        (f"{tokens} decodes, 4 adapters r64 all modules", adapters([64] * 4)),
+        (f"{tokens} decodes, 5 adapters S2", s2_adapters(5)),
+        (f"{tokens} decodes, 5 adapters S1", [S1] * 5),
+        (f"{tokens} decodes, 24 adapters S2", s2_adapters(24)),
+        (f"{tokens} decodes, {tokens} adapters S2", s2_adapters(tokens)),
+    ]
+
+
+def run(tokens: list[int]) -> list[dict[str, Any]]:
+    rows = []
+    for n in tokens:
+        for name, ranks in cases(n):
+            case = lora_case(name, LLAMA_7B, ranks, [(i % len(ranks), 1) for i in range(n)])
+            row: dict[str, Any] = {"case": name}
+            for kind in KINDS:
+                with decode_kernels(kind):
+                    row[f"{kind}_ms"] = layer_ms(case)
+            row["tensor_speedup"] = row["gemv_ms"] / row["tensor_ms"]
+            logger.info("%-44s gemv %.4f ms  tensor cores %.4f ms  (%.2fx)", name, row["gemv_ms"], row["tensor_ms"],
+                        row["tensor_speedup"])  # fmt: skip
+            rows.append(row)
+            del case
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[64, 96])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if not torch.cuda.is_available():
+        logger.error("bench_lora_kinds needs a CUDA GPU")
+        return 2
+    rows = run(args.tokens)
+    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

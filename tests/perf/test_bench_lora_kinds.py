@@ -1,0 +1,27 @@
+"""bench_lora_kinds: its switch between the GEMV and the tensor-core decode kernels, and its cases (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from perf.bench_lora_kinds import cases, decode_kernels
+from slora.kernels import lora_expand, lora_shrink
+from slora.kernels.metadata import SegmentGroup
+
+
+def test_decode_kernels_switches_and_restores() -> None:
+    group = SegmentGroup([(0, 0, 1, 0), (1, 1, 2, 1)], device=None)  # type: ignore[arg-type]
+    assert lora_shrink.shrink_config(group, 3).gemv and lora_expand.expand_config(group, 1).gemv
+    with decode_kernels("tensor"):
+        assert lora_shrink.shrink_config(group, 3) == lora_shrink.MIXED
+        assert lora_expand.expand_config(group, 1) == lora_expand.MIXED
+    assert lora_shrink.shrink_config(group, 1) == lora_shrink.DECODE_ONE, "restored after the block"
+    with pytest.raises(RuntimeError), decode_kernels("tensor"):
+        raise RuntimeError("a failing case")
+    assert lora_expand.expand_config(group, 3) == lora_expand.DECODE, "restored after an error too"
+
+
+def test_cases_spread_few_adapters_and_one_per_request() -> None:
+    named = cases(96)
+    assert [len(ranks) for _, ranks in named] == [1, 4, 5, 5, 24, 96]
+    assert all(name.startswith("96 decodes") for name, _ in named)
