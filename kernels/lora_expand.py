@@ -135,21 +135,6 @@ def _lora_expand_kernel(
         v_col += rank
 
 
-@triton.jit
-def _b_chunk(pool_ptr, b_rows_ptr, row0, j, j_mask, n, n_mask, ROW_ALIGN: tl.constexpr):
-    """Bᵀ rows j (of the module's rows from row-table entry row0), columns n: [BLOCK_R, BLOCK_N]."""
-    rows = tl.load(b_rows_ptr + row0 + j, mask=j_mask, other=0)
-    rows = tl.multiple_of(rows, ROW_ALIGN)
-    return tl.load(pool_ptr + rows[:, None] + n[None, :], mask=j_mask[:, None] & n_mask[None, :], other=0.0)
-
-
-@triton.jit
-def _v_chunk(v_row, stride_v_split, split_k, sp, j, j_mask):
-    """Columns j of one token's v, every split's partial sums loaded at once ([SPLITS, BLOCK_R]) and summed."""
-    v_ptrs = v_row + sp[:, None].to(tl.int64) * stride_v_split + j[None, :]
-    return tl.sum(tl.load(v_ptrs, mask=(sp[:, None] < split_k) & j_mask[None, :], other=0.0), axis=0)
-
-
 @triton.jit(do_not_specialize=["split_k", "stride_v_split", "stride_v_tok"])
 def _lora_expand_gemv_kernel(
     v_ptr,
@@ -180,8 +165,7 @@ def _lora_expand_gemv_kernel(
     USE_PDL: tl.constexpr,
 ):
     """The dot kernel's work (same arguments) with the call's module on grid axis 2, one token at a time:
-    y_t += (Σ_j v_t[j] · Bᵀ[j, :]) · scale in float32. A tile of several tokens loads each chunk of Bᵀ once for
-    all of them (sums in a [BLOCK_M, BLOCK_N] accumulator until the end); a tile of one token takes the plain loop.
+    y_t += (Σ_j v_t[j] · Bᵀ[j, :]) · scale in float32. The tile's later tokens read Bᵀ again, from cache.
 
     Each rank chunk of Bᵀ is read before the chunk's v: launched with PDL, the first chunk's read overlaps the
     shrink (kernels/pdl.py)."""
@@ -203,41 +187,25 @@ def _lora_expand_gemv_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < width
         sp = tl.arange(0, SPLITS)
-        num_tokens = tl.minimum(end - first, BLOCK_M)
-        if num_tokens > 1:
-            m = tl.arange(0, BLOCK_M)
-            y_tile = y_ptr + (first + m).to(tl.int64)[:, None] * stride_y + offset + n[None, :]
-            y_mask = (m < num_tokens)[:, None] & n_mask[None, :]
-            yt = tl.load(y_tile, mask=y_mask, other=0.0)  # written before the shrink started: no wait
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # row i: token first + i
+        for i in range(0, tl.minimum(end - first, BLOCK_M)):  # the tile's tokens (rows first + i)
+            t = first.to(tl.int64) + i
+            y_row = y_ptr + t * stride_y + offset
+            yt = tl.load(y_row + n, mask=n_mask, other=0.0)  # written before the shrink started: no wait
+            v_row = v_ptr + t * stride_v_tok + v_col
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for c in range(0, rank, BLOCK_R):
                 j = c + tl.arange(0, BLOCK_R)
                 j_mask = j < rank
-                bt = _b_chunk(pool_ptr, b_rows_ptr, row0, j, j_mask, n, n_mask, ROW_ALIGN)
+                rows = tl.load(b_rows_ptr + row0 + j, mask=j_mask, other=0)
+                rows = tl.multiple_of(rows, ROW_ALIGN)
+                bt = tl.load(pool_ptr + rows[:, None] + n[None, :], mask=j_mask[:, None] & n_mask[None, :], other=0.0)
                 if USE_PDL:
                     gdc_wait()  # the shrink's v from here on (a no-op once the shrink has ended)
-                for i in range(0, num_tokens):
-                    v_row = v_ptr + (first + i).to(tl.int64) * stride_v_tok + v_col
-                    vt = _v_chunk(v_row, stride_v_split, split_k, sp, j, j_mask)
-                    part = tl.sum(vt[:, None] * bt.to(tl.float32), axis=0)
-                    acc += tl.where(m[:, None] == i, part[None, :], 0.0)
-            tl.store(y_tile, (yt.to(tl.float32) + acc * scale).to(yt.dtype), mask=y_mask)
-        else:
-            for i in range(0, num_tokens):  # the tile's tokens (rows first + i)
-                t = first.to(tl.int64) + i
-                y_row = y_ptr + t * stride_y + offset
-                yt1 = tl.load(y_row + n, mask=n_mask, other=0.0)  # written before the shrink started: no wait
-                v_row = v_ptr + t * stride_v_tok + v_col
-                acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                for c in range(0, rank, BLOCK_R):
-                    j = c + tl.arange(0, BLOCK_R)
-                    j_mask = j < rank
-                    bt = _b_chunk(pool_ptr, b_rows_ptr, row0, j, j_mask, n, n_mask, ROW_ALIGN)
-                    if USE_PDL:
-                        gdc_wait()
-                    vt = _v_chunk(v_row, stride_v_split, split_k, sp, j, j_mask)
-                    acc1 += tl.sum(vt[:, None] * bt.to(tl.float32), axis=0)
-                tl.store(y_row + n, (yt1.to(tl.float32) + acc1 * scale).to(yt1.dtype), mask=n_mask)
+                # every split's partial sums at once: [SPLITS, BLOCK_R], summed over the splits
+                v_ptrs = v_row + sp[:, None].to(tl.int64) * stride_v_split + j[None, :]
+                vt = tl.sum(tl.load(v_ptrs, mask=(sp[:, None] < split_k) & j_mask[None, :], other=0.0), axis=0)
+                acc += tl.sum(vt[:, None] * bt.to(tl.float32), axis=0)
+            tl.store(y_row + n, (yt.to(tl.float32) + acc * scale).to(yt.dtype), mask=n_mask)
     if USE_PDL:
         gdc_wait()  # also a program with nothing to add: the expand must not end before the shrink
 

@@ -162,11 +162,7 @@ def _lora_shrink_gemv_kernel(
     USE_PDL: tl.constexpr,
 ):
     """The dot kernel's work (same arguments, grid and output) one token at a time: v_t = Σ_k A[:, k] · x_t[k] as
-    an elementwise product summed along K, in float32.
-
-    A tile of several tokens (a few adapters share the step) loads each block of A once and uses it for all of them
-    (sums in a [BLOCK_M, BLOCK_R] accumulator); a tile of one token (one adapter per request) takes the plain loop,
-    whose registers leave more programs resident (perf/RESULTS.md, ㉟–㊲)."""
+    an elementwise product summed along K, in float32. The tile's later tokens read A again, from cache."""
     if USE_PDL:
         gdc_launch_dependents()
     split = tl.program_id(2)
@@ -175,40 +171,22 @@ def _lora_shrink_gemv_kernel(
 
     k_lo = split * k_per_split
     v_split = v_ptr + split.to(tl.int64) * stride_v_split
-    num_tokens = tl.minimum(end - first, BLOCK_M)
-    m = tl.arange(0, BLOCK_M)
-    v_tile = v_split + (first + m).to(tl.int64)[:, None] * stride_v_tok  # [BLOCK_M, 1]
     for c in range(tl.program_id(1) * BLOCK_R, rank, tl.num_programs(1) * BLOCK_R):
         j = c + tl.arange(0, BLOCK_R)
         j_mask = j < rank
         rows = tl.load(a_rows_ptr + row0 + j, mask=j_mask, other=0)
         rows = tl.multiple_of(rows, ROW_ALIGN)
-        if num_tokens > 1:
-            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)  # row i: token first + i
+        for i in range(0, tl.minimum(end - first, BLOCK_M)):  # the tile's tokens (rows first + i)
+            t = first.to(tl.int64) + i
+            x_row = x_ptr + t * stride_x
+            acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
             for kk in range(0, k_per_split, BLOCK_K):
                 k = k_lo + kk + tl.arange(0, BLOCK_K)
                 k_mask = k < in_features
+                xt = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
                 at = tl.load(pool_ptr + rows[:, None] + k[None, :], mask=j_mask[:, None] & k_mask[None, :], other=0.0)
-                for i in range(0, num_tokens):
-                    x_row = x_ptr + (first + i).to(tl.int64) * stride_x
-                    xt = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
-                    part = tl.sum(at.to(tl.float32) * xt[None, :], axis=1)
-                    acc += tl.where(m[:, None] == i, part[None, :], 0.0)
-            tl.store(v_tile + j[None, :], acc, mask=(m < num_tokens)[:, None] & j_mask[None, :])
-        else:
-            for i in range(0, num_tokens):  # the tile's tokens (rows first + i)
-                t = first.to(tl.int64) + i
-                x_row = x_ptr + t * stride_x
-                acc1 = tl.zeros((BLOCK_R,), dtype=tl.float32)
-                for kk in range(0, k_per_split, BLOCK_K):
-                    k = k_lo + kk + tl.arange(0, BLOCK_K)
-                    k_mask = k < in_features
-                    xt = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
-                    at = tl.load(
-                        pool_ptr + rows[:, None] + k[None, :], mask=j_mask[:, None] & k_mask[None, :], other=0.0
-                    )
-                    acc1 += tl.sum(at.to(tl.float32) * xt[None, :], axis=1)
-                tl.store(v_split + t * stride_v_tok + j, acc1, mask=j_mask)
+                acc += tl.sum(at.to(tl.float32) * xt[None, :], axis=1)
+            tl.store(v_split + t * stride_v_tok + j, acc, mask=j_mask)
 
 
 def shrink_launch(
