@@ -28,6 +28,7 @@ from slora.backend.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 PROMPT_TOKENS = 128
+WARM_STEPS = 3  # untimed decode steps before the clock starts
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,11 @@ def time_decode(
     """Milliseconds per decode step with `batch` running requests of prompt_len tokens (all prefilled first); then,
     outside the clock, the profiler's steps (device kernels, host functions)."""
     extra = profiler.total_steps if profiler is not None else 0
-    params = SamplingParams(max_tokens=steps + extra + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + extra + WARM_STEPS + 8, temperature=0.0, ignore_eos=True)
     prompt = [(7 * i) % engine.spec.vocab_size for i in range(prompt_len)]
     ids = start_prefilled(engine, [prompt] * batch, adapters, params, detokenize=True)
-    engine.step()  # the first step of every bucket may capture or compile
+    for _ in range(WARM_STEPS):  # a step with a new graph key captures, a new kernel variant compiles
+        engine.step()
     _sync(engine.device)
     start = time.perf_counter()
     for _ in range(steps):
