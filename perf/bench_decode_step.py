@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ class StepTiming:
     weight_bytes: int = 0
     kv_bytes: int = 0  # K/V of every sequence at the middle of the timed steps
     adapter_bytes: int = 0  # pages of the batch's distinct adapters
+    step_median_ms: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -77,9 +79,12 @@ def time_decode(
     steps: int,
     prompt_len: int = PROMPT_TOKENS,
     profiler: StepProfiler | None = None,
-) -> float:
-    """Milliseconds per decode step with `batch` running requests of prompt_len tokens (all prefilled first); then,
-    outside the clock, the profiler's steps (device kernels, host functions)."""
+) -> tuple[float, float]:
+    """(mean, median) milliseconds per decode step with `batch` running requests of prompt_len tokens (all
+    prefilled first); then, outside the clock, the profiler's steps (device kernels, host functions).
+
+    The median is of each step's wall time (the host runs at most one step ahead of the device, so it follows the
+    device): a step that captures a graph or compiles a kernel moves the mean, not the median."""
     extra = profiler.total_steps if profiler is not None else 0
     params = SamplingParams(max_tokens=steps + extra + WARM_STEPS + 8, temperature=0.0, ignore_eos=True)
     prompt = [(7 * i) % engine.spec.vocab_size for i in range(prompt_len)]
@@ -88,10 +93,13 @@ def time_decode(
         engine.step()
     _sync(engine.device)
     start = time.perf_counter()
+    ends = []
     for _ in range(steps):
         engine.step()
+        ends.append(time.perf_counter())
     _sync(engine.device)
     elapsed = (time.perf_counter() - start) / steps
+    median = statistics.median(b - a for a, b in zip([start, *ends], ends))
     for _ in range(extra):
         assert profiler is not None
         profiler.before_step()
@@ -99,7 +107,7 @@ def time_decode(
         profiler.after_step()
     for request_id in ids:
         engine.abort(request_id)
-    return elapsed * 1000
+    return elapsed * 1000, median * 1000
 
 
 def start_prefilled(
@@ -151,13 +159,14 @@ def run(args: argparse.Namespace) -> list[StepTiming]:
                 names = batch_adapters(adapter_names, count, batch)
                 title = f"batch {batch} graphs {graphs} adapters {len(set(names))}"
                 profiler = StepProfiler(0, args.profile_steps, args.profile, title) if args.profile else None
-                step_ms = time_decode(engine, batch, names, args.steps, args.prompt_len, profiler)
+                step_ms, median_ms = time_decode(engine, batch, names, args.steps, args.prompt_len, profiler)
                 nbytes = sum(engine.store.get(name).nbytes for name in set(names))
                 context = args.prompt_len + args.steps // 2 + 1
                 timing = StepTiming(batch, graphs, len(set(names)), step_ms, read_ms, weight_bytes,
-                                    kv_bytes(engine, batch, context), nbytes)  # fmt: skip
-                logger.info("batch %3d graphs %-5s adapters %4d: %.2f ms/step, %.2f x the weight read (%.2f ms), "
-                            "%.0f GB/s on %.2f GB (adapters %.2f GB)", batch, graphs, timing.adapters, step_ms,
+                                    kv_bytes(engine, batch, context), nbytes, median_ms)  # fmt: skip
+                logger.info("batch %3d graphs %-5s adapters %4d: %.2f ms/step (median %.2f), %.2f x the weight read "
+                            "(%.2f ms), %.0f GB/s on %.2f GB (adapters %.2f GB)", batch, graphs, timing.adapters,
+                            step_ms, median_ms,
                             timing.ratio, read_ms, timing.bandwidth_gbs,
                             (weight_bytes + timing.kv_bytes + nbytes) / 1e9, nbytes / 1e9)  # fmt: skip
                 timings.append(timing)
