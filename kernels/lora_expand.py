@@ -42,11 +42,11 @@ class ExpandConfig:
     gemv: bool = False
 
 
-DECODE = ExpandConfig(4, 16, (1024,), 1024, 4, 2, gemv=True)  # picked as the shrink's (shrink_config)
+DECODE = ExpandConfig(1, 16, (1024,), 1024, 4, 2, gemv=True)  # picked as the shrink's (shrink_config)
 # Calls of one module (o, down): 32-row rank chunks in 512-column blocks, 2 warps: 1.14-1.18× the default above on
 # mixed ranks 1-128, even (0.96-1.0×) on rank 16, in the H200 sweep (perf/RESULTS.md). The fused calls lost with
 # 32-row chunks: a rank-16 call of gate/up ran 1.19× slower (registers for the wider chunk: fewer programs resident).
-DECODE_ONE = ExpandConfig(4, 32, (512,), 1024, 2, 2, gemv=True)
+DECODE_ONE = ExpandConfig(1, 32, (512,), 1024, 2, 2, gemv=True)
 MIXED = ExpandConfig(16, 16, (256,), 512, 4, 2)  # one width: no variant compiled for a new tile count
 PREFILL = ExpandConfig(64, 16, (128,), 512, 4, 2)
 

@@ -659,23 +659,23 @@ def tune_lora(label: str, case: LoraCase, call: int = 0) -> list[dict[str, Any]]
 # Each variant compiles (about a second on the H200 host): grids around the defaults, not every combination.
 def fused_variants() -> list[ShrinkConfig]:
     """The GEMV shrink configs of fused calls, and the tensor-core kernels' decode configs to compare with."""
-    shrink = [ShrinkConfig(4, br, bk, 1 << 20, w, 2, gemv=True) for br in (16, 32) for bk in (256, 512, 1024)
+    shrink = [ShrinkConfig(1, br, bk, 1 << 20, w, 2, gemv=True) for br in (16, 32) for bk in (256, 512, 1024)
               for w in (4, 8)]  # fmt: skip
     shrink += [dataclasses.replace(lora_shrink.DECODE, target_programs=tp) for tp in (512, 1024)]
-    shrink += [dataclasses.replace(lora_shrink.DECODE, block_m=bm) for bm in (1, 2, 8, 16)]
+    shrink += [dataclasses.replace(lora_shrink.DECODE, block_m=bm) for bm in (2, 4, 8, 16)]
     shrink += [dataclasses.replace(lora_shrink.MIXED, block_m=bm) for bm in (32, 64)]  # prompts in fewer tiles
     return shrink + [lora_shrink.MIXED]
 
 
 def gemv_expand_variants() -> list[ExpandConfig]:
     """GEMV expand configs: rank chunks, column blocks, warps."""
-    return [ExpandConfig(4, br, (bn,), 1024, w, 2, gemv=True) for br in (8, 16, 32) for bn in (512, 1024)
+    return [ExpandConfig(1, br, (bn,), 1024, w, 2, gemv=True) for br in (8, 16, 32) for bn in (512, 1024)
             for w in (2, 4)]  # fmt: skip
 
 
 def fused_expand_variants() -> list[ExpandConfig]:
     expand = gemv_expand_variants() + [dataclasses.replace(lora_expand.DECODE, num_warps=8, block_n=(2048,))]
-    expand += [dataclasses.replace(lora_expand.DECODE, block_m=bm) for bm in (1, 2, 8, 16)]
+    expand += [dataclasses.replace(lora_expand.DECODE, block_m=bm) for bm in (2, 4, 8, 16)]
     expand += [dataclasses.replace(lora_expand.MIXED, block_n=(bn,)) for bn in (64, 128, 256)]
     expand += [dataclasses.replace(lora_expand.MIXED, block_m=bm) for bm in (32, 64)]
     return expand + [lora_expand.MIXED]
@@ -683,10 +683,10 @@ def fused_expand_variants() -> list[ExpandConfig]:
 
 def single_module_variants() -> list[ShrinkConfig]:
     """GEMV shrink configs of one-module decode calls: shorter K blocks (more splits, so more programs), wider rank
-    chunks; tiles stay 4 tokens (the decode graphs' static tile table)."""
-    shrink = [ShrinkConfig(4, br, bk, 1 << 20, w, 2, gemv=True) for br in (8, 16, 32) for bk in (256, 512, 1024)
+    chunks; tiles stay one token (the decode graphs' static tile table)."""
+    shrink = [ShrinkConfig(1, br, bk, 1 << 20, w, 2, gemv=True) for br in (8, 16, 32) for bk in (256, 512, 1024)
               for w in (2, 4)]  # fmt: skip
-    return shrink + [ShrinkConfig(4, 16, bk, 1 << 20, 8, 2, gemv=True) for bk in (512, 2048)]
+    return shrink + [ShrinkConfig(1, 16, bk, 1 << 20, 8, 2, gemv=True) for bk in (512, 2048)]
 
 
 def single_module_expand_variants() -> list[ExpandConfig]:

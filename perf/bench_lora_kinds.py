@@ -30,20 +30,20 @@ from slora.kernels.triton_ops import TritonOps
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("gemv", "gemv1", "tensor")  # gemv1: the GEMV kernels with tiles of one token
+KINDS = ("gemv", "gemv4", "tensor")  # gemv4: the GEMV kernels with tiles of up to 4 tokens (the default until ㊶)
 
 
 @contextlib.contextmanager
 def decode_kernels(kind: str) -> Iterator[None]:
-    """Decode steps through the GEMV kernels (the defaults), the GEMV kernels with one-token tiles (each program one
-    token, so more programs when adapters have many tokens), or the tensor-core ones (the mixed steps' configs)."""
+    """Decode steps through the GEMV kernels (the defaults: one-token tiles), the GEMV kernels with tiles of up to 4
+    tokens (each program runs its tokens one after the other), or the tensor-core ones (the mixed steps' configs)."""
     saved = [(m, name, getattr(m, name)) for m in (lora_shrink, lora_expand) for name in ("DECODE", "DECODE_ONE")]
     try:
         for module, name, config in saved:
             if kind == "tensor":
                 setattr(module, name, module.MIXED)
-            elif kind == "gemv1":
-                setattr(module, name, dataclasses.replace(config, block_m=1))
+            elif kind == "gemv4":
+                setattr(module, name, dataclasses.replace(config, block_m=4))
         yield
     finally:
         for module, name, value in saved:
@@ -91,8 +91,8 @@ def run(tokens: list[int]) -> list[dict[str, Any]]:
             for kind in KINDS:
                 with decode_kernels(kind):
                     row[f"{kind}_ms"] = layer_ms(case)
-            logger.info("%-44s gemv %.4f ms  gemv one-token tiles %.4f ms  tensor cores %.4f ms", name,
-                        row["gemv_ms"], row["gemv1_ms"], row["tensor_ms"])  # fmt: skip
+            logger.info("%-44s gemv %.4f ms  gemv 4-token tiles %.4f ms  tensor cores %.4f ms", name,
+                        row["gemv_ms"], row["gemv4_ms"], row["tensor_ms"])  # fmt: skip
             rows.append(row)
             del case
             torch.cuda.empty_cache()

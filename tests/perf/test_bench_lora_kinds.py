@@ -15,8 +15,9 @@ def test_decode_kernels_switches_and_restores() -> None:
     with decode_kernels("tensor"):
         assert lora_shrink.shrink_config(group, 3) == lora_shrink.MIXED
         assert lora_expand.expand_config(group, 1) == lora_expand.MIXED
-    with decode_kernels("gemv1"):
-        assert lora_shrink.shrink_config(group, 3).block_m == lora_expand.expand_config(group, 1).block_m == 1
+    assert lora_shrink.shrink_config(group, 3).block_m == lora_expand.expand_config(group, 1).block_m == 1
+    with decode_kernels("gemv4"):
+        assert lora_shrink.shrink_config(group, 3).block_m == lora_expand.expand_config(group, 1).block_m == 4
         assert lora_shrink.shrink_config(group, 3).gemv
     assert lora_shrink.shrink_config(group, 1) == lora_shrink.DECODE_ONE, "restored after the block"
     with pytest.raises(RuntimeError), decode_kernels("tensor"):
