@@ -53,7 +53,7 @@ MAX_SPLIT_K = 16  # K splits at most: each adds a partial sum of v that the expa
 # Picked by the step's segments (shrink_config): the GEMV kernel for a step of decodes only, tensor-core tiles of
 # decode shape for a step that mixes decodes with prompts, prompt-shaped ones for a step of prompts only.
 # GEMV: tiles of one token, one K block per program. With a few adapters for the whole batch (many tokens each),
-# one-token tiles ran a layer's LoRA 1.19-1.55x faster than tiles of 4 on the H200 (perf/bench_lora_kinds, ㊶):
+# one-token tiles ran a layer's LoRA 1.19-1.55x faster than tiles of 4 on the H200 (perf/bench_lora_kinds, ㊷):
 # more programs, each a short chain, where a 4-token tile ran its tokens one after the other.
 DECODE = ShrinkConfig(1, 16, 1024, 1 << 20, 4, 2, gemv=True)  # H200 sweep (perf/RESULTS.md)
 # Decode calls of one module (o, down), swept apart from the fused ones: no config beat DECODE on them by more than

@@ -133,7 +133,8 @@ def adapter_dirs(root: str, count: int) -> list[str]:
 
 
 def batch_adapters(names: list[str], count: int, batch: int) -> list[str]:
-    """The adapters of a batch's requests, cycled: none (count 0), one per request (-1) or the first `count`."""
+    """The distinct adapters of a batch's requests (cycled over them): none (count 0), one per request (-1) or the
+    first `count` of `names` (distinct directory names)."""
     return names[: batch if count < 0 else min(count, batch)]
 
 
@@ -157,12 +158,12 @@ def run(args: argparse.Namespace) -> list[StepTiming]:
         for batch in args.batch:
             for count in args.adapter_counts if adapter_names else [0]:
                 names = batch_adapters(adapter_names, count, batch)
-                title = f"batch {batch} graphs {graphs} adapters {len(set(names))}"
+                title = f"batch {batch} graphs {graphs} adapters {len(names)}"
                 profiler = StepProfiler(0, args.profile_steps, args.profile, title) if args.profile else None
                 step_ms, median_ms = time_decode(engine, batch, names, args.steps, args.prompt_len, profiler)
-                nbytes = sum(engine.store.get(name).nbytes for name in set(names))
+                nbytes = sum(engine.store.get(name).nbytes for name in names)
                 context = args.prompt_len + args.steps // 2 + 1
-                timing = StepTiming(batch, graphs, len(set(names)), step_ms, read_ms, weight_bytes,
+                timing = StepTiming(batch, graphs, len(names), step_ms, read_ms, weight_bytes,
                                     kv_bytes(engine, batch, context), nbytes, median_ms)  # fmt: skip
                 logger.info("batch %3d graphs %-5s adapters %4d: %.2f ms/step (median %.2f), %.2f x the weight read "
                             "(%.2f ms), %.0f GB/s on %.2f GB (adapters %.2f GB)", batch, graphs, timing.adapters,

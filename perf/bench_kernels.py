@@ -329,6 +329,12 @@ def lora_calls(model: Model) -> list[tuple[str, tuple[int, ...], int]]:
             ("down", (6,), model.intermediate)]  # fmt: skip
 
 
+def call_outputs(model: Model, modules: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(first column, width) in y of each module of a LoRA call, side by side."""
+    widths = tuple(model.widths(m)[1] for m in modules)
+    return tuple(itertools.accumulate(widths, initial=0))[:-1], widths
+
+
 def lora_minimum(case: LoraCase, modules: tuple[int, ...], in_features: int) -> tuple[int, int]:
     """Bytes and FLOPs one call must spend: each adapter's rows, its tokens' x and touched y, once."""
     meta, es = case.meta, 2
@@ -374,8 +380,7 @@ def bench_lora(case: LoraCase, device: Device) -> list[Row]:
 def bench_lora_call(
     case: LoraCase, device: Device, call: str, modules: tuple[int, ...], in_features: int, gen: torch.Generator
 ) -> list[Row]:
-    widths = tuple(case.model.widths(m)[1] for m in modules)
-    offsets = tuple(itertools.accumulate(widths, initial=0))[:-1]
+    offsets, widths = call_outputs(case.model, modules)
     x = torch.randn((case.num_tokens, in_features), generator=gen, device=DEVICE).to(torch.bfloat16)
     y0 = torch.randn((case.num_tokens, sum(widths)), generator=gen, device=DEVICE).to(torch.bfloat16)
     args = (x, case.flat_layer, case.meta, modules, offsets, widths)
@@ -634,8 +639,7 @@ def tune_lora(label: str, case: LoraCase, call: int = 0) -> list[dict[str, Any]]
     """Shrink and expand config sweeps of one LoRA call of `case` (lora_calls: 0 = q/k/v, 1 = o, 3 = down), each
     variant's launches built afresh. Calls of one module sweep their own decode configs (DECODE_ONE)."""
     name, modules, in_features = lora_calls(case.model)[call]
-    widths = tuple(case.model.widths(m)[1] for m in modules)
-    offsets = tuple(itertools.accumulate(widths, initial=0))[:-1]
+    offsets, widths = call_outputs(case.model, modules)
     x = torch.randn((case.num_tokens, in_features), device=DEVICE).to(torch.bfloat16)
     y = torch.zeros((case.num_tokens, sum(widths)), device=DEVICE).to(torch.bfloat16)
     ops = TritonOps()

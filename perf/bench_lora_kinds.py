@@ -1,9 +1,10 @@
-"""Decode steps whose adapters each have many tokens: the GEMV kernels against the tensor-core ones.
+"""Decode steps whose adapters each have many tokens: the GEMV kernels' tile sizes against the tensor-core kernels.
 
 A step of decodes only goes to the GEMV LoRA kernels (lora_shrink.DECODE), which read an adapter's rows once per
-token (from cache after the first). When a few adapters serve the whole batch (S-LoRA's small-n and skewed-α
-workloads), the tensor-core kernels read them once per tile of 16 tokens instead. This times one decoder layer's
-four LoRA calls both ways, on the same steps, to decide which kernels such steps should use.
+token (from cache after the first), on tiles of one token; with tiles of 4 a program runs its tokens one after the
+other. When a few adapters serve the whole batch (S-LoRA's small-n and skewed-α workloads), the tensor-core kernels
+read them once per tile of 16 tokens instead. This times one decoder layer's four LoRA calls each way, on the same
+steps, to decide which kernels such steps should use.
 
     python -m perf.bench_lora_kinds --out lora_kinds.json
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import itertools
 import json
 import logging
 import sys
@@ -24,7 +24,17 @@ from typing import Any
 import torch
 
 from perf import bench_kernels
-from perf.bench_kernels import LLAMA_7B, S1, LoraCase, adapters, lora_calls, lora_case, s2_adapters, timed
+from perf.bench_kernels import (
+    LLAMA_7B,
+    S1,
+    LoraCase,
+    adapters,
+    call_outputs,
+    lora_calls,
+    lora_case,
+    s2_adapters,
+    timed,
+)
 from slora.kernels import lora_expand, lora_shrink
 from slora.kernels.triton_ops import TritonOps
 
@@ -55,8 +65,7 @@ def layer_ms(case: LoraCase) -> float:
     ops = TritonOps()
     calls = []
     for _, modules, in_features in lora_calls(case.model):
-        widths = tuple(case.model.widths(m)[1] for m in modules)
-        offsets = tuple(itertools.accumulate(widths, initial=0))[:-1]
+        offsets, widths = call_outputs(case.model, modules)
         x = torch.randn((case.num_tokens, in_features), device=bench_kernels.DEVICE).to(torch.bfloat16)
         y = torch.zeros((case.num_tokens, sum(widths)), device=bench_kernels.DEVICE).to(torch.bfloat16)
         calls.append((y, x, modules, offsets, widths))
