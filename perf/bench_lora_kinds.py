@@ -36,24 +36,28 @@ from perf.bench_kernels import (
     timed,
 )
 from slora.kernels import lora_expand, lora_shrink
+from slora.kernels.metadata import SHORT_SEGMENT
 from slora.kernels.triton_ops import TritonOps
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("gemv", "gemv4", "tensor")  # gemv4: the GEMV kernels with tiles of up to 4 tokens (the default until ㊶)
+# GEMV kinds: (shrink, expand) tokens per tile; gemv4 was the default until ㊶. "tensor": the mixed steps' configs.
+GEMV_TILES = {"gemv": (1, 1), "gemv2": (2, 2), "gemv4": (4, 4), "shrink1_expand4": (1, 4), "shrink4_expand1": (4, 1)}
+KINDS = (*GEMV_TILES, "tensor")
 
 
 @contextlib.contextmanager
 def decode_kernels(kind: str) -> Iterator[None]:
-    """Decode steps through the GEMV kernels (the defaults: one-token tiles), the GEMV kernels with tiles of up to 4
-    tokens (each program runs its tokens one after the other), or the tensor-core ones (the mixed steps' configs)."""
+    """Decode steps through the GEMV kernels on tiles of GEMV_TILES[kind] tokens for the shrink and the expand (each
+    program runs its tile's tokens one after the other; the default: one-token tiles), or the tensor-core ones."""
     saved = [(m, name, getattr(m, name)) for m in (lora_shrink, lora_expand) for name in ("DECODE", "DECODE_ONE")]
     try:
         for module, name, config in saved:
             if kind == "tensor":
                 setattr(module, name, module.MIXED)
-            elif kind == "gemv4":
-                setattr(module, name, dataclasses.replace(config, block_m=4))
+            else:
+                block = GEMV_TILES[kind][0 if module is lora_shrink else 1]
+                setattr(module, name, dataclasses.replace(config, block_m=block))
         yield
     finally:
         for module, name, value in saved:
@@ -80,8 +84,10 @@ def layer_ms(case: LoraCase) -> float:
 
 def cases(tokens: int) -> list[tuple[str, list[tuple[int, ...]]]]:
     """(name, adapters' ranks) of decode steps of `tokens` requests spread round robin over the adapters: few
-    adapters, and one adapter per request to compare."""
-    return [
+    adapters, and one adapter per request to compare. Only steps of up to SHORT_SEGMENT tokens per adapter: an eager
+    step with more is not a decode group (metadata.SegmentGroup.kind) and gets prompt tiles whatever the decode
+    configs are, so it would compare nothing."""
+    named = [
         (f"{tokens} decodes, 1 adapter S2 r64", s2_adapters(1)),
         (f"{tokens} decodes, 4 adapters r64 all modules", adapters([64] * 4)),
         (f"{tokens} decodes, 5 adapters S2", s2_adapters(5)),
@@ -89,6 +95,7 @@ def cases(tokens: int) -> list[tuple[str, list[tuple[int, ...]]]]:
         (f"{tokens} decodes, 24 adapters S2", s2_adapters(24)),
         (f"{tokens} decodes, {tokens} adapters S2", s2_adapters(tokens)),
     ]
+    return [(name, ranks) for name, ranks in named if -(-tokens // len(ranks)) <= SHORT_SEGMENT]
 
 
 def run(tokens: list[int]) -> list[dict[str, Any]]:
@@ -100,8 +107,7 @@ def run(tokens: list[int]) -> list[dict[str, Any]]:
             for kind in KINDS:
                 with decode_kernels(kind):
                     row[f"{kind}_ms"] = layer_ms(case)
-            logger.info("%-44s gemv %.4f ms  gemv 4-token tiles %.4f ms  tensor cores %.4f ms", name,
-                        row["gemv_ms"], row["gemv4_ms"], row["tensor_ms"])  # fmt: skip
+            logger.info("%-44s %s", name, "  ".join(f"{kind} {row[f'{kind}_ms']:.4f}" for kind in KINDS))
             rows.append(row)
             del case
             torch.cuda.empty_cache()
@@ -111,7 +117,7 @@ def run(tokens: list[int]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[64, 96])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 64])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if not torch.cuda.is_available():

@@ -26,6 +26,14 @@ def test_decode_kernels_switches_and_restores() -> None:
 
 
 def test_cases_spread_few_adapters_and_one_per_request() -> None:
+    assert [len(ranks) for _, ranks in cases(16)] == [1, 4, 5, 5, 24, 16]
     named = cases(96)
-    assert [len(ranks) for _, ranks in named] == [1, 4, 5, 5, 24, 96]
+    assert [len(ranks) for _, ranks in named] == [24, 96], "more than 16 tokens an adapter: prompt tiles, left out"
     assert all(name.startswith("96 decodes") for name, _ in named)
+
+
+def test_decode_kernels_sets_shrink_and_expand_tiles_apart() -> None:
+    group = SegmentGroup([(0, 0, 1, 0)], device=None)  # type: ignore[arg-type]
+    with decode_kernels("shrink1_expand4"):
+        assert lora_shrink.shrink_config(group, 1).block_m == 1
+        assert lora_expand.expand_config(group, 1).block_m == lora_expand.expand_config(group, 3).block_m == 4
