@@ -56,7 +56,7 @@ class AdapterCopier:
         self._stream.wait_event(after)
         with torch.cuda.stream(self._stream):
             on_device = source.to(self._storage.device, non_blocking=True)
-            copy_pages_by_layer(self._storage, page_index.to(self._storage.device, non_blocking=True), on_device)
+            self._storage.index_copy_(1, page_index.to(self._storage.device, non_blocking=True), on_device)
             done = torch.cuda.Event()
             done.record(self._stream)
         if source is not image:
@@ -79,25 +79,6 @@ class AdapterCopier:
 
 
 _SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def copy_pages_by_layer(storage: torch.Tensor, page_index: torch.Tensor, image: torch.Tensor) -> None:
-    """storage[:, page_index] = image, one index_copy_ per layer on 8-byte words where the page's bytes allow.
-
-    A 7B pool holds more than 2**31 elements, so one index_copy_ over all layers needs 64-bit offsets, and PyTorch
-    splits it into many 32-bit kernels: in a profile of three S2 prefill steps that loaded adapters on the H200, 544
-    of them took 8.5 ms of GPU time on the copy stream beside the steps (perf/RESULTS.md, session 10; both ways are
-    timed by perf/bench_adapter_copy). A layer of the pool fits 32-bit offsets, and 8-byte words are 4x fewer bf16
-    elements to move.
-    """
-    if image.dtype != storage.dtype:  # the integer views below would reinterpret the bits
-        raise ValueError(f"adapter image is {image.dtype}, the pool {storage.dtype}")
-    word = (
-        torch.int64 if storage.shape[-1] * storage.element_size() % 8 == 0 else _SAME_WIDTH_INT[storage.element_size()]
-    )
-    pool_words, image_words = storage.view(word), image.view(word)
-    for layer in range(storage.shape[0]):
-        pool_words[layer].index_copy_(0, page_index, image_words[layer])
 
 
 def copy_pages_on_host(storage: torch.Tensor, page_index: torch.Tensor, image: torch.Tensor) -> None:

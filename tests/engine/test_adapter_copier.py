@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slora.backend.adapter_copier import AdapterCopier, copy_pages_by_layer, copy_pages_on_host
+from slora.backend.adapter_copier import AdapterCopier, copy_pages_on_host
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -59,19 +59,3 @@ def test_a_host_pool_refuses_an_image_of_another_dtype() -> None:
     with pytest.raises(ValueError, match="float32.*bfloat16"):
         copy_pages_on_host(storage, torch.tensor([1]), torch.ones((2, 1, 8), dtype=torch.float32))
     assert not storage.any()
-
-
-@pytest.mark.parametrize("page_elems", [64, 6, 3], ids=lambda e: f"{e}-elems")  # 8-byte words, and not
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("device", DEVICES)
-def test_copy_by_layer_matches_indexed_assignment(device: str, dtype: torch.dtype, page_elems: int) -> None:
-    generator = torch.Generator().manual_seed(1)
-    storage = torch.randn((4, 12, page_elems), generator=generator).to(dtype).to(device)
-    expected = storage.clone()
-    chosen = torch.tensor([7, 0, 11, 3], dtype=torch.int64, device=device)
-    image = torch.randn((4, 4, page_elems), generator=generator).to(dtype).to(device)
-    expected[:, chosen] = image
-    copy_pages_by_layer(storage, chosen, image)
-    torch.testing.assert_close(storage, expected, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="float16"):
-        copy_pages_by_layer(storage, chosen, image.to(torch.float16))
