@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -75,22 +74,11 @@ class AdapterCopier:
             buffer = torch.empty(image.numel(), dtype=image.dtype, pin_memory=True)
             self._staging[self._turn] = buffer
         staged = buffer[: image.numel()].view(image.shape)
-        copy_on_host(staged, image)
+        staged.copy_(image)
         return staged
 
 
 _SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def copy_on_host(destination: torch.Tensor, source: torch.Tensor) -> None:
-    """destination[...] = source (host tensors of one dtype and shape) through numpy, on this thread alone.
-
-    torch's copy_ of a large tensor goes parallel: on the copier's thread it started an OpenMP team of one thread
-    per core beside the engine thread's (see copy_pages_on_host), whose spin-waits then competed with the engine
-    thread for the cores while it launched steps. numpy's copy is one memcpy that releases the GIL.
-    """
-    as_int = _SAME_WIDTH_INT[source.element_size()]
-    np.copyto(destination.view(as_int).numpy(), source.view(as_int).numpy())
 
 
 def copy_pages_on_host(storage: torch.Tensor, page_index: torch.Tensor, image: torch.Tensor) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slora.backend.adapter_copier import AdapterCopier, copy_on_host, copy_pages_on_host
+from slora.backend.adapter_copier import AdapterCopier, copy_pages_on_host
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -59,14 +59,3 @@ def test_a_host_pool_refuses_an_image_of_another_dtype() -> None:
     with pytest.raises(ValueError, match="float32.*bfloat16"):
         copy_pages_on_host(storage, torch.tensor([1]), torch.ones((2, 1, 8), dtype=torch.float32))
     assert not storage.any()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_host_copy_is_bit_exact(dtype: torch.dtype) -> None:
-    """The staging copy (numpy, integer views) keeps every bit, NaN payloads and signed zeros included."""
-    source = torch.randn((3, 5, 16), generator=torch.Generator().manual_seed(2)).to(dtype)
-    source[0, 0, :3] = torch.tensor([float("nan"), -0.0, float("inf")]).to(dtype)
-    destination = torch.zeros_like(source)
-    copy_on_host(destination, source)
-    width = {4: torch.int32, 2: torch.int16}[source.element_size()]
-    assert torch.equal(destination.view(width), source.view(width))
