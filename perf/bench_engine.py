@@ -20,6 +20,11 @@ warm up the kernels, and the pool is emptied of adapters so that each run starts
 adapters (its first 256 requests, all at once, so the batch is full): from each step START, COUNT steps under
 torch.profiler (operators by device time; device-busy share of the wall time), the next COUNT under cProfile
 (host functions), into `--profile-file`: where the time of a step goes, without disturbing any measured run.
+
+`--profile-replay START COUNT` profiles steps as the measured runs had them instead: after the runs, the last run
+that uses adapters and the last base-model run are each replayed once more in real time (unmeasured, adapters
+cold on the GPU), with COUNT steps from step START under torch.profiler, then COUNT under cProfile: decode and
+mixed steps of the trace's own batches, the LoRA run's next to the base model's.
 """
 
 from __future__ import annotations
@@ -152,9 +157,12 @@ class StepTally:
 class Replay:
     """Feeds one trace to the engine in real time and records every request's timings."""
 
-    def __init__(self, engine: LLMEngine, trace: Trace, options: ReplayOptions) -> None:
+    def __init__(
+        self, engine: LLMEngine, trace: Trace, options: ReplayOptions, profiler: StepProfiler | None = None
+    ) -> None:
         self.engine = engine
         self.options = options
+        self.profiler = profiler  # an unmeasured replay's profiled steps (--profile-replay)
         self.pending: deque[TraceRequest] = deque(trace.requests)
         self.records = {
             f"r{r.index}": RequestRecord(r.index, r.adapter, r.input_len, r.output_len, r.arrival)
@@ -214,9 +222,13 @@ class Replay:
             self.pending.popleft()
 
     def _step(self) -> float | None:
+        if self.profiler is not None:
+            self.profiler.before_step()
         began = time.perf_counter()
         outputs = self.engine.step()
         elapsed = time.perf_counter() - began
+        if self.profiler is not None:
+            self.profiler.after_step()
         shape = self.engine.runner.last_step
         self.kinds.setdefault(shape.kind, StepTally()).add(elapsed, shape)
         t = self.now()
@@ -332,6 +344,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile", type=int, nargs="+", default=[], metavar="START... COUNT",
                         help="after the runs, profile COUNT steps from each step START of an unmeasured pass "
                              "(say 20 100 3: prefill-heavy mixed steps, then decode steps)")  # fmt: skip
+    parser.add_argument("--profile-replay", type=int, nargs=2, metavar=("START", "COUNT"),
+                        help="after the runs, replay the last adapter run and the last base run once more in real "
+                             "time, profiling COUNT steps from step START of each (see top)")  # fmt: skip
     parser.add_argument("--profile-file", type=Path, help="append the profile tables here")
     parser.add_argument("--out", type=Path, required=True, help="results JSON (runs are added to it)")
     return parser.parse_args(argv)
@@ -358,6 +373,29 @@ def main(argv: list[str] | None = None) -> None:
     if len(args.profile) >= 2 and args.profile[-1] > 0:
         lora = [spec for spec in specs if spec.mode != "base"]
         profile_pass(engine, (lora or specs)[-1], args.profile[:-1], args.profile[-1], args.profile_file)
+    if args.profile_replay:
+        for spec in replayed_specs(specs):
+            profile_replay(engine, spec, options, *args.profile_replay, args.profile_file)
+
+
+def replayed_specs(specs: list[RunSpec]) -> list[RunSpec]:
+    """The last run that uses adapters and the last base-model run, in that order (those that exist)."""
+    lora = [spec for spec in specs if spec.mode != "base"]
+    base = [spec for spec in specs if spec.mode == "base"]
+    return [group[-1] for group in (lora, base) if group]
+
+
+def profile_replay(
+    engine: LLMEngine, spec: RunSpec, options: ReplayOptions, start: int, count: int, out_file: Path | None
+) -> None:
+    """Unmeasured: the trace replayed in real time as a measured run, adapters cold on the GPU, steps START..
+    START + 2 COUNT profiled (StepProfiler)."""
+    engine.evict_adapters()
+    title = f"from step {start} of a real-time replay of {spec.trace_path.name}@{spec.mode} on {engine.model.ops.name}"
+    profiler = StepProfiler(start, count, out_file, title)
+    logger.info("profiled replay: %s", title)
+    Replay(engine, spec.load(), options, profiler).run()
+    profiler.finish()
 
 
 def profile_pass(engine: LLMEngine, spec: RunSpec, starts: list[int], count: int, out_file: Path | None) -> None:

@@ -61,6 +61,22 @@ def test_three_modes_complete_every_request(tiny_model: Path, tiny_adapters: Pat
     json.dumps(data)  # plain JSON all the way down
 
 
+def test_profile_replay_profiles_the_adapter_run_and_the_base_run(
+    tiny_model: Path, tiny_adapters: Path, trace_file: Path, tmp_path: Path
+) -> None:
+    out, profile_file = tmp_path / "results.json", tmp_path / "profile.txt"
+    data = _run(tiny_model, tiny_adapters, out, str(trace_file), f"{trace_file}@base", f"{trace_file}@single",
+                extra=("--profile-replay", "2", "3", "--profile-file", str(profile_file)))  # fmt: skip
+    assert len(data["runs"]) == 3, "the replays add no measured run"
+    profile = profile_file.read_text()
+    for mode in ("single", "base"):  # the last run with adapters, then the base model's
+        title = f"from step 2 of a real-time replay of {trace_file.name}@{mode} on torch"
+        assert "== torch.profiler 3 step(s): " in profile and profile.count(title) == 2, (mode, profile[:300])
+    assert profile.index("@single") < profile.index("@base")
+    assert "@lora" not in profile
+    assert "== cProfile of 3 step(s)" in profile and "engine.py" in profile
+
+
 def test_time_limit_aborts_and_counts_unfinished(tiny_model: Path, tiny_adapters: Path, trace_file: Path,
                                                  tmp_path: Path) -> None:  # fmt: skip
     data = _run(tiny_model, tiny_adapters, tmp_path / "r.json", str(trace_file), extra=("--time-limit", "0.05"))
