@@ -8,6 +8,7 @@ kernel launches (kernels/relaunch.py) instead of re-deriving tiles, grids and bu
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import torch
@@ -18,6 +19,16 @@ from slora.kernels.metadata import LoraMeta
 from slora.kernels.relaunch import Relaunch
 
 MAX_FUSED = 3  # modules the expand kernel adds in one launch
+# "1": an eager step's decodes (GEMV kernels) apart from its prompts (prompt tiles), one launch pair each, instead of
+# one pair on 16-token tensor-core tiles for both. In the S2 n = 2000 replay's profile (H200, perf/RESULTS.md,
+# session 10) those tiles cost 73.7 + 35.9 us a call in mixed steps against 24.1 + 25.2 for the decode steps' GEMV
+# kernels on a similar batch. Off until the split is measured on the GPU.
+SPLIT_ENV = "SLORA_LORA_SPLIT"
+
+
+def split_steps() -> bool:
+    """Whether LoRA launches split a step of decodes and prompts in two (SLORA_LORA_SPLIT=1)."""
+    return os.environ.get(SPLIT_ENV, "0") == "1"
 
 
 class LoraCall:
@@ -41,17 +52,20 @@ def lora_calls(
     out_offsets: tuple[int, ...],
     out_widths: tuple[int, ...],
 ) -> list[LoraCall]:
-    """The launches of one call site, in order: one shrink and one expand per run of consecutive modules."""
+    """The launches of one call site, in order: one shrink and one expand per run of consecutive modules and per
+    launch group of the step (meta.groups)."""
     calls = []
+    # By default one launch pair for decodes and prompts together (SegmentGroup.tile_len picks decode-shaped tiles
+    # when a step has both): each launch costs host time on an eager step. SLORA_LORA_SPLIT=1 splits them.
+    groups = meta.groups(split_steps())
     for first, offsets, widths in consecutive_runs(modules, out_offsets, out_widths):
         if meta.fused_rank(first, len(widths)) == 0:
             continue  # no adapter of the step targets these modules
-        # One launch pair for decodes and prompts together (SegmentGroup.tile_len picks decode-shaped tiles when
-        # a step has both): on an eager step the host time of each launch costs more than the larger tiles save.
-        v, shrink = shrink_launch(x, flat_layer, meta, first, len(widths))
-        expand = expand_launch(y, v, flat_layer, meta, first, offsets, widths)
-        if shrink is not None and expand is not None:
-            calls.append(LoraCall(shrink, expand))
+        for group in groups:
+            v, shrink = shrink_launch(x, flat_layer, meta, first, len(widths), group)
+            expand = expand_launch(y, v, flat_layer, meta, first, offsets, widths, group)
+            if shrink is not None and expand is not None:
+                calls.append(LoraCall(shrink, expand))
     return calls
 
 

@@ -218,16 +218,18 @@ def expand_launch(
     first_module: int,
     out_offsets: tuple[int, ...],
     out_widths: tuple[int, ...],
+    group: SegmentGroup | None = None,
 ) -> Relaunch | None:
     """The launch that adds (v·Bᵀ)·scale of modules first_module .. + len(out_widths) - 1 into y's columns (see
     top), called as launch(flat_layer, y) for any pool layer and y shaped like these (every layer of a step; v
     stays the one given here); None when the step has no adapter token.
 
-    Every segment of the step in one launch, with the shrink's kernel kind and tile shape (expand_config).
+    Every segment of `group` (default: the whole step) in one launch, with the shrink's kernel kind and tile shape
+    (expand_config).
     """
     num_slices = len(out_widths)
     _check(y, v, flat_layer, meta, first_module, out_offsets, out_widths)
-    group = meta.whole()
+    group = meta.whole() if group is None else group
     cfg = expand_config(group, num_slices)
     tiles = group.tiles(cfg.block_m)
     num_tiles = int(tiles.shape[0])

@@ -197,16 +197,17 @@ def shrink_launch(
     meta: LoraMeta,
     first_module: int,
     num_slices: int,
+    group: SegmentGroup | None = None,
 ) -> tuple[torch.Tensor, Relaunch | None]:
     """v [split_k, num_tokens, R] (allocated here) and the launch that writes into it the partial sums of x·Aᵀ for
     modules first_module .. + num_slices - 1 (see top), called as launch(x, flat_layer) for any x and pool layer
     shaped like these (every layer of a step); None when the step has no adapter token or the modules no rank.
 
-    Every segment of the step in one launch (kernel and tile shape: shrink_config); rows of base-model tokens are left
-    unwritten.
+    Every segment of `group` (default: the whole step) in one launch (kernel and tile shape: shrink_config); rows of
+    other tokens are left unwritten.
     """
     _check(x, flat_layer, meta, first_module, num_slices)
-    group = meta.whole()
+    group = meta.whole() if group is None else group
     cfg = shrink_config(group, num_slices)
     fused_rank = meta.fused_rank(first_module, num_slices)
     tiles = group.tiles(cfg.block_m)

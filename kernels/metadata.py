@@ -248,3 +248,14 @@ class LoraMeta:
     def whole(self) -> SegmentGroup:
         """All segments as one group: the LoRA kernels launch decodes and prompts together (see tile_len)."""
         return self._whole
+
+    @functools.cached_property
+    def _split(self) -> list[SegmentGroup]:
+        return length_groups(self.whole().segments, self.seg_start.device, split=True)
+
+    def groups(self, split: bool) -> list[SegmentGroup]:
+        """The groups the LoRA kernels launch: the whole step, or (split, not in a CUDA graph) its segments of up
+        to SHORT_SEGMENT tokens apart from the longer ones when it has both (length_groups)."""
+        if not split or self.static is not None:
+            return [self.whole()]
+        return self._split

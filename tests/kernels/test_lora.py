@@ -29,7 +29,8 @@ from slora.kernels import (
 from slora.kernels.lora_call import consecutive_runs  # noqa: E402
 from slora.kernels.lora_padded import lora_padded_bmm  # noqa: E402
 from slora.kernels.lora_ref import lora_ref  # noqa: E402
-from slora.kernels.metadata import LoraMeta, length_groups  # noqa: E402
+from slora.kernels.metadata import LoraMeta, SegmentGroup, length_groups  # noqa: E402
+from slora.kernels.relaunch import Relaunch  # noqa: E402
 from slora.kernels.triton_ops import TritonOps  # noqa: E402
 from tests.kernels.builders import (  # noqa: E402
     DEVICE,
@@ -262,6 +263,30 @@ def test_lora_launches_decodes_and_prompts_together(monkeypatch: pytest.MonkeyPa
         built.clear()
         check_layer(build_case(TINY, torch.float32, list(TINY_ADAPTERS), step, seed=3), "triton", seed=4)
         assert built == [tile_len] * 4, (name, built)  # q/k/v, o, gate/up, down: one launch pair each
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_split_steps_launch_decodes_apart_from_prompts(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """SLORA_LORA_SPLIT=1: a step with decodes and prompts launches its decodes on the GEMV kernels and its prompts on
+    prompt tiles, one pair each, and still matches the reference; a step of one kind keeps one pair."""
+    monkeypatch.setenv(lora_call.SPLIT_ENV, "1")
+    configs: list[tuple[object, int]] = []
+    shrink = lora_call.shrink_launch
+
+    def recording(
+        x: torch.Tensor, flat: torch.Tensor, meta: LoraMeta, first: int, slices: int, group: SegmentGroup
+    ) -> tuple[torch.Tensor, Relaunch | None]:
+        configs.append((lora_shrink.shrink_config(group, slices), group.max_segment_len))
+        return shrink(x, flat, meta, first, slices, group)
+
+    monkeypatch.setattr(lora_call, "shrink_launch", recording)
+    check_layer(build_case(TINY, dtype, list(TINY_ADAPTERS), TINY_STEPS["mixed"], seed=3), "triton", seed=4)
+    fused, single = (lora_shrink.DECODE, 1), (lora_shrink.DECODE_ONE, 1)
+    prompts = (lora_shrink.PREFILL, 20)  # the mixed step's prompts: 20 and 17 tokens
+    assert configs == [fused, prompts, single, prompts, fused, prompts, single, prompts], configs
+    configs.clear()
+    check_layer(build_case(TINY, dtype, list(TINY_ADAPTERS), TINY_STEPS["decode"], seed=3), "triton", seed=4)
+    assert [config for config, _ in configs] == [lora_shrink.DECODE, lora_shrink.DECODE_ONE] * 2
 
 
 def test_consecutive_runs() -> None:
