@@ -22,13 +22,17 @@ MAX_FUSED = 3  # modules the expand kernel adds in one launch
 # "1": an eager step's decodes (GEMV kernels) apart from its prompts (prompt tiles), one launch pair each, instead of
 # one pair on 16-token tensor-core tiles for both. In the S2 n = 2000 replay's profile (H200, perf/RESULTS.md,
 # session 10) those tiles cost 73.7 + 35.9 us a call in mixed steps against 24.1 + 25.2 for the decode steps' GEMV
-# kernels on a similar batch. Off until the split is measured on the GPU.
+# kernels on a similar batch. Off until the split is measured on the GPU. Read once (each layer's call would pay
+# for an environment lookup); benchmarks set SPLIT itself to compare both ways in one process.
 SPLIT_ENV = "SLORA_LORA_SPLIT"
 
 
 def split_steps() -> bool:
-    """Whether LoRA launches split a step of decodes and prompts in two (SLORA_LORA_SPLIT=1)."""
+    """Whether SLORA_LORA_SPLIT=1 asks LoRA launches to split a step of decodes and prompts in two."""
     return os.environ.get(SPLIT_ENV, "0") == "1"
+
+
+SPLIT = split_steps()
 
 
 class LoraCall:
@@ -57,7 +61,7 @@ def lora_calls(
     calls = []
     # By default one launch pair for decodes and prompts together (SegmentGroup.tile_len picks decode-shaped tiles
     # when a step has both): each launch costs host time on an eager step. SLORA_LORA_SPLIT=1 splits them.
-    groups = meta.groups(split_steps())
+    groups = meta.groups(SPLIT)
     for first, offsets, widths in consecutive_runs(modules, out_offsets, out_widths):
         if meta.fused_rank(first, len(widths)) == 0:
             continue  # no adapter of the step targets these modules

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from slora.kernels import lora_call
 from slora.kernels.activation import silu_mul
 from slora.kernels.kv_write import write_kv
 from slora.kernels.lora_call import lora_calls
@@ -70,7 +71,7 @@ class TritonOps:
         out_offsets: tuple[int, ...],
         out_widths: tuple[int, ...],
     ) -> None:
-        key = (modules, out_offsets, out_widths, x.shape, x.stride(0), y.shape, y.stride(0), x.dtype)
+        key = (modules, out_offsets, out_widths, x.shape, x.stride(0), y.shape, y.stride(0), x.dtype, lora_call.SPLIT)
         calls = meta.launches.get(key)
         if calls is None:
             calls = meta.launches[key] = lora_calls(y, x, flat_layer, meta, modules, out_offsets, out_widths)

@@ -44,7 +44,7 @@ from slora.backend.model_spec import LORA_MODULES
 from slora.backend.page_pool import PageKind, PagePool, PoolGeometry
 from slora.backend.request import Request
 from slora.backend.sampling_params import SamplingParams
-from slora.kernels import lora_expand, lora_shrink, paged_attention, paged_decode, pdl
+from slora.kernels import lora_call, lora_expand, lora_shrink, paged_attention, paged_decode, pdl
 from slora.kernels.attention_ref import paged_attention_ref, write_kv_ref
 from slora.kernels.lora_expand import ExpandConfig
 from slora.kernels.lora_padded import lora_padded_bmm
@@ -359,7 +359,7 @@ def bench_lora(case: LoraCase, device: Device) -> list[Row]:
         rows += bench_lora_call(case, device, call, modules, in_features, gen)
     layer_bytes = sum(r.min_bytes for r in rows if r.impl == "triton")
     layer_flops = sum(r.min_flops for r in rows if r.impl == "triton")
-    for impl in ("triton", "torch_ref", "padded_bmm"):
+    for impl in dict.fromkeys(r.impl for r in rows):  # each implementation timed, in order
         calls = [r for r in rows if r.impl == impl]
         how = "graph" if all(r.timing == "graph" for r in calls) else "mixed"
         eager = sum(r.eager_ms for r in calls)
@@ -377,6 +377,16 @@ def bench_lora(case: LoraCase, device: Device) -> list[Row]:
     return rows
 
 
+def lora_split(y: torch.Tensor, *args: Any) -> None:
+    """TritonOps.lora with the step's decodes and prompts launched apart (kernels/lora_call.SPLIT)."""
+    saved = lora_call.SPLIT
+    lora_call.SPLIT = True
+    try:
+        TritonOps().lora(y, *args)
+    finally:
+        lora_call.SPLIT = saved
+
+
 def bench_lora_call(
     case: LoraCase, device: Device, call: str, modules: tuple[int, ...], in_features: int, gen: torch.Generator
 ) -> list[Row]:
@@ -389,6 +399,8 @@ def bench_lora_call(
         "torch_ref": lora_ref,
         "padded_bmm": lora_padded_bmm,
     }
+    if len(case.meta.groups(split=True)) > 1:  # decodes and prompts: also launched apart (SLORA_LORA_SPLIT=1)
+        impls["triton_split"] = lora_split
     nbytes, flops = lora_minimum(case, modules, in_features)
     if nbytes == 0:
         return []  # no adapter of the case targets these modules (S1 has no MLP adapters): nothing to time
@@ -494,13 +506,16 @@ def s2_adapters(count: int) -> list[tuple[int, ...]]:
 
 
 def lora_cases(mha: Model, gqa: Model, n: int, prompt: int) -> list[Callable[[], LoraCase]]:
-    """n requests decode (n adapters or 4), a mixed step of 4 prompts of `prompt` tokens + n/2 decodes, and the
-    engine's S1 mixed step (S1 n = 2000 in perf/RESULTS.md): 4 prompts of `prompt` tokens + 3n decodes, each
-    request with its own S1 adapter."""
+    """n requests decode (n adapters or 4), a mixed step of 4 prompts of `prompt` tokens + n/2 decodes, the engine's
+    S1 mixed step (S1 n = 2000 in perf/RESULTS.md): 4 prompts of `prompt` tokens + 3n decodes, and S2's (n = 2000:
+    2 prompts of prompt/2 tokens + 2n decodes, about the replay profile's mixed steps), each request with its own
+    adapter."""
     mixed = [MIXED_RANKS[i % len(MIXED_RANKS)] for i in range(n + 4)]
     decode = [(i, 1) for i in range(n)]
     mixed_step = [(i, prompt) for i in range(4)] + [(4 + i, 1) for i in range(n // 2)]
     s1_step = [(i, prompt) for i in range(4)] + [(4 + i, 1) for i in range(3 * n)]
+    s2_step = [(i, prompt // 2) for i in range(2)] + [(2 + i, 1) for i in range(2 * n)]
+    s2_name = f"S2 mixed 2x{prompt // 2} prompt + {2 * n} decode, r64/32/16/8 q,k,v,o"
     return [
         lambda: lora_case(f"S1 mixed 4x{prompt} prompt + {3 * n} decode, r8 q,k,v,o", mha, [S1] * (4 + 3 * n), s1_step),
         lambda: lora_case(f"decode {n} req, {n} adapters r16", mha, adapters([16] * n), decode),
@@ -512,6 +527,7 @@ def lora_cases(mha: Model, gqa: Model, n: int, prompt: int) -> list[Callable[[],
         lambda: lora_case(
             f"mixed 4x{prompt} prompt + {n // 2} decode, mixed r1-128", mha, adapters(mixed[: 4 + n // 2]), mixed_step
         ),  # fmt: skip
+        lambda: lora_case(s2_name, mha, s2_adapters(2 + 2 * n), s2_step),
     ]
 
 

@@ -23,7 +23,9 @@ def test_bench_kernels_smoke(tmp_path: Path) -> None:
     rows = result["rows"]
     kernels = {r["kernel"] for r in rows}
     assert {"lora_qkv", "lora_layer", "attention_decode", "attention_prefill", "kv_write"} <= kernels
-    assert {r["impl"] for r in rows} == {"triton", "torch_ref", "padded_bmm"}
+    assert {r["impl"] for r in rows} == {"triton", "torch_ref", "padded_bmm", "triton_split"}
+    split = [r for r in rows if r["impl"] == "triton_split"]  # the steps with decodes and prompts
+    assert split and all("prompt" in r["case"] and r["kernel"].startswith("lora_") for r in split), split
     for r in rows:
         assert r["ms"] > 0 and r["min_bytes"] > 0 and math.isfinite(r["gbps"])
         if r["max_rel_err"] is not None:

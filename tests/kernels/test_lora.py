@@ -267,9 +267,14 @@ def test_lora_launches_decodes_and_prompts_together(monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_split_steps_launch_decodes_apart_from_prompts(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    """SLORA_LORA_SPLIT=1: a step with decodes and prompts launches its decodes on the GEMV kernels and its prompts on
-    prompt tiles, one pair each, and still matches the reference; a step of one kind keeps one pair."""
+    """Split launches (SLORA_LORA_SPLIT=1): a step with decodes and prompts launches its decodes on the GEMV kernels
+    and its prompts on prompt tiles, one pair each, and still matches the reference; a step of one kind keeps one
+    pair. The environment variable is what turns it on."""
     monkeypatch.setenv(lora_call.SPLIT_ENV, "1")
+    assert lora_call.split_steps()
+    monkeypatch.setenv(lora_call.SPLIT_ENV, "0")
+    assert not lora_call.split_steps()
+    monkeypatch.setattr(lora_call, "SPLIT", True)
     configs: list[tuple[object, int]] = []
     shrink = lora_call.shrink_launch
 
