@@ -10,6 +10,8 @@ import torch
 from slora.backend.config import EngineConfig
 from slora.backend.engine import LLMEngine
 from slora.backend.sampling_params import SamplingParams
+from slora.kernels import lora_call
+from slora.kernels.metadata import LoraMeta, SegmentGroup
 from tests.engine.conftest import ModelWithAdapters
 from tests.factories import hf_reference
 from tests.reference import compare_greedy, hf_greedy
@@ -65,6 +67,24 @@ def test_llama_other_kernel_backends_on_cpu(llama: ModelWithAdapters, backend: s
     """The Triton kernels (interpreted on CPU) and the padded-BMM baseline serve the same mixed batch."""
     target = {"device": "cpu", "kernel_backend": backend, "dtype": "float32"}
     _check(llama, _config(llama, target, page_size=8, max_batch_tokens=24), prompt_lengths=[5, 17, 9])
+
+
+def test_llama_split_lora_launches_on_cpu(llama: ModelWithAdapters, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's decodes and prompts in LoRA launches of their own (SLORA_LORA_SPLIT=1) serve the same tokens; the
+    batches do split (some step has both decodes and a prompt segment longer than SHORT_SEGMENT)."""
+    monkeypatch.setattr(lora_call, "SPLIT", True)
+    split_groups: list[int] = []
+    groups = LoraMeta.groups
+
+    def counting(self: LoraMeta, split: bool) -> list[SegmentGroup]:
+        result = groups(self, split)
+        split_groups.append(len(result))
+        return result
+
+    monkeypatch.setattr(LoraMeta, "groups", counting)
+    target = {"device": "cpu", "kernel_backend": "triton", "dtype": "float32"}
+    _check(llama, _config(llama, target, page_size=8, max_batch_tokens=48), prompt_lengths=[5, 30, 9, 21])
+    assert 2 in split_groups, split_groups
 
 
 def test_llama3_rope_scaling_tied_embeddings(llama3_scaled: ModelWithAdapters, target: dict[str, str]) -> None:
