@@ -370,12 +370,12 @@ def main(argv: list[str] | None = None) -> None:
             continue
         append_runs(args.out, [run])
         logger.info("%s", headline(run))
-    if len(args.profile) >= 2 and args.profile[-1] > 0:
-        lora = [spec for spec in specs if spec.mode != "base"]
-        profile_pass(engine, (lora or specs)[-1], args.profile[:-1], args.profile[-1], args.profile_file)
+    if len(args.profile) >= 2 and args.profile[-1] > 0:  # the last adapter run, else the last base run
+        profile_pass(engine, replayed_specs(specs)[0], args.profile[:-1], args.profile[-1], args.profile_file)
     if args.profile_replay:
+        start, count = args.profile_replay
         for spec in replayed_specs(specs):
-            profile_replay(engine, spec, options, *args.profile_replay, args.profile_file)
+            profile_replay(engine, spec, options, start, count, args.profile_file)
 
 
 def replayed_specs(specs: list[RunSpec]) -> list[RunSpec]:
