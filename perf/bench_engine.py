@@ -24,7 +24,9 @@ torch.profiler (operators by device time; device-busy share of the wall time), t
 `--profile-replay START COUNT` profiles steps as the measured runs had them instead: after the runs, the last run
 that uses adapters and the last base-model run are each replayed once more in real time (unmeasured, adapters
 cold on the GPU), with COUNT steps from step START under torch.profiler, then COUNT under cProfile: decode and
-mixed steps of the trace's own batches, the LoRA run's next to the base model's.
+mixed steps of the trace's own batches, the LoRA run's next to the base model's. Each torch.profiler window also
+gets a table of its steps' timelines (perf/trace_steps.py: host time against the device's busy and idle time);
+`--profile-trace-dir` keeps the chrome traces too.
 """
 
 from __future__ import annotations
@@ -348,6 +350,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="after the runs, replay the last adapter run and the last base run once more in real "
                              "time, profiling COUNT steps from step START of each (see top)")  # fmt: skip
     parser.add_argument("--profile-file", type=Path, help="append the profile tables here")
+    parser.add_argument("--profile-trace-dir", type=Path,
+                        help="keep --profile-replay's chrome traces here (trace-TRACE-MODE.json.gz)")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="results JSON (runs are added to it)")
     return parser.parse_args(argv)
 
@@ -375,7 +379,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile_replay:
         start, count = args.profile_replay
         for spec in replayed_specs(specs):
-            profile_replay(engine, spec, options, start, count, args.profile_file)
+            trace = None
+            if args.profile_trace_dir is not None:
+                trace = args.profile_trace_dir / f"trace-{spec.trace_path.stem}-{spec.mode}.json.gz"
+            profile_replay(engine, spec, options, start, count, args.profile_file, trace)
 
 
 def replayed_specs(specs: list[RunSpec]) -> list[RunSpec]:
@@ -386,13 +393,19 @@ def replayed_specs(specs: list[RunSpec]) -> list[RunSpec]:
 
 
 def profile_replay(
-    engine: LLMEngine, spec: RunSpec, options: ReplayOptions, start: int, count: int, out_file: Path | None
+    engine: LLMEngine,
+    spec: RunSpec,
+    options: ReplayOptions,
+    start: int,
+    count: int,
+    out_file: Path | None,
+    trace_file: Path | None = None,
 ) -> None:
     """Unmeasured: the trace replayed in real time as a measured run, adapters cold on the GPU, steps START..
     START + 2 COUNT profiled (StepProfiler)."""
     engine.evict_adapters()
     title = f"from step {start} of a real-time replay of {spec.trace_path.name}@{spec.mode} on {engine.model.ops.name}"
-    profiler = StepProfiler(start, count, out_file, title)
+    profiler = StepProfiler(start, count, out_file, title, trace_file)
     logger.info("profiled replay: %s", title)
     Replay(engine, spec.load(), options, profiler).run()
     profiler.finish()

@@ -38,7 +38,9 @@
 # an unmeasured pass profiles steps 20-22 (prefill-heavy, mixed) and 100-102 (decode) with torch.profiler and the
 # 3 steps after each with cProfile; "" disables), PROFILE_REPLAY ("START COUNT", empty: off; e.g. "300 10": each
 # engine process replays its last adapter run and its base run once more in real time, unmeasured, and profiles
-# steps 300-309 under torch.profiler and 310-319 under cProfile: the trace's own decode and mixed steps),
+# steps 300-309 under torch.profiler and 310-319 under cProfile: the trace's own decode and mixed steps; profile.txt
+# also gets each window's per-step timeline, perf/trace_steps.py), PROFILE_TRACE (1: keep those windows' chrome
+# traces as $OUT/trace-*.json.gz; read them with python -m perf.trace_steps),
 # HOST_BUDGET (48GiB of host memory for
 # adapters), SHAPE (llama2-7b | tiny), DEVICE (cuda | cpu), N_BIG (2000), LENGTHS ("8 512": input and output
 # length range), CHECK_PATHS ("tests/kernels tests/engine") and CHECK_K ("not cpu": pytest -k) of the checks
@@ -69,6 +71,7 @@ PEFT_REQUESTS=${PEFT_REQUESTS:-100}
 PEFT_LIMIT=${PEFT_LIMIT:-60}
 PROFILE=${PROFILE-20 100 3}
 PROFILE_REPLAY=${PROFILE_REPLAY:-}
+PROFILE_TRACE=${PROFILE_TRACE:-}
 SHAPE=${SHAPE:-llama2-7b}
 DEVICE=${DEVICE:-cuda}
 N_BIG=${N_BIG:-2000}
@@ -163,6 +166,7 @@ engine() {  # engine BACKEND SETTING RUN...  (RUN = TRACE[@MODE]; one engine for
   [[ -n $PROFILE ]] && profile=(--profile $PROFILE --profile-file "$OUT/profile.txt")
   # shellcheck disable=SC2206
   [[ -n $PROFILE_REPLAY ]] && profile+=(--profile-replay $PROFILE_REPLAY --profile-file "$OUT/profile.txt")
+  [[ -n $PROFILE_REPLAY && -n $PROFILE_TRACE ]] && profile+=(--profile-trace-dir "$OUT")
   # shellcheck disable=SC2046
   step -m perf.bench_engine $(engine_args) --adapter-root "$root" --kernel-backend "$backend" \
     --name-prefix "engine-$backend" --time-limit "$(run_limit)" "${profile[@]}" --out "$RESULTS" "$@"

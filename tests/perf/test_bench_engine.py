@@ -9,6 +9,7 @@ import pytest
 
 from perf import bench_engine
 from perf.results import load_results
+from perf.trace_steps import load_trace, step_timelines
 from perf.workload import TraceConfig, generate_trace, save_trace
 
 
@@ -66,12 +67,18 @@ def test_profile_replay_profiles_the_adapter_run_and_the_base_run(
 ) -> None:
     out, profile_file = tmp_path / "results.json", tmp_path / "profile.txt"
     data = _run(tiny_model, tiny_adapters, out, str(trace_file), f"{trace_file}@base", f"{trace_file}@single",
-                extra=("--profile-replay", "2", "3", "--profile-file", str(profile_file)))  # fmt: skip
+                extra=("--profile-replay", "2", "3", "--profile-file", str(profile_file),
+                       "--profile-trace-dir", str(tmp_path / "traces")))  # fmt: skip
     assert len(data["runs"]) == 3, "the replays add no measured run"
     profile = profile_file.read_text()
     for mode in ("single", "base"):  # the last run with adapters, then the base model's
         title = f"from step 2 of a real-time replay of {trace_file.name}@{mode} on torch"
-        assert "== torch.profiler 3 step(s): " in profile and profile.count(title) == 2, (mode, profile[:300])
+        assert "== torch.profiler 3 step(s): " in profile and profile.count(title) == 3, (mode, profile[:300])
+        trace = load_trace(tmp_path / "traces" / f"trace-{trace_file.stem}-{mode}.json.gz")
+        steps = step_timelines(trace)  # on CPU: three steps' host spans, no device operations
+        assert len(steps) == 3 and all(t.host_ms > 0 and t.launches == 0 for t in steps)
+    assert profile.count("== steps' timelines, torch.profiler window of 3 step(s)") == 2
+    assert profile.count("| eager | ") == 6
     assert profile.index("@single") < profile.index("@base")
     assert "@lora" not in profile
     assert "== cProfile of 3 step(s)" in profile and "engine.py" in profile
