@@ -49,6 +49,11 @@ class ResidentAdapter:
         self.scales = np.array(self.host.scales, dtype=np.float32)
         self.rows_or = offsets_or(self.a_rows) | offsets_or(self.b_rows)
 
+    @property
+    def copy_issued(self) -> bool:
+        """Whether the copy into the pool is issued (on CUDA, a stream can follow it without the host waiting)."""
+        return self.ready is None or self.ready.done()
+
     def wait_copied(self, device: torch.device) -> None:
         """Wait until the copy into the pool is issued and, on CUDA, make the current stream follow it. Work
         queued after this on that stream follows the copy too, so each adapter needs this once."""

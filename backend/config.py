@@ -52,6 +52,11 @@ class EngineConfig:
     # the GPU's for the one before (backend/inflight.py). None (auto): on for CUDA devices, off on CPU, where the
     # host does the computing itself and outputs would only come a step later.
     overlap_steps: bool | None = None
+    # A waiting request whose adapter the copier thread has not yet copied into the pool is passed over at
+    # admission (it keeps its place at the head of the queue; the requests behind it may go first) while other
+    # requests run, instead of the step waiting on the host for that copy. None (auto): on for CUDA devices, where
+    # S2 n = 2000's mixed steps waited 1.6 ms each for copies (perf/RESULTS.md, session 11).
+    admit_when_copied: bool | None = None
     warmup: bool = False  # run synthetic batches at start, so kernels compile before the first request (warmup.py)
     seed: int = 0  # for requests that give no seed
 
@@ -142,6 +147,11 @@ def effective_admit_interval(config: EngineConfig) -> int:
 def overlap_enabled(config: EngineConfig, device: torch.device) -> bool:
     """config.overlap_steps, with None (auto) resolved: on for CUDA devices."""
     return config.overlap_steps if config.overlap_steps is not None else device.type == "cuda"
+
+
+def admit_when_copied(config: EngineConfig, device: torch.device) -> bool:
+    """config.admit_when_copied, with None (auto) resolved: on for CUDA devices."""
+    return config.admit_when_copied if config.admit_when_copied is not None else device.type == "cuda"
 
 
 def _positive(config: EngineConfig, *names: str) -> None:

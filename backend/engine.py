@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from slora.backend.adapter_store import AdapterInfo
-from slora.backend.config import EngineConfig, effective_admit_interval, overlap_enabled
+from slora.backend.config import EngineConfig, admit_when_copied, effective_admit_interval, overlap_enabled
 from slora.backend.detokenizer import IncrementalDetokenizer
 from slora.backend.errors import CapacityError, EngineOverloadedError, InvalidRequestError
 from slora.backend.inflight import InflightStep
@@ -55,7 +55,8 @@ class LLMEngine:
         self.model = parts.model
         c = self.config
         admit = effective_admit_interval(c)
-        limits = SchedulerLimits(c.max_batch_tokens, c.max_num_seqs, c.prefetch_adapters, admit)
+        limits = SchedulerLimits(c.max_batch_tokens, c.max_num_seqs, c.prefetch_adapters, admit,
+                                 admit_when_copied(c, self.device))  # fmt: skip
         self.scheduler = Scheduler(limits, self.pool, self.cache)
         self.runner = ModelRunner(self.model, self.pool, parts.graphs)
         self.requests: dict[str, Request] = {}

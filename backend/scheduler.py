@@ -6,7 +6,8 @@ admitted request is preempted (its pages freed; it is recomputed later). (2) If 
 admit_interval > 1 while requests run, on every admit_interval-th step), waiting requests are admitted in
 arrival order while the token budget, the sequence limit and the pool allow: a request
 is admitted only when its adapter is (or can be made) resident and pinned and the pages for its whole prompt are
-allocated. (3) Adapters of the next waiting requests are copied into free pages ahead of time.
+allocated; with admit_when_copied, a request whose adapter copy is not issued yet is passed over while others run
+(it stays at the head of the queue). (3) Adapters of the next waiting requests are copied into free pages ahead of time.
 
 The scheduler owns each request's pages and adapter pin; the pool only counts pages.
 """
@@ -31,6 +32,7 @@ class SchedulerLimits:
     max_num_seqs: int
     prefetch_adapters: int
     admit_interval: int = 1  # while requests run, admit waiting ones every Nth step (EngineConfig.admit_interval)
+    admit_when_copied: bool = False  # pass over requests whose adapter copy is not issued (EngineConfig)
 
 
 @dataclass
@@ -143,18 +145,31 @@ class Scheduler:
             request.resident = None
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        # Requests passed over (their adapter copy not issued) stay in the queue, in order, ahead of the rest.
+        # Admission stops after prefetch_adapters of them (each may have started an adapter load).
+        passed_over: list[Request] = []
+        may_pass = self.limits.admit_when_copied and bool(out.seqs)  # only while other work keeps the step busy
+        max_passes = max(self.limits.prefetch_adapters, 1)
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            if may_pass and len(passed_over) >= max_passes:
+                break
             request = self.waiting[0]
-            if not self._admit(request):
+            admitted = self._admit(request, may_pass)
+            if admitted is None:
+                passed_over.append(self.waiting.popleft())
+                continue
+            if not admitted:
                 break
             self.waiting.popleft()
             self.running.append(request)
             n = min(request.num_pending, budget)
             out.seqs.append(ScheduledSeq(request, n))
             budget -= n
+        self.waiting.extendleft(reversed(passed_over))
 
-    def _admit(self, request: Request) -> bool:
-        """Pin the request's adapter and allocate pages for all its tokens; on failure change nothing."""
+    def _admit(self, request: Request, may_pass: bool = False) -> bool | None:
+        """Pin the request's adapter and allocate pages for all its tokens; on failure change nothing. None (with
+        `may_pass`): its adapter is resident but the copy into its pages is not issued yet; nothing pinned."""
         if request.adapter is not None:
             resident = self.adapters.get(request.adapter.key)
             if resident is None:
@@ -163,6 +178,9 @@ class Scheduler:
                 resident = self.adapters.load(request.adapter)
                 if resident is None:
                     return False
+            if may_pass and not resident.copy_issued:
+                self.adapters.touch(resident)
+                return None
             self.adapters.pin(resident)
             request.resident = resident
         pages = self._alloc(self.pages_for(request.num_tokens), request)
