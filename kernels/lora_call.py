@@ -22,8 +22,9 @@ MAX_FUSED = 3  # modules the expand kernel adds in one launch
 # "1": an eager step's decodes (GEMV kernels) apart from its prompts (prompt tiles), one launch pair each, instead of
 # one pair on 16-token tensor-core tiles for both. In the S2 n = 2000 replay's profile (H200, perf/RESULTS.md,
 # session 10) those tiles cost 73.7 + 35.9 us a call in mixed steps against 24.1 + 25.2 for the decode steps' GEMV
-# kernels on a similar batch. Off until the split is measured on the GPU. Read once (each layer's call would pay
-# for an environment lookup); benchmarks set SPLIT itself to compare both ways in one process.
+# kernels on a similar batch. Measured in session 11, it gained nothing (S2 n = 2000: 25.85 against 25.70 req/s in one
+# call; the mixed steps' decodes alone took 3.9 ms a step on the GEMV kernels), so it is off. Read once (each layer's
+# call would pay for an environment lookup); benchmarks set SPLIT itself to compare both ways in one process.
 SPLIT_ENV = "SLORA_LORA_SPLIT"
 
 
