@@ -299,13 +299,21 @@ class LoraCase:
     num_tokens: int
 
 
+# --spread-pages: the LoRA cases' one-layer pool gets at least this many pages, the adapters' pages scattered over
+# all of them, as in an engine whose layer band spans GBs (S2 runs on the H200: 13769 pages of 256 KiB, 3.4 GiB).
+# 0: just the pages the case needs, a few hundred MB at most.
+spread_pages = 0
+
+
 def lora_case(
     name: str, model: Model, ranks: list[tuple[int, ...]], step: Sequence[tuple[int | None, int]]
 ) -> LoraCase:
     dtype = torch.bfloat16
     geometry = PoolGeometry(1, 16, model.kv_heads, model.head_dim)
     hosts = [host_adapter(f"a{i}", model, r, geometry, dtype) for i, r in enumerate(ranks)]
-    pool = scrambled_pool(geometry, sum(h.num_pages for h in hosts) + 8, dtype)
+    pool = scrambled_pool(geometry, max(sum(h.num_pages for h in hosts) + 8, spread_pages), dtype)
+    if spread_pages:
+        name = f"{name} [pool of {pool.num_pages} pages]"
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()  # adapter copies run on a side stream: images and pool must be written first
     cache = AdapterCache(pool)
@@ -767,7 +775,7 @@ def tune_table(results: list[dict[str, Any]], top: int = 3) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global DEVICE, flush_mode
+    global DEVICE, flush_mode, spread_pages
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="JSON file for the results")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one call each (CPU: Triton interpreter)")
@@ -779,8 +787,14 @@ def main(argv: list[str] | None = None) -> int:
         default="read",
         help="how the L2 is flushed before each timed call (read: clean; write: dirty, as before)",
     )
+    parser.add_argument("--spread-pages", type=int, default=0,
+                        help="LoRA cases: scatter the adapters' pages over a pool of at least this many pages "
+                             "(the engine's: results.json pool_pages), against the default compact pool")  # fmt: skip
     args = parser.parse_args(argv)
     flush_mode = args.flush
+    if args.spread_pages < 0:
+        parser.error(f"--spread-pages must be >= 0, got {args.spread_pages}")
+    spread_pages = args.spread_pages
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if not torch.cuda.is_available():
         if not args.smoke:

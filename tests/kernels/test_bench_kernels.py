@@ -32,3 +32,19 @@ def test_bench_kernels_smoke(tmp_path: Path) -> None:
             assert r["max_rel_err"] < 0.05, r
         assert (r["same_size_copy_ms"] is not None) == (r["impl"] == "triton"), r  # the copy of the op's own size
     assert result["targets"], "no target was checked"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real benchmark instead")
+def test_spread_pages_scatters_the_lora_cases_over_a_larger_pool(tmp_path: Path) -> None:
+    """--spread-pages: the same cases, named with their pool's size, still matching the torch reference."""
+    from perf import bench_kernels
+
+    out = tmp_path / "kernels.json"
+    assert bench_kernels.main(["--smoke", "--only", "lora", "--spread-pages", "300", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all("[pool of 300 pages] @" in r["case"] for r in rows), {r["case"] for r in rows}
+    checked = [r for r in rows if r["max_rel_err"] is not None]
+    assert checked and all(r["max_rel_err"] < 0.05 for r in checked)
+    with pytest.raises(SystemExit):
+        bench_kernels.main(["--smoke", "--spread-pages", "-1", "--out", str(out)])
+    bench_kernels.spread_pages = 0  # the module's default, for whatever runs next in this process
