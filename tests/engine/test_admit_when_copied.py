@@ -5,6 +5,7 @@ queue, and is admitted once the copy is issued; its tokens are those of an engin
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -85,29 +86,33 @@ def test_request_with_uncopied_adapter_is_passed_over_then_admitted(llama: Model
     assert engine.cache.loads == 1
 
 
+def _step_while_copy_held(engine: LLMEngine, prompt: list[int], hold_s: float = 0.2) -> tuple[str, float]:
+    """Add a request for r3-all (not yet in the pool) and take one step while its copy is held for hold_s:
+    (its id, the step's seconds)."""
+    with held_copies(engine) as release:
+        timer = threading.Timer(hold_s, release.set)
+        timer.start()
+        request = engine.add_request(prompt, "r3-all", GREEDY)
+        began = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - began
+        timer.join()
+    return request, elapsed
+
+
 def test_an_idle_engine_waits_for_the_copy(llama: ModelWithAdapters) -> None:
     """With nothing else to run, passing over would leave the step empty: the step waits for the copy instead."""
     engine = _engine(llama, admit_when_copied=True)
-    with held_copies(engine) as release:
-        timer = threading.Timer(0.2, release.set)
-        timer.start()
-        request = engine.add_request(PROMPTS[0], "r3-all", GREEDY)
-        engine.step()
-        timer.join()
-    assert _names(engine.scheduler.running) == [request]
+    request, elapsed = _step_while_copy_held(engine, PROMPTS[0])
+    assert _names(engine.scheduler.running) == [request] and elapsed >= 0.15
 
 
 def test_off_the_step_waits_for_the_copy(llama: ModelWithAdapters) -> None:
     engine = _engine(llama, admit_when_copied=False)
     first = engine.add_request(PROMPTS[0], None, GREEDY)
     engine.step()
-    with held_copies(engine) as release:
-        timer = threading.Timer(0.2, release.set)
-        timer.start()
-        held = engine.add_request(PROMPTS[1], "r3-all", GREEDY)
-        engine.step()
-        timer.join()
-    assert _names(engine.scheduler.running) == [first, held]
+    held, elapsed = _step_while_copy_held(engine, PROMPTS[1])
+    assert _names(engine.scheduler.running) == [first, held] and elapsed >= 0.15
 
 
 def test_auto_is_on_for_cuda_only() -> None:
