@@ -44,7 +44,8 @@
 # HOST_BUDGET (48GiB of host memory for
 # adapters), SHAPE (llama2-7b | tiny), DEVICE (cuda | cpu), N_BIG (2000), LENGTHS ("8 512": input and output
 # length range), CHECK_PATHS ("tests/kernels tests/engine") and CHECK_K ("not cpu": pytest -k) of the checks
-# suite, DECODE_STEP (1; 0 skips its decode-step benchmark), HOST_FORWARD (1; 0 skips bench_host_forward), PY (python3), OUT, WORK, PORT_BASE (8000), GPU_ENV (.whl/gpu-env.sh; "none" skips it).
+# suite, DECODE_STEP (1; 0 skips its decode-step benchmark), HOST_FORWARD (1; 0 skips bench_host_forward), GPU_LOG
+# (1: the GPU's clocks, power and temperature every 200 ms into gpu_log.csv), PY (python3), OUT, WORK, PORT_BASE (8000), GPU_ENV (.whl/gpu-env.sh; "none" skips it).
 # CPU rehearsal of the whole script (about 1-2 minutes on 2 cores; the torch kernels, as Triton needs a GPU):
 #   GPU_ENV=none PY=python KERNEL=torch SHAPE=tiny DEVICE=cpu N_BIG=40 RATE=20 DURATION=1 LENGTHS="8 48" \
 #   PROFILE="5 2" PEFT_REQUESTS=10 PEFT_LIMIT=20 OUT=/tmp/perf-out WORK=/tmp/perf-work bash perf/run_gpu.sh all
@@ -85,6 +86,8 @@ FLOOR_COUNTS=${FLOOR_COUNTS:-0 5 -1}
 FLOOR_PROFILE=${FLOOR_PROFILE:-}
 FLOOR_TAG=${FLOOR_TAG:-}
 HOST_FORWARD=${HOST_FORWARD:-1}
+GPU_LOG=${GPU_LOG:-}
+GPU_LOG_PID=""
 export SLORA_COMMIT=${SLORA_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1
 # On a CPU rehearsal, spinning intra-op threads of several processes make every timing erratic.
@@ -343,7 +346,17 @@ suite() {
   esac
 }
 
+# GPU_LOG=1: the GPU's clocks, power and temperature every 200 ms while the suites run, in gpu_log.csv (engine
+# runs keep the GPU at full load, where clocks may be lower than in the short kernel benchmarks).
+start_gpu_log() {
+  [[ -n $GPU_LOG && $DEVICE == cuda* ]] || return 0
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
+    --format=csv -lms 200 >"$OUT/gpu_log.csv" 2>>"$LOG" &
+  GPU_LOG_PID=$!
+}
+
 finish() {
+  [[ -n $GPU_LOG_PID ]] && kill "$GPU_LOG_PID" 2>/dev/null
   stop_server
   if [[ -f $RESULTS ]]; then
     "$PY" -m perf.report "$RESULTS" --out "$OUT/report.md" >>"$LOG" 2>&1 || log "report failed"
@@ -356,6 +369,7 @@ trap finish EXIT
 SUITES=("$@")
 (( ${#SUITES[@]} )) || SUITES=(all)
 setup "${SUITES[@]}"
+start_gpu_log
 for s in "${SUITES[@]}"; do
   log "=== suite $s ($(remaining)s left)"
   suite "$s"
