@@ -52,7 +52,7 @@ class EngineConfig:
     # the GPU's for the one before (backend/inflight.py). None (auto): on for CUDA devices, off on CPU, where the
     # host does the computing itself and outputs would only come a step later.
     overlap_steps: bool | None = None
-    # A waiting request whose adapter the copier thread has not yet copied into the pool is passed over at
+    # A waiting request whose adapter copy into the pool the copier thread has not issued yet is passed over at
     # admission (it keeps its place at the head of the queue; the requests behind it may go first) while other
     # requests run, instead of the step waiting on the host for that copy. None (auto): on for CUDA devices, where
     # S2 n = 2000's mixed steps waited 1.6 ms each for copies (perf/RESULTS.md, session 11).
