@@ -13,7 +13,6 @@ from __future__ import annotations
 import cProfile
 import gzip
 import io
-import json
 import logging
 import pstats
 import shutil
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 
-from perf.trace_steps import STEP_ANNOTATION, step_timelines, summary
+from perf.trace_steps import STEP_ANNOTATION, load_trace, step_timelines, summary
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +110,7 @@ class StepProfiler:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "trace.json"
             profile.export_chrome_trace(str(path))
-            table = summary(step_timelines(json.loads(path.read_text())))
+            table = summary(step_timelines(load_trace(path)))
             if self.trace_file is not None:
                 self.trace_file.parent.mkdir(parents=True, exist_ok=True)
                 with path.open("rb") as src, gzip.open(self.trace_file, "wb") as dst:
