@@ -9,7 +9,12 @@ host span holds its launch. For each step this gives:
 - busy_ms: the time that stream was running the step's operations (the union of their intervals);
 - idle_ms: span minus busy: gaps inside the step where the device waited for the host's next launch. An eager step
   whose idle time is a large share of its span is bound by the host's launches;
-- graph: whether the step launched a CUDA graph.
+- graph: whether the step launched a CUDA graph;
+- kernels_ms / kernels_busy_ms: by kernel name, the summed durations, and the share of busy time each kernel holds
+  alone (the part of its interval past every operation that started before it). They differ where launches overlap:
+  a kernel launched with programmatic dependent launch (PDL: the LoRA expand after its shrink) starts while its
+  predecessor runs and waits for it, so its duration also counts the predecessor's tail. The busy shares add up to
+  busy_ms.
 
     python -m perf.trace_steps trace.json.gz     # the table, and a summary by kind (graph or eager steps)
 """
@@ -43,7 +48,8 @@ class StepTimeline:
     busy_ms: float = 0.0
     other_streams_ms: float = 0.0  # device time of the step's operations on other streams (copies)
     launches: int = 0  # device operations of the step
-    kernels_ms: dict[str, float] = field(default_factory=dict)  # busiest stream's time by kernel name
+    kernels_ms: dict[str, float] = field(default_factory=dict)  # busiest stream's summed durations by kernel name
+    kernels_busy_ms: dict[str, float] = field(default_factory=dict)  # its busy time held alone, by kernel name
 
     @property
     def idle_ms(self) -> float:
@@ -71,6 +77,17 @@ def union_ms(intervals: list[tuple[float, float]]) -> float:
         total += stop - max(start, end)
         end = stop
     return total / 1e3
+
+
+def busy_shares(ops: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Busy ms by name of (name, start, end) operations given in µs: each holds the part of its interval past the end
+    of every operation that started before it, so that overlapping operations are not counted twice."""
+    shares: dict[str, float] = defaultdict(float)
+    end = float("-inf")
+    for name, start, stop in sorted(ops, key=lambda op: (op[1], op[2])):
+        shares[name] += max(0.0, stop - max(start, end)) / 1e3
+        end = max(end, stop)
+    return dict(shares)
 
 
 def step_timelines(trace: dict[str, Any]) -> list[StepTimeline]:
@@ -123,6 +140,7 @@ def _fill(timeline: StepTimeline, ops: list[dict[str, Any]]) -> None:
     for e in on_main:
         kernels[e["name"]] += float(e["dur"]) / 1e3
     timeline.kernels_ms = dict(kernels)
+    timeline.kernels_busy_ms = busy_shares([(e["name"], start, stop) for e, (start, stop) in zip(on_main, intervals)])
 
 
 def _stream(event: dict[str, Any]) -> Any:
@@ -130,7 +148,8 @@ def _stream(event: dict[str, Any]) -> Any:
 
 
 def summary(timelines: list[StepTimeline], top: int = 8) -> str:
-    """A table of every step, then by kind: mean host, span, busy and idle ms, and the kernels that take most time."""
+    """A table of every step, then by kind: mean host, span, busy and idle ms, and the kernels that hold most busy
+    time (with their summed durations, larger where launches overlap)."""
     lines = ["| step | kind | host ms | device span ms | busy ms | idle ms | other streams ms | device ops |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for t in timelines:
@@ -144,13 +163,19 @@ def summary(timelines: list[StepTimeline], top: int = 8) -> str:
         lines.append(f"{kind} steps ({len(group)}): mean host {_mean(group, 'host_ms'):.2f} ms, device span "
                      f"{_mean(group, 'span_ms'):.2f}, busy {_mean(group, 'busy_ms'):.2f}, idle "
                      f"{_mean(group, 'idle_ms'):.2f} ms")  # fmt: skip
-        kernels: dict[str, float] = defaultdict(float)
-        for t in group:
-            for name, ms in t.kernels_ms.items():
-                kernels[name] += ms / len(group)
-        for name, ms in sorted(kernels.items(), key=lambda item: -item[1])[:top]:
-            lines.append(f"  {ms:8.3f} ms a step  {name[:90]}")
+        busy, run = _per_step(group, "kernels_busy_ms"), _per_step(group, "kernels_ms")
+        for name, ms in sorted(busy.items(), key=lambda item: -item[1])[:top]:
+            lines.append(f"  {ms:8.3f} ms a step busy ({run[name]:.3f} running)  {name[:80]}")
     return "\n".join(lines)
+
+
+def _per_step(group: list[StepTimeline], attr: str) -> dict[str, float]:
+    """Mean ms a step, by kernel name, of a by-name attribute of the steps."""
+    totals: dict[str, float] = defaultdict(float)
+    for t in group:
+        for name, ms in getattr(t, attr).items():
+            totals[name] += ms / len(group)
+    return totals
 
 
 def _mean(group: list[StepTimeline], attr: str) -> float:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from perf.trace_steps import load_trace, main, step_timelines, summary, union_ms
+from perf.trace_steps import busy_shares, load_trace, main, step_timelines, summary, union_ms
 
 
 def _x(name: str, cat: str, ts: float, dur: float, **args: Any) -> dict[str, Any]:
@@ -45,6 +45,16 @@ def test_union_merges_overlapping_intervals() -> None:
     assert union_ms([]) == 0.0
 
 
+def test_busy_shares_count_overlapping_kernels_once() -> None:
+    # shrink 10-40 µs; expand launched with PDL at 15, waiting for the shrink, done at 60; then o 60-70, and k 62-65
+    # inside o. Durations sum to 30 + 45 + 10 + 3 = 88 µs; the busy union is 10-70, 60 µs.
+    ops = [("expand", 15.0, 60.0), ("shrink", 10.0, 40.0), ("o", 60.0, 70.0), ("k", 62.0, 65.0)]
+    shares = busy_shares(ops)
+    assert shares == pytest.approx({"shrink": 0.030, "expand": 0.020, "o": 0.010, "k": 0.0})
+    assert sum(shares.values()) == pytest.approx(union_ms([(a, b) for _, a, b in ops]))
+    assert busy_shares([("a", 0.0, 5.0), ("a", 10.0, 15.0)]) == pytest.approx({"a": 0.010})
+
+
 def test_steps_own_the_operations_they_launched() -> None:
     eager, graph = step_timelines(_trace())
     assert (eager.kind, graph.kind) == ("eager", "graph")
@@ -54,6 +64,7 @@ def test_steps_own_the_operations_they_launched() -> None:
     assert eager.busy_ms == pytest.approx(0.050) and eager.idle_ms == pytest.approx(0.020)
     assert eager.other_streams_ms == pytest.approx(0.040)
     assert eager.kernels_ms == pytest.approx({"a": 0.030, "b": 0.020})
+    assert eager.kernels_busy_ms == pytest.approx(eager.kernels_ms)  # no overlap in this step
     assert graph.span_ms == pytest.approx(0.060) and graph.idle_ms == pytest.approx(0.0)
 
 
@@ -61,6 +72,7 @@ def test_summary_and_command_line(tmp_path: Path, caplog: pytest.LogCaptureFixtu
     text = summary(step_timelines(_trace()))
     assert "| 0 | eager | 0.10 | 0.07 | 0.05 | 0.02 | 0.04 | 3 |" in text
     assert "graph steps (1): mean host 0.05 ms, device span 0.06, busy 0.06, idle 0.00 ms" in text
+    assert "0.060 ms a step busy (0.060 running)  g" in text
     path = tmp_path / "trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump(_trace(), f)
