@@ -17,7 +17,8 @@
 #   serving-s1  engine S1 n=5, n=2000; served `slora` n=5, n=2000; served `ensemble` n=2000               [~8 min]
 #   peft        engine S1 n=5, n=100; PEFT S1 n=5, n=100 (bounded prefixes)                               [~6 min]
 #   peft-only   PEFT S1 n=5, n=100 alone (run after engine-s1 in the same call)                          [~3 min]
-#   served-both engine S1 n=2000; served `slora` n=2000 and `ensemble` n=2000 (the served target, both paths)  [~6 min]
+#   served-both engine S1 n=2000; served `slora` n=2000 and `ensemble` n=2000 (the served target, both paths), then
+#               genai-perf against the ensemble (perf/genai_perf.sh, one S1 adapter, concurrency 32)  [~7 min]
 #   served      engine S1 n=2000 (and base model); served `slora` n=2000 (adapters preloaded at start); perf_analyzer slora  [~6 min]
 #   s2-floor    perf.bench_decode_step on S2 adapters, batch 96 of 320-token prompts, no adapter / 5 / one per
 #               request: step time, minimum bytes and bandwidth (the S2 LoRA / base ratio's bytes floor) [~3 min]
@@ -245,6 +246,18 @@ perf_analyzer() {  # perf_analyzer TARGET: streaming, one adapter id per request
   [[ -f $dir/$1.txt ]] && cp "$dir/$1.txt" "$OUT/perf_analyzer_$1.txt"
 }
 
+genai_perf() {  # genai_perf: genai-perf against the running server's ensemble, with the first S1 adapter
+  local left=$(( $(remaining) - 45 )) dir=$WORK/genai_perf adapter
+  if (( left < 60 )) || [[ -z ${PERF_ANALYZER:-} ]]; then log "SKIPPED genai-perf (time or perf_analyzer missing)"; return 1; fi
+  adapter=$(find "$(adapters S1)" -mindepth 1 -maxdepth 1 -type d ! -name ".*" -printf "%f\n" | sort | head -1)
+  log "genai-perf ensemble, adapter $adapter (up to ${left}s)"
+  rm -rf "$dir"
+  PY=$PY OUT=$dir TOKENIZER=$MODEL ADAPTER=$adapter CONCURRENCY=${GENAI_CONCURRENCY:-32} \
+    timeout --kill-after=10 "$left" bash perf/genai_perf.sh >>"$LOG" 2>&1 || log "genai-perf exited with $?"
+  for f in genai_perf.csv genai_perf.json genai_perf.txt; do [[ -f $dir/$f ]] && cp "$dir/$f" "$OUT/$f"; done
+  return 0
+}
+
 peft() {  # peft TRACE...
   local root
   root=$(adapters S1)
@@ -309,6 +322,7 @@ suite() {
       if start_server S1; then
         serving slora "$s1_big"
         serving ensemble "$s1_big"
+        genai_perf
       fi
       stop_server ;;
     checks)  # correctness on the GPU, then issue 4's decode-step target (graphs on/off, adapters on/off)
