@@ -8,7 +8,7 @@ buffers; before a replay the step's tensors are copied into them, padded to the 
     rows n .. size-1     padding: token 0, K/V slot -1 (not written), context of 1 token on page 0, no adapter
 
 and the launchers read fixed bounds instead of the step's values (kernels/metadata.StaticBounds): decode tiles
-(TILE_BLOCK tokens) whose unused rows name a null adapter of rank 0, fused ranks of the graph's rank bound per
+(backend/static_lora.py) whose unused rows name a null adapter of rank 0, fused ranks of the graph's rank bound per
 module, and the context bound max_model_len for the split of decode attention. Every kernel skips what lies
 beyond the real ranks, tiles and lengths, so padding costs launches of idle programs, not wrong results.
 
@@ -35,12 +35,11 @@ from slora.backend.batch import ForwardBatch
 from slora.backend.model import DecoderModel
 from slora.backend.model_spec import LORA_MODULES
 from slora.backend.page_pool import PagePool
-from slora.kernels import lora_shrink
-from slora.kernels.metadata import TILE_COLUMNS, AttentionMeta, LoraMeta, StaticBounds, row_alignment
+from slora.backend.static_lora import StaticLora
+from slora.kernels.metadata import AttentionMeta, row_alignment
 
 logger = logging.getLogger(__name__)
 
-TILE_BLOCK = lora_shrink.DECODE.block_m  # tokens per decode tile (the LoRA kernels' decode configs)
 Modules = frozenset[int]  # LoRA modules (indices into LORA_MODULES) the adapters of a graph's steps may target
 ALL_MODULES: Modules = frozenset(range(len(LORA_MODULES)))
 NO_MODULES: Modules = frozenset()
@@ -105,8 +104,8 @@ class StaticDecode:
             seq_lens_host=[1] * size,
             block_tables_host=[[] for _ in range(size)],
         )
-        self.lora = self._lora_meta(key, row_align, device) if key.modules else None
-        self._lora_filled: tuple[LoraMeta, int] | None = None  # the step metadata the LoRA buffers hold now
+        self._lora = StaticLora(size, key.modules, key.max_rank, row_align, device) if key.modules else None
+        self.lora = self._lora.meta if self._lora is not None else None
         self.batch = ForwardBatch(
             input_ids=self.input_ids,
             positions=self.positions,
@@ -115,31 +114,6 @@ class StaticDecode:
             sample_index=torch.arange(size, dtype=torch.int64, device=device),
             seqs=[],
             sampled=[],
-        )
-
-    @staticmethod
-    def _lora_meta(key: GraphKey, row_align: int, device: torch.device) -> LoraMeta:
-        # Adapter rows 0 .. size-1 for the step's adapters, row `size` the null adapter (all zeros, never written).
-        size, columns = key.size, len(LORA_MODULES)
-        tiles = torch.zeros((size, TILE_COLUMNS), dtype=torch.int32, device=device)
-        tiles[:, 3] = size
-        return LoraMeta(
-            token_adapter=torch.full((size,), -1, dtype=torch.int32, device=device),
-            seg_start=torch.zeros(size + 1, dtype=torch.int32, device=device),
-            seg_adapter=torch.zeros(size, dtype=torch.int32, device=device),
-            ranks=torch.zeros((size + 1, columns), dtype=torch.int32, device=device),
-            scales=torch.zeros((size + 1, columns), dtype=torch.float32, device=device),
-            row_start=torch.zeros((size + 1, columns), dtype=torch.int32, device=device),
-            a_rows=torch.zeros(size * columns * key.max_rank, dtype=torch.int64, device=device),
-            b_rows=torch.zeros(size * columns * key.max_rank, dtype=torch.int64, device=device),
-            max_rank=key.max_rank,
-            seg_start_host=[],
-            seg_adapter_host=[],
-            ranks_host=[],
-            scales_host=[],
-            row_start_host=[],
-            row_align=row_align,
-            static=StaticBounds(key.max_rank, tiles, TILE_BLOCK, key.modules),
         )
 
     def fill(self, batch: ForwardBatch) -> None:
@@ -157,30 +131,9 @@ class StaticDecode:
         width = attn.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(attn.block_tables)
         self.block_tables[n:, 0].zero_()
-        if self.lora is not None:
-            self._fill_lora(batch.lora, n)
-
-    def _fill_lora(self, meta: LoraMeta | None, n: int) -> None:
-        static = self.lora
-        assert static is not None and static.static is not None and meta is not None  # keyed by the step's modules
-        if self._lora_filled is not None and self._lora_filled[0] is meta and self._lora_filled[1] == n:
-            return  # a decode step of the same requests reuses its predecessor's LoraMeta (decode_batch.py)
-        self._lora_filled = (meta, n)
-        tiles = static.static.tiles
-        adapters = meta.ranks.shape[0]
-        rows = meta.a_rows.shape[0]
-        static.ranks[:adapters].copy_(meta.ranks)
-        static.scales[:adapters].copy_(meta.scales)
-        static.row_start[:adapters].copy_(meta.row_start)
-        static.a_rows[:rows].copy_(meta.a_rows)
-        static.b_rows[:rows].copy_(meta.b_rows)
-        static.token_adapter[:n].copy_(meta.token_adapter)
-        static.token_adapter[n:].fill_(-1)
-        step_tiles = meta.tiles(TILE_BLOCK)
-        count = step_tiles.shape[0]
-        tiles[:count].copy_(step_tiles)
-        tiles[count:, 1:3].zero_()
-        tiles[count:, 3].fill_(self.size)
+        if self._lora is not None:
+            assert batch.lora is not None  # graphs are keyed by the step's modules
+            self._lora.fill(batch.lora, n)
 
 
 class DecodeGraphs:

@@ -40,10 +40,12 @@ import triton
 from slora.backend.adapter import HostAdapter
 from slora.backend.adapter_cache import AdapterCache, ResidentAdapter
 from slora.backend.batch import ScheduledSeq, build_batch, build_lora_meta, order_by_adapter
+from slora.backend.cuda_graphs import bucket_sizes, rank_bound
 from slora.backend.model_spec import LORA_MODULES
 from slora.backend.page_pool import PageKind, PagePool, PoolGeometry
 from slora.backend.request import Request
 from slora.backend.sampling_params import SamplingParams
+from slora.backend.static_lora import StaticLora
 from slora.kernels import lora_call, lora_expand, lora_shrink, paged_attention, paged_decode, pdl
 from slora.kernels.attention_ref import paged_attention_ref, write_kv_ref
 from slora.kernels.lora_expand import ExpandConfig
@@ -297,6 +299,7 @@ class LoraCase:
     flat_layer: torch.Tensor
     meta: LoraMeta
     num_tokens: int
+    decode_only: bool  # one token per sequence: a step the engine replays as a CUDA graph
 
 
 # --spread-pages: the LoRA cases' one-layer pool gets at least this many pages, the adapters' pages scattered over
@@ -328,7 +331,7 @@ def lora_case(
     q_start = list(itertools.accumulate([s.num_tokens for s in seqs], initial=0))
     meta = build_lora_meta(seqs, q_start, DEVICE)
     assert meta is not None
-    return LoraCase(name, model, pool.flat_layer(0), meta, q_start[-1])
+    return LoraCase(name, model, pool.flat_layer(0), meta, q_start[-1], all(n == 1 for _, n in step))
 
 
 def lora_calls(model: Model) -> list[tuple[str, tuple[int, ...], int]]:
@@ -395,6 +398,31 @@ def lora_split(y: torch.Tensor, *args: Any) -> None:
         lora_call.SPLIT = saved
 
 
+GRAPH_MAX_SEQS = 256  # EngineConfig's default max_num_seqs: its decode graphs' buckets (cuda_graphs.bucket_sizes)
+GRAPH_MAX_RANK = 256  # EngineConfig's default max_lora_rank, the cap of a graph's rank bound
+
+
+def graph_meta(case: LoraCase) -> tuple[LoraMeta, int] | None:
+    """A decode step's metadata as a CUDA graph replays it (backend/static_lora.py): static buffers of the smallest
+    bucket that holds its tokens, launch grids of its power-of-two rank bound, padding rows of no adapter; and that
+    bucket's size. None for a step with prompts (eager in the engine)."""
+    meta, n = case.meta, case.num_tokens
+    if not case.decode_only:
+        return None
+    size = next(s for s in bucket_sizes(GRAPH_MAX_SEQS) if s >= n)
+    bound = rank_bound(meta.max_rank, GRAPH_MAX_RANK)
+    static = StaticLora(size, meta.targeted_modules(), bound, meta.row_align, meta.token_adapter.device)
+    static.fill(meta, n)
+    return static.meta, size
+
+
+def padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t with zero rows appended up to `rows` (a graph bucket's padding)."""
+    out = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    out[: t.shape[0]] = t
+    return out
+
+
 def bench_lora_call(
     case: LoraCase, device: Device, call: str, modules: tuple[int, ...], in_features: int, gen: torch.Generator
 ) -> list[Row]:
@@ -402,24 +430,33 @@ def bench_lora_call(
     x = torch.randn((case.num_tokens, in_features), generator=gen, device=DEVICE).to(torch.bfloat16)
     y0 = torch.randn((case.num_tokens, sum(widths)), generator=gen, device=DEVICE).to(torch.bfloat16)
     args = (x, case.flat_layer, case.meta, modules, offsets, widths)
-    impls: dict[str, Callable[..., None]] = {
-        "triton": TritonOps().lora,
-        "torch_ref": lora_ref,
-        "padded_bmm": lora_padded_bmm,
+    # impl -> (function, y before the call, its arguments after y)
+    impls: dict[str, tuple[Callable[..., None], torch.Tensor, tuple[Any, ...]]] = {
+        "triton": (TritonOps().lora, y0, args),
+        "torch_ref": (lora_ref, y0, args),
+        "padded_bmm": (lora_padded_bmm, y0, args),
     }
     if len(case.meta.groups(split=True)) > 1:  # decodes and prompts: also launched apart (SLORA_LORA_SPLIT=1)
-        impls["triton_split"] = lora_split
+        impls["triton_split"] = (lora_split, y0, args)
+    graph = graph_meta(case)
+    if graph is not None:  # a decode step: also as a CUDA graph replays it (padded to its bucket, static metadata)
+        meta, size = graph
+        impls["triton_graph"] = (
+            TritonOps().lora,
+            padded(y0, size),
+            (padded(x, size), case.flat_layer, meta, *args[3:]),
+        )
     nbytes, flops = lora_minimum(case, modules, in_features)
     if nbytes == 0:
         return []  # no adapter of the case targets these modules (S1 has no MLP adapters): nothing to time
     expected = y0.clone()
     lora_ref(expected, *args)
     rows = []
-    for impl, fn in impls.items():
-        y = y0.clone()
-        fn(y, *args)
-        err = rel_err(y, expected)
-        ms, eager, how = timed(functools.partial(fn, y, *args))
+    for impl, (fn, y_start, fn_args) in impls.items():
+        y = y_start.clone()
+        fn(y, *fn_args)
+        err = rel_err(y[: case.num_tokens], expected)
+        ms, eager, how = timed(functools.partial(fn, y, *fn_args))
         row = Row(f"lora_{call}", case.name, impl, ms, nbytes, flops, max_rel_err=err, eager_ms=eager, timing=how)
         rows.append(finish(row, device))
     return rows
@@ -514,16 +551,17 @@ def s2_adapters(count: int) -> list[tuple[int, ...]]:
 
 
 def lora_cases(mha: Model, gqa: Model, n: int, prompt: int) -> list[Callable[[], LoraCase]]:
-    """n requests decode (n adapters or 4), a mixed step of 4 prompts of `prompt` tokens + n/2 decodes, the engine's
-    S1 mixed step (S1 n = 2000 in perf/RESULTS.md): 4 prompts of `prompt` tokens + 3n decodes, and S2's (n = 2000:
-    2 prompts of prompt/2 tokens + 2n decodes, about the replay profile's mixed steps), each request with its own
-    adapter."""
+    """n requests decode (n adapters or 4; S2 also at 3n/2 + 1, as the engine's graph steps), a mixed step of 4
+    prompts of `prompt` tokens + n/2 decodes, the engine's S1 mixed step (S1 n = 2000 in perf/RESULTS.md): 4 prompts
+    of `prompt` tokens + 3n decodes, and S2's (n = 2000: 2 prompts of prompt/2 tokens + 2n decodes, about the replay
+    profile's mixed steps), each request with its own adapter."""
     mixed = [MIXED_RANKS[i % len(MIXED_RANKS)] for i in range(n + 4)]
     decode = [(i, 1) for i in range(n)]
     mixed_step = [(i, prompt) for i in range(4)] + [(4 + i, 1) for i in range(n // 2)]
     s1_step = [(i, prompt) for i in range(4)] + [(4 + i, 1) for i in range(3 * n)]
     s2_step = [(i, prompt // 2) for i in range(2)] + [(2 + i, 1) for i in range(2 * n)]
     s2_name = f"S2 mixed 2x{prompt // 2} prompt + {2 * n} decode, r64/32/16/8 q,k,v,o"
+    s2_graph = 3 * n // 2 + 1  # n = 64: 97, as the S2 n = 2000 replay's graph steps (96-98 sequences, bucket 112)
     return [
         lambda: lora_case(f"S1 mixed 4x{prompt} prompt + {3 * n} decode, r8 q,k,v,o", mha, [S1] * (4 + 3 * n), s1_step),
         lambda: lora_case(f"decode {n} req, {n} adapters r16", mha, adapters([16] * n), decode),
@@ -531,6 +569,12 @@ def lora_cases(mha: Model, gqa: Model, n: int, prompt: int) -> list[Callable[[],
         lambda: lora_case(f"decode {n} req, 4 adapters r64", mha, adapters([64] * 4), [(i % 4, 1) for i in range(n)]),
         lambda: lora_case(f"S2 decode {n} req, {n} adapters r64/32/16/8 q,k,v,o", mha, s2_adapters(n), decode),
         lambda: lora_case(f"S2 decode {n} req, 5 adapters", mha, s2_adapters(5), [(i % 5, 1) for i in range(n)]),
+        lambda: lora_case(
+            f"S2 decode {s2_graph} req, {s2_graph} adapters r64/32/16/8 q,k,v,o",
+            mha,
+            s2_adapters(s2_graph),
+            [(i, 1) for i in range(s2_graph)],
+        ),  # fmt: skip
         lambda: lora_case(f"decode {n} req, {n} adapters mixed r1-128", gqa, adapters(mixed[:n]), decode),
         lambda: lora_case(
             f"mixed 4x{prompt} prompt + {n // 2} decode, mixed r1-128", mha, adapters(mixed[: 4 + n // 2]), mixed_step

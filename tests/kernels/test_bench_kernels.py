@@ -23,9 +23,14 @@ def test_bench_kernels_smoke(tmp_path: Path) -> None:
     rows = result["rows"]
     kernels = {r["kernel"] for r in rows}
     assert {"lora_qkv", "lora_layer", "attention_decode", "attention_prefill", "kv_write"} <= kernels
-    assert {r["impl"] for r in rows} == {"triton", "torch_ref", "padded_bmm", "triton_split"}
+    assert {r["impl"] for r in rows} == {"triton", "torch_ref", "padded_bmm", "triton_split", "triton_graph"}
     split = [r for r in rows if r["impl"] == "triton_split"]  # the steps with decodes and prompts
     assert split and all("prompt" in r["case"] and r["kernel"].startswith("lora_") for r in split), split
+    # the decode steps, also as a CUDA graph replays them; the 7-token S2 step (3n/2 + 1) is padded to bucket 8
+    graph = {r["case"] for r in rows if r["impl"] == "triton_graph"}
+    lora = [r for r in rows if r["impl"] == "triton" and r["kernel"].startswith("lora_")]
+    decode = {r["case"] for r in lora if "decode" in r["case"] and "prompt" not in r["case"]}
+    assert graph == decode and any(c.startswith("S2 decode 7 req") for c in graph), graph
     for r in rows:
         assert r["ms"] > 0 and r["min_bytes"] > 0 and math.isfinite(r["gbps"])
         if r["max_rel_err"] is not None:

@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from slora.backend import cuda_graphs  # noqa: E402
+from slora.backend import static_lora  # noqa: E402
 from slora.backend.adapter import load_peft_adapter  # noqa: E402
 from slora.backend.page_pool import PoolGeometry  # noqa: E402
 from slora.kernels import (
@@ -212,7 +212,7 @@ def test_lora_kernel_kind_follows_the_step() -> None:
     # decode graphs fill one static tile table that every decode kernel reads
     decode = (lora_shrink.DECODE, lora_expand.DECODE, lora_shrink.DECODE_ONE, lora_expand.DECODE_ONE)
     blocks = {c.block_m for c in decode}
-    assert blocks == {cuda_graphs.TILE_BLOCK}
+    assert blocks == {static_lora.TILE_BLOCK}
 
 
 @pytest.mark.parametrize("step", sorted(TINY_STEPS))
