@@ -7,7 +7,9 @@
 #
 # Knobs (environment): TOKENIZER (required: a local tokenizer folder; nothing is downloaded), ADAPTER (empty: the base
 # model), URL (gRPC, localhost:8001), CONCURRENCY (32), INPUT_TOKENS (128), OUTPUT_TOKENS (128), REQUEST_COUNT (256),
-# WARMUP (16), OUT (out/genai_perf: genai_perf.csv / .json / .txt), GENAI_PERF (genai-perf), GENAI_WHEELS (.whl/genai).
+# WARMUP (16), INPUT_FILE (prompts as JSONL {"text": ...} lines instead of genai-perf's synthetic ones, which it cuts
+# from English text: perf/word_prompts.py writes them for the random-weight models' word tokenizer), OUT
+# (out/genai_perf: genai_perf.csv / .json / .txt), GENAI_WHEELS (.whl/genai).
 # On a host without registry access (the GPU host), modules genai-perf needs that the host lacks are installed from
 # GENAI_WHEELS (perf/gpu_wheels.sh) into a folder of their own, and perf/genai_shim stands in for plotly (imported
 # at start, used only for plots). genai-perf runs perf_analyzer, which needs glibc >= 2.38.
@@ -34,10 +36,14 @@ fi
 
 extra=()
 [[ -n ${ADAPTER:-} ]] && extra=(--extra-inputs "adapter_id:$ADAPTER")
+if [[ -n ${INPUT_FILE:-} ]]; then
+  prompts=(--input-file "$INPUT_FILE")
+else
+  prompts=(--synthetic-input-tokens-mean "${INPUT_TOKENS:-128}" --synthetic-input-tokens-stddev 0)
+fi
 artifacts=$OUT/artifacts
 HF_HUB_OFFLINE=1 "$PY" -c "from genai_perf.main import main; raise SystemExit(main())" profile -m ensemble \
-  --backend vllm -u "${URL:-localhost:8001}" --streaming --tokenizer "$TOKENIZER" \
-  --synthetic-input-tokens-mean "${INPUT_TOKENS:-128}" --synthetic-input-tokens-stddev 0 \
+  --backend vllm -u "${URL:-localhost:8001}" --streaming --tokenizer "$TOKENIZER" "${prompts[@]}" \
   --output-tokens-mean "${OUTPUT_TOKENS:-128}" --output-tokens-mean-deterministic \
   --concurrency "${CONCURRENCY:-32}" --request-count "${REQUEST_COUNT:-256}" \
   --warmup-request-count "${WARMUP:-16}" --random-seed 0 --artifact-dir "$artifacts" "${extra[@]}" \

@@ -252,7 +252,10 @@ genai_perf() {  # genai_perf: genai-perf against the running server's ensemble, 
   adapter=$(find "$(adapters S1)" -mindepth 1 -maxdepth 1 -type d ! -name ".*" -printf "%f\n" | sort | head -1)
   log "genai-perf ensemble, adapter $adapter (up to ${left}s)"
   rm -rf "$dir"
-  PY=$PY OUT=$dir TOKENIZER=$MODEL ADAPTER=$adapter CONCURRENCY=${GENAI_CONCURRENCY:-32} \
+  mkdir -p "$dir"
+  # the model's word tokenizer reads genai-perf's English prompts as nothing: prompts in its own words instead
+  "$PY" -m perf.word_prompts --vocab "$(vocab)" --count 256 --length 128 --out "$dir/prompts.jsonl"
+  PY=$PY OUT=$dir TOKENIZER=$MODEL ADAPTER=$adapter CONCURRENCY=${GENAI_CONCURRENCY:-32} INPUT_FILE=$dir/prompts.jsonl \
     timeout --kill-after=10 "$left" bash perf/genai_perf.sh >>"$LOG" 2>&1 || log "genai-perf exited with $?"
   for f in genai_perf.csv genai_perf.json genai_perf.txt; do [[ -f $dir/$f ]] && cp "$dir/$f" "$OUT/$f"; done
   return 0
