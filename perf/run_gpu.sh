@@ -19,6 +19,7 @@
 #   peft-only   PEFT S1 n=5, n=100 alone (run after engine-s1 in the same call)                          [~3 min]
 #   served-both engine S1 n=2000; served `slora` n=2000 and `ensemble` n=2000 (the served target, both paths), then
 #               genai-perf against the ensemble (perf/genai_perf.sh, one S1 adapter, concurrency 32)  [~7 min]
+#   genai       served ensemble, genai-perf alone (perf/genai_perf.sh; one S1 adapter, concurrency 32)          [~3 min]
 #   served      engine S1 n=2000 (and base model); served `slora` n=2000 (adapters preloaded at start); perf_analyzer slora  [~6 min]
 #   s2-floor    perf.bench_decode_step on S2 adapters, batch 96 of 320-token prompts, no adapter / 5 / one per
 #               request: step time, minimum bytes and bandwidth (the S2 LoRA / base ratio's bytes floor) [~3 min]
@@ -328,6 +329,9 @@ suite() {
         genai_perf
       fi
       stop_server ;;
+    genai)  # genai-perf alone against the served ensemble (S1 adapters preloaded)
+      start_server S1 && genai_perf
+      stop_server ;;
     checks)  # correctness on the GPU, then issue 4's decode-step target (graphs on/off, adapters on/off)
       local root
       root=$(adapters S1)
@@ -359,7 +363,7 @@ suite() {
       s1_100=$(trace s1 100)
       peft "$s1_5" "$s1_100" ;;
     *)
-      log "unknown suite $1 (all, headline, lora-vs-base, engine-s1, engine-s2, s2-ratio, engine-sall, bmm, serving-s1, served, served-both, s2-floor, checks, peft, peft-only)"; return 2 ;;
+      log "unknown suite $1 (all, headline, lora-vs-base, engine-s1, engine-s2, s2-ratio, engine-sall, bmm, serving-s1, served, served-both, genai, s2-floor, checks, peft, peft-only)"; return 2 ;;
   esac
 }
 
