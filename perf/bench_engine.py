@@ -14,7 +14,9 @@ Each positional argument is TRACE[@MODE], run one after the other on the same en
 Requests are added when their arrival time comes, between steps, as a server's engine thread would; their
 latency counts from the scheduled arrival. Before the clock starts, the trace's adapters are read into host
 memory (S-LoRA keeps every adapter in host memory too; the time is reported as `preload_s`), a few requests
-warm up the kernels, and the pool is emptied of adapters so that each run starts cold on the GPU.
+warm up the kernels, and the pool is emptied of adapters so that each run starts cold on the GPU. A request whose
+adapter is not in host memory then (more adapters than the host budget holds) has it read on an intake thread, as
+the server does, while the steps go on (perf/replay_intake.py).
 
 `--profile START... COUNT` adds, after the measured runs, one unmeasured pass over the last run's trace that uses
 adapters (its first 256 requests, all at once, so the batch is full): from each step START, COUNT steps under
@@ -40,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from perf.metrics import RequestRecord, per_request, summarize
+from perf.replay_intake import ReplayIntake
 from perf.results import append_runs, headline, make_run, trace_info
 from perf.step_profiler import StepProfiler
 from perf.workload import Trace, TraceRequest, load_trace
@@ -48,6 +51,7 @@ from slora.backend.engine import LLMEngine
 from slora.backend.errors import EngineOverloadedError, SloraError
 from slora.backend.gc_freeze import startup_objects_frozen
 from slora.backend.model_runner import PHASES, StepShape
+from slora.backend.request import Request
 from slora.kernels.jit_stats import keys_since, variant_keys
 
 logger = logging.getLogger(__name__)
@@ -171,6 +175,9 @@ class Replay:
             for r in trace.requests
         }
         self.open: set[str] = set()
+        self.intake = ReplayIntake(engine)  # requests whose adapter is read from disk, as a server's intake does
+        self.prepared: deque[Request] = deque()  # read, waiting to be submitted (the queue was full)
+        self.cold_requests = 0  # requests that waited for their adapter's read from disk
         self.kinds: dict[str, StepTally] = {}  # steps by kind (graph, eager decode, mixed)
         self.refusals = 0
         self.start = 0.0
@@ -188,6 +195,12 @@ class Replay:
 
     def run(self) -> float:
         """Replay until every request finished or the time limit; returns the duration (to the last finish)."""
+        try:
+            return self._run()
+        finally:
+            self.intake.close()
+
+    def _run(self) -> float:
         self.start = time.perf_counter()
         last_log = 0.0
         last_event = 0.0
@@ -197,19 +210,34 @@ class Replay:
                 self._abort_all()
                 return now
             self._add_arrived(now)
+            self._submit_prepared()
             if self.engine.has_unfinished():
                 last_event = self._step() or last_event
-            elif self.pending:
-                time.sleep(min(max(self.pending[0].arrival - self.now(), 0.0), 0.05))
+            else:
+                self._idle()
             if now - last_log >= self.options.progress_interval_s:
                 self._progress(now)
                 last_log = now
         return last_event
 
+    def _idle(self) -> None:
+        """Nothing to step: until the next arrival or the next adapter read, 50 ms at most."""
+        timeout = min(max(self.pending[0].arrival - self.now(), 0.0), 0.05) if self.pending else 0.05
+        if len(self.intake):
+            self.intake.wait(timeout)
+        elif self.pending:
+            time.sleep(timeout)
+
     def _add_arrived(self, now: float) -> None:
         while self.pending and self.pending[0].arrival <= now:
             r = self.pending[0]
             rid = f"r{r.index}"
+            if r.adapter is not None and self.intake.is_cold(r.adapter):
+                self.intake.start(rid, r.prompt_ids, r.adapter, r.sampling())
+                self.cold_requests += 1
+                self.open.add(rid)
+                self.pending.popleft()
+                continue
             try:
                 # Token ids only, as S-LoRA's benchmark and the served `slora` model: no text is decoded.
                 self.engine.add_request(list(r.prompt_ids), r.adapter, r.sampling(), request_id=rid, detokenize=False)
@@ -217,11 +245,32 @@ class Replay:
                 self.refusals += 1
                 return  # queue full: retry after the next step
             except SloraError as exc:
-                self.records[rid].finish(self.now(), "error", str(exc))
-                logger.warning("request %s refused: %s", rid, exc)
+                self._refused(rid, exc)
             else:
                 self.open.add(rid)
             self.pending.popleft()
+
+    def _submit_prepared(self) -> None:
+        """Submit the requests whose adapter the intake has read; record the errors of those it could not take."""
+        for rid, result in self.intake.ready():
+            if isinstance(result, Request):
+                self.prepared.append(result)
+            else:
+                self._refused(rid, result)
+        while self.prepared:
+            try:
+                self.engine.submit(self.prepared[0])
+            except EngineOverloadedError:
+                self.refusals += 1
+                return  # queue full: retry after the next step
+            except SloraError as exc:
+                self._refused(self.prepared[0].request_id, exc)
+            self.prepared.popleft()
+
+    def _refused(self, rid: str, error: BaseException) -> None:
+        self.records[rid].finish(self.now(), "error", str(error))
+        self.open.discard(rid)
+        logger.warning("request %s refused: %s", rid, error)
 
     def _step(self) -> float | None:
         if self.profiler is not None:
@@ -247,12 +296,14 @@ class Replay:
         return finished_any
 
     def _abort_all(self) -> None:
-        logger.warning("time limit of %.0fs reached: aborting %d running and %d unsent requests",
-                       self.options.time_limit_s, len(self.open), len(self.pending))  # fmt: skip
+        logger.warning("time limit of %.0fs reached: aborting %d running (%d of them reading their adapter) and %d "
+                       "unsent requests", self.options.time_limit_s, len(self.open), len(self.intake),
+                       len(self.pending))  # fmt: skip
         for rid in list(self.open):
             self.engine.abort(rid)
         self.open.clear()
         self.pending.clear()
+        self.prepared.clear()
 
     def _progress(self, now: float) -> None:
         done = sum(1 for r in self.records.values() if r.finish_time is not None)
@@ -287,6 +338,7 @@ def run_one(
     metrics = summarize(list(replay.records.values()), duration, options.window_fraction)
     metrics.update(
         engine_steps=replay.steps,
+        cold_adapter_requests=replay.cold_requests,
         mean_step_ms=1000 * replay.step_time / max(replay.steps, 1),
         step_time_share=replay.step_time / duration if duration > 0 else None,
         overload_refusals=replay.refusals,

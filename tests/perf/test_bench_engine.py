@@ -92,6 +92,19 @@ def test_time_limit_aborts_and_counts_unfinished(tiny_model: Path, tiny_adapters
     assert m["slo_attainment"] < 1
 
 
+def test_adapters_beyond_the_host_budget_are_read_off_the_replay_thread(
+    tiny_model: Path, tiny_adapters: Path, trace_file: Path, tmp_path: Path
+) -> None:
+    """With room in host memory for about one S2 adapter (the largest is 224 KiB), requests whose adapter was dropped
+    wait for its read on an intake thread, as on a server, and every request still completes."""
+    data = _run(tiny_model, tiny_adapters, tmp_path / "r.json", str(trace_file), extra=("--host-budget", "256KiB"))
+    m = data["runs"][0]["metrics"]
+    assert m["num_finished"] == 12 and m["num_failed"] == 0, m
+    assert m["cold_adapter_requests"] > 0
+    roomy = _run(tiny_model, tiny_adapters, tmp_path / "roomy.json", str(trace_file))
+    assert roomy["runs"][0]["metrics"]["cold_adapter_requests"] == 0  # preloaded: none waits for the disk
+
+
 def test_bad_run_spec_is_refused() -> None:
     with pytest.raises(ValueError, match="mode"):
         bench_engine.RunSpec.parse("trace.jsonl@merged")
