@@ -12,7 +12,8 @@
 #   engine-s1   engine S1 n=5, 100, 1000, 2000, n=2000 base model, n=2000 single adapter                [~6 min]
 #   engine-s2   engine S2 n=5, 100, 1000, 2000, n=2000 base model                                       [~6 min]
 #   s2-ratio    engine S2 n=5, n=2000, n=2000 base model (S2's two ratio targets alone)                 [~3 min]
-#   engine-sall engine S-all (ranks 64/32/16/8 on all seven projections) n=5, n=2000, n=2000 base model [~4 min]
+#   engine-sall engine S-all (ranks 64/32/16/8 on all seven projections) n=5, n=N_SALL (250: what the host
+#               budget holds), n=N_SALL base model; SALL_BIG=1 adds n=N_BIG (bound by disk reads)   [~4 min]
 #   bmm         padded-BMM LoRA (kernel_backend=bmm) and triton side by side, S1 n=5 and n=2000, no graphs [~6 min]
 #   serving-s1  engine S1 n=5, n=2000; served `slora` n=5, n=2000; served `ensemble` n=2000               [~8 min]
 #   peft        engine S1 n=5, n=100; PEFT S1 n=5, n=100 (bounded prefixes)                               [~6 min]
@@ -44,7 +45,7 @@
 # also gets each window's per-step timeline, perf/trace_steps.py), PROFILE_TRACE (1: keep those windows' chrome
 # traces as $OUT/trace-*.json.gz; read them with python -m perf.trace_steps),
 # HOST_BUDGET (48GiB of host memory for
-# adapters), SHAPE (llama2-7b | tiny), DEVICE (cuda | cpu), N_BIG (2000), LENGTHS ("8 512": input and output
+# adapters), SHAPE (llama2-7b | tiny), DEVICE (cuda | cpu), N_BIG (2000), N_SALL (250) and SALL_BIG (0) of engine-sall, LENGTHS ("8 512": input and output
 # length range), CHECK_PATHS ("tests/kernels tests/engine") and CHECK_K ("not cpu": pytest -k) of the checks
 # suite, DECODE_STEP (1; 0 skips its decode-step benchmark), HOST_FORWARD (1; 0 skips bench_host_forward), GPU_LOG
 # (1: the GPU's clocks, power and temperature every 200 ms into gpu_log.csv), PY (python3), OUT, WORK, PORT_BASE (8000), GPU_ENV (.whl/gpu-env.sh; "none" skips it).
@@ -78,6 +79,8 @@ PROFILE_TRACE=${PROFILE_TRACE:-}
 SHAPE=${SHAPE:-llama2-7b}
 DEVICE=${DEVICE:-cuda}
 N_BIG=${N_BIG:-2000}
+N_SALL=${N_SALL:-250}  # S-all adapters that the default HOST_BUDGET holds (250 x 154 MiB = 38 GiB)
+SALL_BIG=${SALL_BIG:-0}
 LENGTHS=${LENGTHS:-8 512}
 PORT_BASE=${PORT_BASE:-8000}
 HOST_BUDGET=${HOST_BUDGET:-48GiB}
@@ -291,10 +294,12 @@ suite() {
     s2-ratio)
       s2_5=$(trace s2 5); s2_big=$(trace s2 "$N_BIG")
       engine "$KERNEL" S2 "$s2_5" "$s2_big" "$s2_big@base" ;;
-    engine-sall)
-      local sa_5 sa_big
-      sa_5=$(trace sall 5); sa_big=$(trace sall "$N_BIG")
-      engine "$KERNEL" Sall "$sa_5" "$sa_big" "$sa_big@base" ;;
+    engine-sall)  # n = N_SALL: S-all adapters average 154 MiB, so 2000 of them (300 GiB) outgrow host memory (RESULTS
+      local sa_5 sa_n runs  # session 12); SALL_BIG=1 adds the n = N_BIG run, bound by reading adapters from disk
+      sa_5=$(trace sall 5); sa_n=$(trace sall "$N_SALL")
+      runs=("$sa_5" "$sa_n" "$sa_n@base")
+      (( SALL_BIG )) && runs+=("$(trace sall "$N_BIG")")
+      engine "$KERNEL" Sall "${runs[@]}" ;;
     bmm)  # both backends under the same conditions: without CUDA graphs, which need the Triton backend
       local saved=$ENGINE_OPTS
       ENGINE_OPTS=$(tr ' ' '\n' <<<"$ENGINE_OPTS" | grep -v '^cuda_graphs=' | tr '\n' ' ')
