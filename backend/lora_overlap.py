@@ -1,8 +1,9 @@
 """LoRA shrinks on a second CUDA stream, beside the base projection they share their input with.
 
 A LoRA call site needs the base projection's output y only for its expand: the shrink (v = x·A) reads just x. At
-decode batch sizes the base GEMM leaves many SMs idle (a 97-token q/k/v GEMM of the 7B shape runs some 80
-thread blocks on the H200's 132 SMs), so the shrink can run there meanwhile:
+decode batch sizes the base GEMM's grid may leave SMs idle (a GEMM of ~100 rows and 12288 columns in 192 × 160
+tiles has 77 of them for the H200's 132 SMs; what cuBLAS picks and how busy the SMs are was not measured), so the
+shrink can run beside it:
 
     main stream:   ... x ──────────► y = x·Wᵀ ──────────► wait(shrunk) ──► y += v·B·scale ──► ...
     side stream:        wait(x) ──► v = x·A ──► shrunk
