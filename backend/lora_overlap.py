@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 
 from slora.kernels.lora_call import LoraCall
-from slora.kernels.metadata import LoraMeta
 from slora.kernels.triton_ops import TritonOps
 
 
@@ -42,18 +41,9 @@ class LoraOverlap:
         self.ops = ops
         self.side = torch.cuda.Stream(device)
 
-    def begin(
-        self,
-        x: torch.Tensor,
-        flat_layer: torch.Tensor,
-        meta: LoraMeta,
-        modules: tuple[int, ...],
-        out_offsets: tuple[int, ...],
-        out_widths: tuple[int, ...],
-    ) -> PendingLora:
-        """Launch the call site's shrinks on the side stream, once x is written (call before the base GEMM). The
-        launches and their buffers are built on the current stream, as `ops.lora` builds them."""
-        calls = self.ops.lora_apart(x, flat_layer, meta, modules, out_offsets, out_widths)
+    def begin(self, calls: list[LoraCall], x: torch.Tensor, flat_layer: torch.Tensor) -> PendingLora:
+        """Launch the shrinks of a call site's `calls` (TritonOps.lora_apart, built on the current stream) on the side
+        stream, once x is written: call before the base GEMM."""
         self.side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(self.side):
             for call in calls:

@@ -16,6 +16,7 @@ from slora.backend.model_spec import LORA_MODULES, ModelSpec
 from slora.backend.page_pool import PagePool
 from slora.backend.rope import RotaryTable
 from slora.backend.weights import LayerWeights, ModelWeights
+from slora.kernels.metadata import CallSite
 from slora.kernels.ops import Ops
 
 if TYPE_CHECKING:
@@ -101,9 +102,12 @@ class DecoderModel:
         """With lora_overlap, in a decode CUDA graph (static LoRA metadata), the call site's shrinks, launched before
         its base GEMM; else None. Eager steps do not overlap: two streams cost host time at every call site there,
         and their GEMMs of hundreds of tokens leave no SMs idle."""
-        if self.lora_overlap is None or batch.lora is None or batch.lora.static is None:
+        overlap = self.lora_overlap
+        if overlap is None or batch.lora is None or batch.lora.static is None:
             return None
-        return self.lora_overlap.begin(x, pool.flat_layer(i), batch.lora, modules, offsets, self._out_widths(modules))
+        flat = pool.flat_layer(i)
+        calls = overlap.ops.lora_apart(x, flat, batch.lora, CallSite(modules, offsets, self._out_widths(modules)))
+        return overlap.begin(calls, x, flat)
 
     def _lora(
         self,

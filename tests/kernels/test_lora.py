@@ -29,7 +29,7 @@ from slora.kernels import (
 from slora.kernels.lora_call import consecutive_runs  # noqa: E402
 from slora.kernels.lora_padded import lora_padded_bmm  # noqa: E402
 from slora.kernels.lora_ref import lora_ref  # noqa: E402
-from slora.kernels.metadata import LoraMeta, SegmentGroup, length_groups  # noqa: E402
+from slora.kernels.metadata import CallSite, LoraMeta, SegmentGroup, length_groups  # noqa: E402
 from slora.kernels.relaunch import Relaunch  # noqa: E402
 from slora.kernels.triton_ops import TritonOps  # noqa: E402
 from tests.kernels.builders import (  # noqa: E402
@@ -140,7 +140,7 @@ def check_layer(case: LayerCase, impl: str, seed: int) -> None:
         if impl == "triton":
             ops.lora(actual, x, case.flat_layer, case.meta, modules, offsets, widths)
         elif impl == "apart":  # every shrink first, then every expand (backend/lora_overlap.py)
-            calls = ops.lora_apart(x, case.flat_layer, case.meta, modules, offsets, widths)
+            calls = ops.lora_apart(x, case.flat_layer, case.meta, CallSite(modules, offsets, widths))
             for call in calls:
                 call.shrink(x, case.flat_layer)
             for call in calls:
