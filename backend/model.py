@@ -100,8 +100,8 @@ class DecoderModel:
         offsets: tuple[int, ...],
     ) -> PendingLora | None:  # fmt: skip
         """With lora_overlap, in a decode CUDA graph (static LoRA metadata), the call site's shrinks, launched before
-        its base GEMM; else None. Eager steps do not overlap: two streams cost host time at every call site there,
-        and their GEMMs of hundreds of tokens leave no SMs idle."""
+        its base GEMM; else None. Eager steps do not overlap: two streams would cost host time at every call site
+        there, and their GEMMs of hundreds of tokens have larger grids."""
         overlap = self.lora_overlap
         if overlap is None or batch.lora is None or batch.lora.static is None:
             return None
