@@ -163,18 +163,27 @@ def runs_table(runs: list[Run]) -> list[str]:
 
 
 def steps_table(runs: list[Run]) -> list[str]:
-    """Engine runs' steps by kind (graph decode, eager decode, mixed) and compiles inside the clock."""
+    """Engine runs' steps by kind (graph decode, eager decode, mixed), compiles inside the clock, the share of the
+    clock spent in steps (the rest: no request to step, e.g. waiting for arrivals or for adapter reads) and the
+    requests that waited for their adapter's read from disk."""
     lines = ["| run | graph steps: n, mean ms (seqs) | eager decode steps | mixed steps: n, mean ms (seqs, tokens) "
-             "| Triton compiles in the run |", "|---|---|---|---|---|"]  # fmt: skip
+             "| Triton compiles in the run | clock in steps | requests read their adapter from disk |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for run in runs:
         m = run["metrics"]
         kinds = m.get("step_kinds")
         if not kinds:
             continue
-        compiles = m.get("triton_compiles")
         graph, decode, mixed = (_step_cell(kinds.get(k), k == "mixed") for k in ("graph", "decode", "mixed"))
-        lines.append(f"| {run['name']} | {graph} | {decode} | {mixed} | {'–' if compiles is None else compiles} |")
+        share = m.get("step_time_share")
+        extra = [_or_dash(m.get("triton_compiles")), "–" if share is None else f"{share:.0%}",
+                 _or_dash(m.get("cold_adapter_requests"))]  # fmt: skip
+        lines.append(f"| {run['name']} | {graph} | {decode} | {mixed} | {' | '.join(extra)} |")
     return lines if len(lines) > 2 else []
+
+
+def _or_dash(value: object) -> str:
+    return "–" if value is None else str(value)
 
 
 PHASE_COLUMNS = ("build", "wait", "launch", "sample", "other")

@@ -98,12 +98,12 @@ def test_engine_steps_by_kind_and_compiles_are_tabled(tmp_path: Path) -> None:
             "other_ms": 2.93,
         },
     }
-    run["metrics"]["triton_compiles"] = 3
+    run["metrics"].update(triton_compiles=3, step_time_share=0.4616, cold_adapter_requests=12)
     served = _run("s-n2000", "serving", 2000, "lora", 9.0, "s1-n2000", "serving-slora")  # no steps: no row
     append_runs(path, [run, served])
     text = report(path)
     assert "## Engine steps by kind" in text
-    assert "| e-n2000 | 626, 21.1 (120) | – | 189, 136.7 (231, 907) | 3 |" in text
+    assert "| e-n2000 | 626, 21.1 (120) | – | 189, 136.7 (231, 907) | 3 | 46% | 12 |" in text
     assert "| s-n2000 |" not in text.split("## Engine steps by kind")[1]
     assert "| e-n2000 | mixed | 136.7 | 3.0 | 0.5 | 30.2 | 100.0 | 2.9 |" in text.split("## Host time")[1]
     assert "| e-n2000 | graph |" not in text, "a tally without phases (older results) gets no row"
