@@ -176,7 +176,7 @@ class Replay:
         }
         self.open: set[str] = set()
         self.intake = ReplayIntake(engine)  # requests whose adapter is read from disk, as a server's intake does
-        self.prepared: deque[Request] = deque()  # read, waiting to be submitted (the queue was full)
+        self.prepared: deque[Request] = deque()  # prepared, waiting to be queued in the engine
         self.cold_requests = 0  # requests that waited for their adapter's read from disk
         self.kinds: dict[str, StepTally] = {}  # steps by kind (graph, eager decode, mixed)
         self.refusals = 0
@@ -229,29 +229,27 @@ class Replay:
             time.sleep(timeout)
 
     def _add_arrived(self, now: float) -> None:
+        """Prepare the requests that have arrived: here, or on an intake thread when their adapter must be read from
+        disk first; _submit_prepared queues them in the engine."""
         while self.pending and self.pending[0].arrival <= now:
-            r = self.pending[0]
+            r = self.pending.popleft()
             rid = f"r{r.index}"
-            if r.adapter is not None and self.intake.is_cold(r.adapter):
+            self.open.add(rid)
+            if r.adapter and self.intake.is_cold(r.adapter):
                 self.intake.start(rid, r.prompt_ids, r.adapter, r.sampling())
                 self.cold_requests += 1
-                self.open.add(rid)
-                self.pending.popleft()
                 continue
             try:
                 # Token ids only, as S-LoRA's benchmark and the served `slora` model: no text is decoded.
-                self.engine.add_request(list(r.prompt_ids), r.adapter, r.sampling(), request_id=rid, detokenize=False)
-            except EngineOverloadedError:
-                self.refusals += 1
-                return  # queue full: retry after the next step
+                request = self.engine.prepare(list(r.prompt_ids), r.adapter, r.sampling(), rid, detokenize=False)
             except SloraError as exc:
                 self._refused(rid, exc)
             else:
-                self.open.add(rid)
-            self.pending.popleft()
+                self.prepared.append(request)
 
     def _submit_prepared(self) -> None:
-        """Submit the requests whose adapter the intake has read; record the errors of those it could not take."""
+        """Queue the prepared requests in the engine, with those whose adapter the intake has read since; record the
+        errors of those that could not be taken. A full queue leaves the rest for after the next step."""
         for rid, result in self.intake.ready():
             if isinstance(result, Request):
                 self.prepared.append(result)

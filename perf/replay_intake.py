@@ -29,9 +29,9 @@ class ReplayIntake:
     def __len__(self) -> int:
         return len(self._inflight)
 
-    def is_cold(self, adapter: str | None) -> bool:
+    def is_cold(self, adapter: str) -> bool:
         """Whether a request for `adapter` must wait for a read from disk."""
-        return bool(adapter) and not self.engine.store.in_host(adapter)
+        return not self.engine.store.in_host(adapter)
 
     def start(self, request_id: str, prompt_ids: Sequence[int], adapter: str, sampling: SamplingParams) -> None:
         """Prepare the request (token ids only, no text decoded) on an intake thread."""
