@@ -40,6 +40,7 @@ import triton
 from slora.backend.adapter import HostAdapter
 from slora.backend.adapter_cache import AdapterCache, ResidentAdapter
 from slora.backend.batch import ScheduledSeq, build_batch, build_lora_meta, order_by_adapter
+from slora.backend.config import EngineConfig
 from slora.backend.cuda_graphs import bucket_sizes, rank_bound
 from slora.backend.model_spec import LORA_MODULES
 from slora.backend.page_pool import PageKind, PagePool, PoolGeometry
@@ -398,8 +399,8 @@ def lora_split(y: torch.Tensor, *args: Any) -> None:
         lora_call.SPLIT = saved
 
 
-GRAPH_MAX_SEQS = 256  # EngineConfig's default max_num_seqs: its decode graphs' buckets (cuda_graphs.bucket_sizes)
-GRAPH_MAX_RANK = 256  # EngineConfig's default max_lora_rank, the cap of a graph's rank bound
+GRAPH_MAX_SEQS = EngineConfig.max_num_seqs  # the default: its decode graphs' buckets (cuda_graphs.bucket_sizes)
+GRAPH_MAX_RANK = EngineConfig.max_lora_rank  # the default: the cap of a graph's rank bound
 
 
 def graph_meta(case: LoraCase) -> tuple[LoraMeta, int] | None:

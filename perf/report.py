@@ -176,14 +176,10 @@ def steps_table(runs: list[Run]) -> list[str]:
             continue
         graph, decode, mixed = (_step_cell(kinds.get(k), k == "mixed") for k in ("graph", "decode", "mixed"))
         share = m.get("step_time_share")
-        extra = [_or_dash(m.get("triton_compiles")), "–" if share is None else f"{share:.0%}",
-                 _or_dash(m.get("cold_adapter_requests"))]  # fmt: skip
+        extra = [_fmt(m.get("triton_compiles"), 0), "–" if share is None else f"{share:.0%}",
+                 _fmt(m.get("cold_adapter_requests"), 0)]  # fmt: skip
         lines.append(f"| {run['name']} | {graph} | {decode} | {mixed} | {' | '.join(extra)} |")
     return lines if len(lines) > 2 else []
-
-
-def _or_dash(value: object) -> str:
-    return "–" if value is None else str(value)
 
 
 PHASE_COLUMNS = ("build", "wait", "launch", "sample", "other")
