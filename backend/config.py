@@ -57,10 +57,6 @@ class EngineConfig:
     # requests run, instead of the step waiting on the host for that copy. None (auto): on for CUDA devices, where
     # S2 n = 2000's mixed steps waited 1.6 ms each for copies (perf/RESULTS.md, session 11).
     admit_when_copied: bool | None = None
-    # In decode CUDA graphs, launch each LoRA shrink on a second stream beside the base GEMM that shares its input,
-    # whose grid may leave SMs idle at decode batch sizes (backend/lora_overlap.py; needs cuda_graphs). Off until
-    # measured on a GPU.
-    lora_overlap: bool = False
     warmup: bool = False  # run synthetic batches at start, so kernels compile before the first request (warmup.py)
     seed: int = 0  # for requests that give no seed
 

@@ -6,8 +6,6 @@ through `ops.lora`, reading adapter rows from the page pool. K/V live in the sam
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
@@ -16,11 +14,7 @@ from slora.backend.model_spec import LORA_MODULES, ModelSpec
 from slora.backend.page_pool import PagePool
 from slora.backend.rope import RotaryTable
 from slora.backend.weights import LayerWeights, ModelWeights
-from slora.kernels.metadata import CallSite
 from slora.kernels.ops import Ops
-
-if TYPE_CHECKING:
-    from slora.backend.lora_overlap import LoraOverlap, PendingLora
 
 Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ = range(len(LORA_MODULES))
 
@@ -34,7 +28,6 @@ class DecoderModel:
         self.rope = RotaryTable(spec.rope, spec.head_dim, max_positions, embed.dtype, embed.device)
         self.scale = spec.head_dim**-0.5
         self._widths: dict[tuple[int, ...], tuple[int, ...]] = {}  # output widths of each LoRA call's modules
-        self.lora_overlap: LoraOverlap | None = None  # set: LoRA shrinks beside the base GEMMs (lora_overlap.py)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: PagePool) -> torch.Tensor:
@@ -67,10 +60,8 @@ class DecoderModel:
 
     def _attention(self, i: int, w: LayerWeights, x: torch.Tensor, batch: ForwardBatch, pool: PagePool) -> torch.Tensor:
         s = self.spec
-        qkv_modules, qkv_offsets = (Q_PROJ, K_PROJ, V_PROJ), (0, s.q_size, s.q_size + s.kv_size)
-        pending = self._lora_begin(i, x, batch, pool, qkv_modules, qkv_offsets)
         qkv = F.linear(x, w.qkv, w.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
-        self._lora(i, qkv, x, batch, pool, qkv_modules, qkv_offsets, pending)
+        self._lora(i, qkv, x, batch, pool, (Q_PROJ, K_PROJ, V_PROJ), (0, s.q_size, s.q_size + s.kv_size))
         q, k, v = qkv.split((s.q_size, s.kv_size, s.kv_size), dim=-1)
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
@@ -79,35 +70,18 @@ class DecoderModel:
         # q and k rotated in place (inside qkv), then k and v stored in their pool slots
         self.ops.rotary_write_kv(q, k, v, batch.positions, self.rope.cos, self.rope.sin, kv_layer, batch.attn)
         attn = self.ops.attention(q, kv_layer, batch.attn, self.scale).reshape(-1, s.q_size)
-        pending = self._lora_begin(i, attn, batch, pool, (O_PROJ,), (0,))
         out = F.linear(attn, w.o)  # [num_tokens, hidden]
-        self._lora(i, out, attn, batch, pool, (O_PROJ,), (0,), pending)
+        self._lora(i, out, attn, batch, pool, (O_PROJ,), (0,))
         return out
 
     def _mlp(self, i: int, w: LayerWeights, x: torch.Tensor, batch: ForwardBatch, pool: PagePool) -> torch.Tensor:
         inter = self.spec.intermediate_size
-        pending = self._lora_begin(i, x, batch, pool, (GATE_PROJ, UP_PROJ), (0, inter))
         gate_up = F.linear(x, w.gate_up)  # [num_tokens, 2 * intermediate]
-        self._lora(i, gate_up, x, batch, pool, (GATE_PROJ, UP_PROJ), (0, inter), pending)
+        self._lora(i, gate_up, x, batch, pool, (GATE_PROJ, UP_PROJ), (0, inter))
         act = self.ops.silu_mul(gate_up, inter)
-        pending = self._lora_begin(i, act, batch, pool, (DOWN_PROJ,), (0,))
         out = F.linear(act, w.down)  # [num_tokens, hidden]
-        self._lora(i, out, act, batch, pool, (DOWN_PROJ,), (0,), pending)
+        self._lora(i, out, act, batch, pool, (DOWN_PROJ,), (0,))
         return out
-
-    def _lora_begin(
-        self, i: int, x: torch.Tensor, batch: ForwardBatch, pool: PagePool, modules: tuple[int, ...],
-        offsets: tuple[int, ...],
-    ) -> PendingLora | None:  # fmt: skip
-        """With lora_overlap, in a decode CUDA graph (static LoRA metadata), the call site's shrinks, launched before
-        its base GEMM; else None. Eager steps do not overlap: two streams would cost host time at every call site
-        there, and their GEMMs of hundreds of tokens have larger grids."""
-        overlap = self.lora_overlap
-        if overlap is None or batch.lora is None or batch.lora.static is None:
-            return None
-        flat = pool.flat_layer(i)
-        calls = overlap.ops.lora_apart(x, flat, batch.lora, CallSite(modules, offsets, self._out_widths(modules)))
-        return overlap.begin(calls, x, flat)
 
     def _lora(
         self,
@@ -118,22 +92,13 @@ class DecoderModel:
         pool: PagePool,
         modules: tuple[int, ...],
         offsets: tuple[int, ...],
-        pending: PendingLora | None = None,
     ) -> None:
-        """Add the call site's LoRA into y (the base GEMM's output): its expands if `_lora_begin` launched the
-        shrinks, else the whole call."""
         if batch.lora is None:
             return
-        if pending is not None and self.lora_overlap is not None:
-            self.lora_overlap.finish(pending, y)
-            return
-        self.ops.lora(y, x, pool.flat_layer(i), batch.lora, modules, offsets, self._out_widths(modules))
-
-    def _out_widths(self, modules: tuple[int, ...]) -> tuple[int, ...]:
         widths = self._widths.get(modules)
         if widths is None:
             widths = self._widths[modules] = tuple(self.spec.module_shape(LORA_MODULES[m])[1] for m in modules)
-        return widths
+        self.ops.lora(y, x, pool.flat_layer(i), batch.lora, modules, offsets, widths)
 
 
 def _rows(x: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:

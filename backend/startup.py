@@ -18,12 +18,10 @@ from slora.backend.checkpoint import load_checkpoint, random_weights
 from slora.backend.config import EngineConfig, MiB
 from slora.backend.cuda_graphs import DecodeGraphs, GraphLimits
 from slora.backend.default_model import resolve_model_path
-from slora.backend.lora_overlap import LoraOverlap
 from slora.backend.model import DecoderModel
 from slora.backend.model_spec import LORA_MODULES, ModelSpec
 from slora.backend.page_pool import PagePool, PoolGeometry
-from slora.kernels.ops import PaddedLora, make_ops
-from slora.kernels.triton_ops import TritonOps
+from slora.kernels.ops import make_ops
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +52,6 @@ def build_components(config: EngineConfig) -> Components:
         raise ValueError("kernel_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 to interpret on CPU)")
     if config.cuda_graphs and (device.type != "cuda" or config.kernel_backend not in ("auto", "triton")):
         raise ValueError("cuda_graphs needs a CUDA device and the triton kernel backend")
-    if config.lora_overlap and not config.cuda_graphs:
-        raise ValueError("lora_overlap applies to decode CUDA graphs: it needs cuda_graphs=true")
     dtype = config.torch_dtype(device)
     model_path = resolve_model_path(config.model)
     spec = ModelSpec.from_dir(model_path)
@@ -67,8 +63,6 @@ def build_components(config: EngineConfig) -> Components:
     else:
         weights = load_checkpoint(model_path, spec, dtype, device)
     model = DecoderModel(spec, weights, make_ops(config.kernel_backend, device), max_model_len)
-    if config.lora_overlap:
-        model.lora_overlap = _lora_overlap(model, device)
     geometry = PoolGeometry(spec.num_layers, config.page_size, spec.num_kv_heads, spec.head_dim)
     geometry.validate(max(spec.hidden_size, spec.intermediate_size, spec.q_size))
     pool = PagePool(geometry, _num_pages(config, geometry, dtype, device), dtype, device)
@@ -121,12 +115,6 @@ def _num_pages(config: EngineConfig, geometry: PoolGeometry, dtype: torch.dtype,
     if budget < page_bytes:
         raise ValueError(f"the page pool ({budget} bytes) is smaller than one page ({page_bytes} bytes)")
     return budget // page_bytes
-
-
-def _lora_overlap(model: DecoderModel, device: torch.device) -> LoraOverlap:
-    if not isinstance(model.ops, TritonOps) or isinstance(model.ops, PaddedLora):
-        raise ValueError(f"lora_overlap needs the triton kernels, not {model.ops.name}")
-    return LoraOverlap(model.ops, device)
 
 
 def _available_host_bytes() -> int:

@@ -37,21 +37,14 @@ SPLIT = split_steps()
 
 
 class LoraCall:
-    """Shrink into v, then expand v into y, for x, y and a pool layer shaped like the ones it was built for; the two
-    halves can also be launched apart (the shrink before y exists: backend/lora_overlap.py)."""
+    """Shrink into v, then expand v into y, for x, y and a pool layer shaped like the ones it was built for."""
 
     def __init__(self, shrink: Relaunch, expand: Relaunch) -> None:
         self._shrink = shrink
         self._expand = expand
 
     def __call__(self, y: torch.Tensor, x: torch.Tensor, flat_layer: torch.Tensor) -> None:
-        self.shrink(x, flat_layer)
-        self.expand(y, flat_layer)
-
-    def shrink(self, x: torch.Tensor, flat_layer: torch.Tensor) -> None:
         self._shrink(x, flat_layer)
-
-    def expand(self, y: torch.Tensor, flat_layer: torch.Tensor) -> None:
         self._expand(flat_layer, y)
 
 
@@ -63,11 +56,9 @@ def lora_calls(
     modules: tuple[int, ...],
     out_offsets: tuple[int, ...],
     out_widths: tuple[int, ...],
-    pdl: bool = True,
 ) -> list[LoraCall]:
     """The launches of one call site, in order: one shrink and one expand per run of consecutive modules and per
-    launch group of the step (meta.groups). `pdl`: False for expands that will not follow their shrink directly
-    (lora_expand.expand_launch)."""
+    launch group of the step (meta.groups)."""
     calls = []
     # By default one launch pair for decodes and prompts together (SegmentGroup.tile_len picks decode-shaped tiles
     # when a step has both): each launch costs host time on an eager step. SLORA_LORA_SPLIT=1 splits them.
@@ -77,7 +68,7 @@ def lora_calls(
             continue  # no adapter of the step targets these modules
         for group in groups:
             v, shrink = shrink_launch(x, flat_layer, meta, first, len(widths), group)
-            expand = expand_launch(y, v, flat_layer, meta, first, offsets, widths, group, pdl)
+            expand = expand_launch(y, v, flat_layer, meta, first, offsets, widths, group)
             if shrink is not None and expand is not None:
                 calls.append(LoraCall(shrink, expand))
     return calls

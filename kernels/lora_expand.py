@@ -219,16 +219,13 @@ def expand_launch(
     out_offsets: tuple[int, ...],
     out_widths: tuple[int, ...],
     group: SegmentGroup | None = None,
-    pdl: bool = True,
 ) -> Relaunch | None:
     """The launch that adds (v·Bᵀ)·scale of modules first_module .. + len(out_widths) - 1 into y's columns (see
     top), called as launch(flat_layer, y) for any pool layer and y shaped like these (every layer of a step; v
     stays the one given here); None when the step has no adapter token.
 
     Every segment of `group` (default: the whole step) in one launch, with the shrink's kernel kind and tile shape
-    (expand_config). With PDL where the device allows it (pdl_enabled), unless `pdl` is False: a launch that does
-    not follow its shrink directly in its stream (the overlapped LoRA, backend/lora_overlap.py) must not use it,
-    since it reads y before waiting and the kernel before it would be the one that writes y.
+    (expand_config).
     """
     num_slices = len(out_widths)
     _check(y, v, flat_layer, meta, first_module, out_offsets, out_widths)
@@ -250,7 +247,7 @@ def expand_launch(
         offset0=offsets[0], offset1=offsets[1], offset2=offsets[2],
         width0=widths[0], width1=widths[1], width2=widths[2],
         FIRST_MODULE=first_module, NUM_SLICES=num_slices, ROW_ALIGN=meta.row_align,
-        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=block_n, USE_PDL=pdl and pdl_enabled(y.device),
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=block_n, USE_PDL=pdl_enabled(y.device),
     )  # fmt: skip
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if args["USE_PDL"]:

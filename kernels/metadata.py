@@ -8,20 +8,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
 TILE_COLUMNS = 4  # segment, first row, end row (of the segment), tag
-
-
-class CallSite(NamedTuple):
-    """A LoRA call site of the decoder layer: its consecutive modules and their columns in y."""
-
-    modules: tuple[int, ...]
-    out_offsets: tuple[int, ...]
-    out_widths: tuple[int, ...]
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

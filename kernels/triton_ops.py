@@ -15,8 +15,8 @@ import torch
 from slora.kernels import lora_call
 from slora.kernels.activation import silu_mul
 from slora.kernels.kv_write import write_kv
-from slora.kernels.lora_call import LoraCall, lora_calls
-from slora.kernels.metadata import AttentionMeta, CallSite, LoraMeta
+from slora.kernels.lora_call import lora_calls
+from slora.kernels.metadata import AttentionMeta, LoraMeta
 from slora.kernels.norm import rms_norm
 from slora.kernels.ops import PaddedLora
 from slora.kernels.paged_attention import paged_attention
@@ -77,18 +77,6 @@ class TritonOps:
             calls = meta.launches[key] = lora_calls(y, x, flat_layer, meta, modules, out_offsets, out_widths)
         for call in calls:
             call(y, x, flat_layer)
-
-    def lora_apart(self, x: torch.Tensor, flat_layer: torch.Tensor, meta: LoraMeta, site: CallSite) -> list[LoraCall]:
-        """`lora`'s launches for a caller that runs each call's shrink before y exists and its expand once y is
-        written (backend/lora_overlap.py): y is then contiguous, [num_tokens, sum(site.out_widths)], of x's dtype.
-        Built once a step and call site like `lora`'s, with expands that do not use PDL (lora_expand.expand_launch)."""
-        width = sum(site.out_widths)
-        key = (*site, x.shape, x.stride(0), "apart", width, x.dtype, lora_call.SPLIT)
-        calls = meta.launches.get(key)
-        if calls is None:
-            y = torch.empty((x.shape[0], width), dtype=x.dtype, device=x.device)  # shapes the expands; never read
-            calls = meta.launches[key] = lora_calls(y, x, flat_layer, meta, *site, False)
-        return calls
 
 
 class TritonPaddedBmmOps(PaddedLora, TritonOps):

@@ -43,7 +43,6 @@ class StepTiming:
     kv_bytes: int = 0  # K/V of every sequence at the middle of the timed steps
     adapter_bytes: int = 0  # pages of the batch's distinct adapters
     step_median_ms: float = 0.0
-    lora_overlap: bool = False  # EngineConfig.lora_overlap (graph steps only)
 
     @property
     def ratio(self) -> float:
@@ -146,39 +145,28 @@ def kv_bytes(engine: LLMEngine, batch: int, context: int) -> int:
     return batch * context * per_token
 
 
-def engine_variants(device: str, lora_overlap: str) -> list[tuple[bool, bool]]:
-    """(cuda_graphs, lora_overlap) of the engines to time: eager, then graphs without and/or with lora_overlap
-    (`lora_overlap`: off, on or both); eager only on CPU."""
-    if device == "cpu":
-        return [(False, False)]
-    graphs = [(True, False)] * (lora_overlap != "on") + [(True, True)] * (lora_overlap != "off")
-    return [(False, False), *graphs]
-
-
 def run(args: argparse.Namespace) -> list[StepTiming]:
     timings: list[StepTiming] = []
     adapter_names = adapter_dirs(args.adapter_root, max(args.batch)) if args.adapter_root else []
-    for graphs, overlap in engine_variants(args.device, args.lora_overlap):
+    for graphs in (False, True) if args.device != "cpu" else (False,):
         config = EngineConfig(model=args.model, load_format=args.load_format, device=args.device,
                               adapter_root=args.adapter_root, cuda_graphs=graphs, max_num_seqs=max(args.batch),
-                              kernel_backend=args.kernel_backend, pool_bytes=args.pool_bytes,
-                              lora_overlap=overlap)  # fmt: skip
+                              kernel_backend=args.kernel_backend, pool_bytes=args.pool_bytes)  # fmt: skip
         engine = LLMEngine(config)
         weight_bytes = engine.model.weights.nbytes()
         read_ms = weight_bytes / copy_bandwidth(engine.device) * 2 * 1000  # a read is half a copy
         for batch in args.batch:
             for count in args.adapter_counts if adapter_names else [0]:
                 names = batch_adapters(adapter_names, count, batch)
-                title = f"batch {batch} graphs {graphs}{' overlap' if overlap else ''} adapters {len(names)}"
+                title = f"batch {batch} graphs {graphs} adapters {len(names)}"
                 profiler = StepProfiler(0, args.profile_steps, args.profile, title) if args.profile else None
                 step_ms, median_ms = time_decode(engine, batch, names, args.steps, args.prompt_len, profiler)
                 nbytes = sum(engine.store.get(name).nbytes for name in names)
                 context = args.prompt_len + args.steps // 2 + 1
                 timing = StepTiming(batch, graphs, len(names), step_ms, read_ms, weight_bytes,
-                                    kv_bytes(engine, batch, context), nbytes, median_ms, overlap)  # fmt: skip
-                logger.info("batch %3d graphs %-5s overlap %-5s adapters %4d: %.2f ms/step (median %.2f), %.2f x the "
-                            "weight read (%.2f ms), %.0f GB/s on %.2f GB (adapters %.2f GB)", batch, graphs, overlap,
-                            timing.adapters,
+                                    kv_bytes(engine, batch, context), nbytes, median_ms)  # fmt: skip
+                logger.info("batch %3d graphs %-5s adapters %4d: %.2f ms/step (median %.2f), %.2f x the weight read "
+                            "(%.2f ms), %.0f GB/s on %.2f GB (adapters %.2f GB)", batch, graphs, timing.adapters,
                             step_ms, median_ms,
                             timing.ratio, read_ms, timing.bandwidth_gbs,
                             (weight_bytes + timing.kv_bytes + nbytes) / 1e9, nbytes / 1e9)  # fmt: skip
@@ -206,8 +194,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--profile", type=Path, help="append torch.profiler and cProfile tables of a few steps here")
     parser.add_argument("--profile-steps", type=int, default=2)
-    overlap_help = "graph steps without (off), with (on) or both ways: EngineConfig.lora_overlap"
-    parser.add_argument("--lora-overlap", choices=("off", "on", "both"), default="off", help=overlap_help)
     args = parser.parse_args()
     timings = run(args)
     if args.out:

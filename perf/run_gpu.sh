@@ -24,8 +24,7 @@
 #   served      engine S1 n=2000 (and base model); served `slora` n=2000 (adapters preloaded at start); perf_analyzer slora  [~6 min]
 #   s2-floor    perf.bench_decode_step on S2 adapters, batch 96 of 320-token prompts, no adapter / 5 / one per
 #               request: step time, minimum bytes and bandwidth (the S2 LoRA / base ratio's bytes floor) [~3 min]
-#               (FLOOR_COUNTS: the adapter counts, "0 5 -1"; FLOOR_PROFILE=1: profile each; FLOOR_TAG: file suffix;
-#               FLOOR_OVERLAP: graph steps without lora_overlap (off), with it (on) or both, the default)
+#               (FLOOR_COUNTS: the adapter counts, "0 5 -1"; FLOOR_PROFILE=1: profile each; FLOOR_TAG: file suffix)
 #   checks      kernel and engine tests on the GPU, then perf.bench_decode_step (CUDA graphs, batch 1/8/64),
 #               perf.bench_host_step (host time of a 256-sequence decode step) and perf.bench_host_forward
 #               (host time of eager steps, kernels stubbed: this host's Python against the CPU machine's) [~8 min]
@@ -91,7 +90,6 @@ DECODE_STEP=${DECODE_STEP:-1}
 FLOOR_COUNTS=${FLOOR_COUNTS:-0 5 -1}
 FLOOR_PROFILE=${FLOOR_PROFILE:-}
 FLOOR_TAG=${FLOOR_TAG:-}
-FLOOR_OVERLAP=${FLOOR_OVERLAP:-both}
 HOST_FORWARD=${HOST_FORWARD:-1}
 GPU_LOG=${GPU_LOG:-}
 GPU_LOG_PID=""
@@ -361,7 +359,6 @@ suite() {
       # shellcheck disable=SC2086
       step -m perf.bench_decode_step --model "$MODEL" --load-format dummy --adapter-root "$(adapters S2)" \
         --batch 96 --prompt-len 320 --adapter-counts $FLOOR_COUNTS --out "$OUT/s2_floor${FLOOR_TAG}.json" \
-        --lora-overlap "$FLOOR_OVERLAP" \
         ${FLOOR_PROFILE:+--profile "$OUT/s2_profile${FLOOR_TAG}.txt"} ;;
     peft)
       s1_100=$(trace s1 100)

@@ -87,20 +87,6 @@ def test_llama_split_lora_launches_on_cpu(llama: ModelWithAdapters, monkeypatch:
     assert 2 in split_groups, split_groups
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="LoRA shrinks on a second CUDA stream")
-def test_llama_lora_overlap_in_cuda_graphs(llama: ModelWithAdapters) -> None:
-    """lora_overlap (in decode graphs, shrinks on a side stream beside the base GEMMs, expands after both) serves
-    the same tokens."""
-    target = {"device": "cuda", "kernel_backend": "triton", "dtype": "float32"}
-    config = _config(llama, target, page_size=8, max_batch_tokens=24, lora_overlap=True, cuda_graphs=True)
-    _check(llama, config, prompt_lengths=[5, 17, 9, 30])
-
-
-def test_lora_overlap_needs_cuda_graphs(llama: ModelWithAdapters) -> None:
-    with pytest.raises(ValueError, match="lora_overlap applies to decode CUDA graphs: it needs cuda_graphs=true"):
-        LLMEngine(EngineConfig(model=str(llama.base), device="cpu", lora_overlap=True, pool_bytes=1 << 20))
-
-
 def test_llama3_rope_scaling_tied_embeddings(llama3_scaled: ModelWithAdapters, target: dict[str, str]) -> None:
     # Prompts longer than original_max_position_embeddings (64) exercise the scaled frequencies.
     _check(llama3_scaled, _config(llama3_scaled, target, page_size=16), prompt_lengths=[70, 90, 7])

@@ -29,7 +29,7 @@ from slora.kernels import (
 from slora.kernels.lora_call import consecutive_runs  # noqa: E402
 from slora.kernels.lora_padded import lora_padded_bmm  # noqa: E402
 from slora.kernels.lora_ref import lora_ref  # noqa: E402
-from slora.kernels.metadata import CallSite, LoraMeta, SegmentGroup, length_groups  # noqa: E402
+from slora.kernels.metadata import LoraMeta, SegmentGroup, length_groups  # noqa: E402
 from slora.kernels.relaunch import Relaunch  # noqa: E402
 from slora.kernels.triton_ops import TritonOps  # noqa: E402
 from tests.kernels.builders import (  # noqa: E402
@@ -139,12 +139,6 @@ def check_layer(case: LayerCase, impl: str, seed: int) -> None:
         actual = y0.clone()
         if impl == "triton":
             ops.lora(actual, x, case.flat_layer, case.meta, modules, offsets, widths)
-        elif impl == "apart":  # every shrink first, then every expand (backend/lora_overlap.py)
-            calls = ops.lora_apart(x, case.flat_layer, case.meta, CallSite(modules, offsets, widths))
-            for call in calls:
-                call.shrink(x, case.flat_layer)
-            for call in calls:
-                call.expand(actual, case.flat_layer)
         else:
             lora_padded_bmm(actual, x, case.flat_layer, case.meta, modules, offsets, widths)
         magnitude = float((expected.float() - y0.float()).abs().max())
@@ -159,13 +153,6 @@ def check_layer(case: LayerCase, impl: str, seed: int) -> None:
 def test_lora_matches_reference(step: str, dtype: torch.dtype) -> None:
     case = build_case(TINY, dtype, list(TINY_ADAPTERS), TINY_STEPS[step], seed=3)
     check_layer(case, "triton", seed=4)
-
-
-@pytest.mark.parametrize("step", sorted(TINY_STEPS))
-def test_lora_halves_launched_apart_match_reference(step: str) -> None:
-    """TritonOps.lora_apart's shrinks, all launched before any expand (as lora_overlap does), add the same delta."""
-    case = build_case(TINY, torch.float32, list(TINY_ADAPTERS), TINY_STEPS[step], seed=3)
-    check_layer(case, "apart", seed=4)
 
 
 def test_lora_launches_are_reused_by_every_layer() -> None:
