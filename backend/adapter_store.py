@@ -22,7 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +96,8 @@ class AdapterStore:
         self.host_bytes = 0
         self.loads = 0
         self.host_evictions = 0
+        self.load_waits = 0  # gets that waited for another thread's read of the same adapter
+        self._loading: dict[tuple[str, int], Future[HostAdapter]] = {}
         self._root_names: frozenset[str] = frozenset()
         self._root_listed_at = -float("inf")
         if registry_file:
@@ -147,7 +149,9 @@ class AdapterStore:
             return name in self._host
 
     def get(self, name: str) -> HostAdapter:
-        """The adapter in host memory, loading it from disk if needed (in the caller's thread)."""
+        """The adapter in host memory, loading it from disk if needed (in the caller's thread). Callers that ask for
+        an adapter another thread is reading wait for that read and get its adapter (or its error): one disk read
+        per adapter, however many requests for it arrive together."""
         validate_adapter_name(name)
         with self._lock:
             adapter = self._host.get(name)
@@ -156,11 +160,29 @@ class AdapterStore:
                 return adapter
             path = self._path(name)
             generation = self._generation.get(name, 0)
-        adapter = self._loader(name, path, generation)
-        with self._lock:
-            if self._generation.get(name, 0) == generation:
-                self._drop(name)
-                self._insert(adapter)
+            pending = self._loading.get((name, generation))
+            if pending is None:
+                self._loading[(name, generation)] = loading = Future[HostAdapter]()
+        if pending is not None:
+            self.load_waits += 1
+            return pending.result()
+        return self._load(name, path, generation, loading)
+
+    def _load(self, name: str, path: Path, generation: int, loading: Future[HostAdapter]) -> HostAdapter:
+        """Read the adapter, keep it unless re-registered meanwhile, and hand it (or the error) to the waiters."""
+        try:
+            adapter = self._loader(name, path, generation)
+            with self._lock:
+                del self._loading[(name, generation)]
+                if self._generation.get(name, 0) == generation:
+                    self._drop(name)
+                    self._insert(adapter)
+        except BaseException as exc:
+            with self._lock:
+                self._loading.pop((name, generation), None)
+            loading.set_exception(exc)
+            raise
+        loading.set_result(adapter)
         return adapter
 
     def preload(self, workers: int | None = None, names: list[str] | None = None) -> int:

@@ -6,6 +6,8 @@ import json
 import math
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -321,3 +323,59 @@ def test_preload_loads_on_one_intra_op_thread_and_restores_torch_threads(
     assert store.preload(workers=2) == len(llama.adapters)
     assert seen == [1] * len(llama.adapters)
     assert torch.get_num_threads() == previous
+
+
+def _gets_together(store: AdapterStore, name: str, callers: int) -> list[object]:
+    """What `callers` threads got from store.get(name), called at once: the adapter or the exception."""
+    results: list[object] = [None] * callers
+
+    def call(i: int) -> None:
+        try:
+            results[i] = store.get(name)
+        except AdapterError as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(callers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return results
+
+
+def _gated_loader(spec: ModelSpec, geometry: PoolGeometry, reads: list[str], error: str | None):  # type: ignore[no-untyped-def]
+    """A loader that counts its reads and lets each finish only once every caller is waiting (the gate opens when
+    the store counts callers - 1 waits)."""
+    store_ref: list[AdapterStore] = []
+
+    def load(name: str, path: Path, generation: int):  # type: ignore[no-untyped-def]
+        reads.append(name)
+        deadline = time.monotonic() + 10
+        while store_ref[0].load_waits < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if error:
+            raise AdapterError(error)
+        return load_peft_adapter(name, path, spec, geometry, torch.float32, generation=generation)
+
+    return load, store_ref
+
+
+@pytest.mark.parametrize("error", [None, "adapter 'r3-all': disk on fire"])
+def test_concurrent_gets_of_one_adapter_read_it_once(
+    llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry, error: str | None
+) -> None:
+    reads: list[str] = []
+    load, store_ref = _gated_loader(spec, geometry, reads, error)
+    store = AdapterStore(load, 1 << 30, llama.adapter_root)
+    store_ref.append(store)
+    results = _gets_together(store, "r3-all", callers=4)
+    assert reads == ["r3-all"] and store.load_waits == 3
+    if error:
+        assert all(isinstance(r, AdapterError) and "disk on fire" in str(r) for r in results)
+        assert not store.in_host("r3-all")
+        with pytest.raises(AdapterError, match="disk on fire"):
+            store.get("r3-all")  # a failed read is not remembered: the next get reads again
+        assert reads == ["r3-all", "r3-all"]
+    else:
+        assert all(r is results[0] for r in results) and store.in_host("r3-all") and store.loads == 1
+        assert store.get("r3-all") is results[0] and reads == ["r3-all"]
