@@ -24,7 +24,8 @@
 #   served      engine S1 n=2000 (and base model); served `slora` n=2000 (adapters preloaded at start); perf_analyzer slora  [~6 min]
 #   s2-floor    perf.bench_decode_step on S2 adapters, batch 96 of 320-token prompts, no adapter / 5 / one per
 #               request: step time, minimum bytes and bandwidth (the S2 LoRA / base ratio's bytes floor) [~3 min]
-#               (FLOOR_COUNTS: the adapter counts, "0 5 -1"; FLOOR_PROFILE=1: profile each; FLOOR_TAG: file suffix)
+#               (FLOOR_COUNTS: the adapter counts, "0 5 -1"; FLOOR_PROFILE=1: profile each; FLOOR_TAG: file suffix;
+#               FLOOR_SETTING: the adapters' setting, S2 or Sall)
 #   checks      kernel and engine tests on the GPU, then perf.bench_decode_step (CUDA graphs, batch 1/8/64),
 #               perf.bench_host_step (host time of a 256-sequence decode step) and perf.bench_host_forward
 #               (host time of eager steps, kernels stubbed: this host's Python against the CPU machine's) [~8 min]
@@ -90,6 +91,7 @@ DECODE_STEP=${DECODE_STEP:-1}
 FLOOR_COUNTS=${FLOOR_COUNTS:-0 5 -1}
 FLOOR_PROFILE=${FLOOR_PROFILE:-}
 FLOOR_TAG=${FLOOR_TAG:-}
+FLOOR_SETTING=${FLOOR_SETTING:-S2}
 HOST_FORWARD=${HOST_FORWARD:-1}
 GPU_LOG=${GPU_LOG:-}
 GPU_LOG_PID=""
@@ -357,8 +359,8 @@ suite() {
       fi ;;
     s2-floor)  # whole decode steps at the S2 runs' batch: does a LoRA step pay more than its adapters' bytes?
       # shellcheck disable=SC2086
-      step -m perf.bench_decode_step --model "$MODEL" --load-format dummy --adapter-root "$(adapters S2)" \
-        --batch 96 --prompt-len 320 --adapter-counts $FLOOR_COUNTS --out "$OUT/s2_floor${FLOOR_TAG}.json" \
+      step -m perf.bench_decode_step --model "$MODEL" --load-format dummy \
+        --adapter-root "$(adapters "$FLOOR_SETTING")" --batch 96 --prompt-len 320 --adapter-counts $FLOOR_COUNTS --out "$OUT/s2_floor${FLOOR_TAG}.json" \
         ${FLOOR_PROFILE:+--profile "$OUT/s2_profile${FLOOR_TAG}.txt"} ;;
     peft)
       s1_100=$(trace s1 100)
