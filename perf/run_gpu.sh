@@ -360,7 +360,8 @@ suite() {
     s2-floor)  # whole decode steps at the S2 runs' batch: does a LoRA step pay more than its adapters' bytes?
       # shellcheck disable=SC2086
       step -m perf.bench_decode_step --model "$MODEL" --load-format dummy \
-        --adapter-root "$(adapters "$FLOOR_SETTING")" --batch 96 --prompt-len 320 --adapter-counts $FLOOR_COUNTS --out "$OUT/s2_floor${FLOOR_TAG}.json" \
+        --adapter-root "$(adapters "$FLOOR_SETTING")" --batch 96 --prompt-len 320 --adapter-counts $FLOOR_COUNTS \
+        --out "$OUT/s2_floor${FLOOR_TAG}.json" \
         ${FLOOR_PROFILE:+--profile "$OUT/s2_profile${FLOOR_TAG}.txt"} ;;
     peft)
       s1_100=$(trace s1 100)
