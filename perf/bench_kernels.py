@@ -581,6 +581,10 @@ def lora_cases(mha: Model, gqa: Model, n: int, prompt: int) -> list[Callable[[],
             f"mixed 4x{prompt} prompt + {n // 2} decode, mixed r1-128", mha, adapters(mixed[: 4 + n // 2]), mixed_step
         ),  # fmt: skip
         lambda: lora_case(s2_name, mha, s2_adapters(2 + 2 * n), s2_step),
+        # the launches' latency floor: one token of a rank-1 adapter reads next to nothing, so its time is what a
+        # layer's LoRA launches cost however few bytes they move (4 launches on q,k,v,o; 8 on all seven projections)
+        lambda: lora_case("floor: decode 1 req, 1 adapter r1 q,k,v,o", mha, [(1, 1, 1, 1, 0, 0, 0)], [(0, 1)]),
+        lambda: lora_case("floor: decode 1 req, 1 adapter r1", mha, adapters([1]), [(0, 1)]),
     ]
 
 
