@@ -317,6 +317,8 @@ class LLMEngine:
             preemptions=self.scheduler.num_preemptions,
             generated_tokens=self.generated_tokens,
             finished_requests=self.finished_requests,
+            adapter_disk_reads=self.store.loads,
+            adapter_host_evictions=self.store.host_evictions,
             running_adapters=sorted({r.adapter_name for r in running if r.adapter_name}),
             waiting_adapters=sorted({r.adapter_name for r in waiting if r.adapter_name}),
         )

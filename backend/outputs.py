@@ -49,6 +49,8 @@ class EngineStats:
     generated_tokens: int
     finished_requests: int
     engine_restarts: int = 0  # engine processes started again after one exited unexpectedly (engine_process.py)
+    adapter_disk_reads: int = 0  # adapters read from disk into host memory
+    adapter_host_evictions: int = 0  # adapters dropped from host memory to stay within its budget
     running_adapters: list[str] = field(default_factory=list)
     waiting_adapters: list[str] = field(default_factory=list)
 
@@ -59,4 +61,5 @@ def failed_output(request_id: str, exc: Exception, reason: str = "error") -> Req
 
 
 # EngineStats fields that only grow over the life of a server (an engine process started again continues them).
-STATS_COUNTERS = ("adapter_loads", "adapter_evictions", "preemptions", "generated_tokens", "finished_requests")
+STATS_COUNTERS = ("adapter_loads", "adapter_evictions", "preemptions", "generated_tokens", "finished_requests",
+                  "adapter_disk_reads", "adapter_host_evictions")  # fmt: skip

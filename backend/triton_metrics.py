@@ -7,6 +7,8 @@
     slora_requests{state="running|waiting"}         gauge      requests in the batch / queued
     slora_adapter_loads_total                       counter    adapter copies into the pool
     slora_adapter_evictions_total                   counter    adapters evicted from the pool
+    slora_adapter_disk_reads_total                  counter    adapters read from disk into host memory
+    slora_adapter_host_evictions_total              counter    adapters dropped from host memory (its budget)
     slora_preemptions_total                         counter    requests preempted (pool full) and recomputed
     slora_generated_tokens_total                    counter    tokens sampled
     slora_engine_restarts_total                     counter    engine processes started again after a crash
@@ -75,6 +77,12 @@ class TritonMetrics(NullMetrics):
             "adapter_loads": self._family("slora_adapter_loads_total", "Adapter copies into the pool", counter),
             "adapter_evictions": self._family(
                 "slora_adapter_evictions_total", "Adapters evicted from the pool", counter
+            ),
+            "adapter_disk_reads": self._family(
+                "slora_adapter_disk_reads_total", "Adapters read from disk into host memory", counter
+            ),
+            "adapter_host_evictions": self._family(
+                "slora_adapter_host_evictions_total", "Adapters dropped from host memory for its budget", counter
             ),
             "preemptions": self._family("slora_preemptions_total", "Requests preempted and recomputed", counter),
             "generated_tokens": self._family("slora_generated_tokens_total", "Tokens generated", counter),

@@ -80,7 +80,9 @@ def test_greedy_tokens_equal_the_engine_called_directly(service: EngineService, 
     for i, completion in enumerate(expected):
         assert got.tokens(f"g{i}") == completion.token_ids
         assert got.last(f"g{i}").finish_reason == "length"
-    assert service.stats().finished_requests >= len(PROMPTS)
+    stats = service.stats()
+    assert stats.finished_requests >= len(PROMPTS)
+    assert stats.adapter_disk_reads >= 3 and stats.adapter_host_evictions == 0  # three adapters, a roomy budget
 
 
 def test_refusals_reach_the_callback_with_their_kind(service: EngineService) -> None:

@@ -62,7 +62,8 @@ def test_metrics_are_present_and_move(server: Server) -> None:
     for family in ('slora_pool_pages{kind="free"}', 'slora_pool_pages{kind="adapter"}', "slora_kv_cache_usage_ratio",
                    'slora_adapters{tier="gpu"}', 'slora_adapters{tier="host"}', 'slora_adapters{tier="disk"}',
                    'slora_requests{state="running"}', 'slora_requests{state="waiting"}', "slora_adapter_loads_total",
-                   "slora_adapter_evictions_total", "slora_preemptions_total", "slora_generated_tokens_total",
+                   "slora_adapter_evictions_total", "slora_adapter_disk_reads_total",
+                   "slora_adapter_host_evictions_total", "slora_preemptions_total", "slora_generated_tokens_total",
                    'slora_requests_finished_total{reason="length"}', "slora_time_to_first_token_seconds_count",
                    "slora_inter_token_latency_seconds_count"):  # fmt: skip
         assert family in before, family
