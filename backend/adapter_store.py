@@ -163,8 +163,9 @@ class AdapterStore:
             pending = self._loading.get((name, generation))
             if pending is None:
                 self._loading[(name, generation)] = loading = Future[HostAdapter]()
+            else:
+                self.load_waits += 1
         if pending is not None:
-            self.load_waits += 1
             return pending.result()
         return self._load(name, path, generation, loading)
 
