@@ -71,13 +71,16 @@ def test_metrics_are_present_and_move(server: Server) -> None:
     wait_for_metric(server.metrics_url, 'slora_adapters{tier="disk"}', lambda v: v == known)
     tokens = _generate(server, "demo-all-r8", max_tokens=5)
     assert len(tokens) == 5
-    series = "slora_generated_tokens_total"
-    wait_for_metric(server.metrics_url, series, lambda v: v >= before[series] + 5)
-    after = scrape(server.metrics_url)
-    assert after["slora_time_to_first_token_seconds_count"] >= before["slora_time_to_first_token_seconds_count"] + 1
-    assert after["slora_inter_token_latency_seconds_count"] >= before["slora_inter_token_latency_seconds_count"] + 4
-    length = 'slora_requests_finished_total{reason="length"}'
-    assert after[length] >= before[length] + 1
+    # Each series reaches Triton on its own path (engine statistics, or events from the responder), so each is
+    # waited for: the last token's response can reach the client before the finish is counted.
+    moved = {
+        "slora_generated_tokens_total": 5,
+        "slora_time_to_first_token_seconds_count": 1,
+        "slora_inter_token_latency_seconds_count": 4,
+        'slora_requests_finished_total{reason="length"}': 1,
+    }
+    for series, increase in moved.items():
+        wait_for_metric(server.metrics_url, series, lambda v, s=series, n=increase: v >= before[s] + n)
 
 
 def test_gateway_lora_info_gauge(server: Server) -> None:
