@@ -67,6 +67,11 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
+def bucket_for(sizes: list[int], num_seqs: int) -> int:
+    """The smallest of the ascending bucket `sizes` that holds num_seqs sequences: the graph a step replays."""
+    return next(s for s in sizes if s >= num_seqs)
+
+
 @dataclass(frozen=True)
 class GraphLimits:
     max_num_seqs: int
@@ -198,7 +203,7 @@ class DecodeGraphs:
     def key(self, batch: ForwardBatch) -> GraphKey:
         """The graph a decode step replays: its bucket, and the cheapest captured family (modules, rank bound)
         that covers the step's adapters; the step's own family when only the generic one would."""
-        size = next(s for s in self.sizes if s >= batch.num_tokens)
+        size = bucket_for(self.sizes, batch.num_tokens)
         if batch.lora is None:
             return GraphKey(size, NO_MODULES, 0)
         modules, bound = batch.lora.targeted_modules(), rank_bound(batch.lora.max_rank, self.limits.max_lora_rank)

@@ -41,7 +41,7 @@ from slora.backend.adapter import HostAdapter
 from slora.backend.adapter_cache import AdapterCache, ResidentAdapter
 from slora.backend.batch import ScheduledSeq, build_batch, build_lora_meta, order_by_adapter
 from slora.backend.config import EngineConfig
-from slora.backend.cuda_graphs import bucket_sizes, rank_bound
+from slora.backend.cuda_graphs import bucket_for, bucket_sizes, rank_bound
 from slora.backend.model_spec import LORA_MODULES
 from slora.backend.page_pool import PageKind, PagePool, PoolGeometry
 from slora.backend.request import Request
@@ -410,7 +410,7 @@ def graph_meta(case: LoraCase) -> tuple[LoraMeta, int] | None:
     meta, n = case.meta, case.num_tokens
     if not case.decode_only:
         return None
-    size = next(s for s in bucket_sizes(GRAPH_MAX_SEQS) if s >= n)
+    size = bucket_for(bucket_sizes(GRAPH_MAX_SEQS), n)
     bound = rank_bound(meta.max_rank, GRAPH_MAX_RANK)
     static = StaticLora(size, meta.targeted_modules(), bound, meta.row_align, meta.token_adapter.device)
     static.fill(meta, n)
