@@ -343,15 +343,15 @@ def _gets_together(store: AdapterStore, name: str, callers: int) -> list[object]
     return results
 
 
-def _gated_loader(spec: ModelSpec, geometry: PoolGeometry, reads: list[str], error: str | None):  # type: ignore[no-untyped-def]
-    """A loader that counts its reads and lets each finish only once every caller is waiting (the gate opens when
-    the store counts callers - 1 waits)."""
+def _gated_loader(spec: ModelSpec, geometry: PoolGeometry, reads: list[str], error: str | None, waiters: int):  # type: ignore[no-untyped-def]
+    """A loader that counts its reads and lets each finish only once the store counts `waiters` gets waiting for
+    it (every caller but the reading one)."""
     store_ref: list[AdapterStore] = []
 
     def load(name: str, path: Path, generation: int):  # type: ignore[no-untyped-def]
         reads.append(name)
         deadline = time.monotonic() + 10
-        while store_ref[0].load_waits < 3 and time.monotonic() < deadline:
+        while store_ref[0].load_waits < waiters and time.monotonic() < deadline:
             time.sleep(0.01)
         if error:
             raise AdapterError(error)
@@ -365,11 +365,12 @@ def test_concurrent_gets_of_one_adapter_read_it_once(
     llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry, error: str | None
 ) -> None:
     reads: list[str] = []
-    load, store_ref = _gated_loader(spec, geometry, reads, error)
+    callers = 4
+    load, store_ref = _gated_loader(spec, geometry, reads, error, waiters=callers - 1)
     store = AdapterStore(load, 1 << 30, llama.adapter_root)
     store_ref.append(store)
-    results = _gets_together(store, "r3-all", callers=4)
-    assert reads == ["r3-all"] and store.load_waits == 3
+    results = _gets_together(store, "r3-all", callers)
+    assert reads == ["r3-all"] and store.load_waits == callers - 1
     if error:
         assert all(isinstance(r, AdapterError) and "disk on fire" in str(r) for r in results)
         assert not store.in_host("r3-all")
