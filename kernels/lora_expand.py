@@ -1,10 +1,11 @@
 """LoRA expand over the unified pool: y[:, offset_m : offset_m + out_m] += (v_m · Bᵀ_m) * scale_m, per token.
 
 The second half of the shrink kernel's work (see lora_shrink.py): v holds split-K partial sums of x·Aᵀ for the
-fused modules of one call. One program takes one tile of up to BLOCK_M tokens of one segment (one adapter) and
-one BLOCK_N slice of the output columns, for every module of the call whose output is that wide: it sums the
-partials, reads the adapter's Bᵀ rows for those columns once for all tokens of the tile, and adds the scaled
-product into y (read-modify-write, each element of y owned by one program, so no atomics).
+fused modules of one call (one split from the tensor-core shrink, which sums them). One program takes one tile of
+up to BLOCK_M tokens of one segment (one adapter), one BLOCK_N slice of the output columns and one module of the
+call (grid axis 2: the modules run side by side, not one after the other): it sums the partials, reads the
+adapter's Bᵀ rows for those columns once for all tokens of the tile, and adds the scaled product into y
+(read-modify-write, each element of y owned by one program, so no atomics).
 
     v:  [split_k, num_tokens, R] float32      pool layer (flat): rows of lora_Bᵀ, out_m elements each
     y:  [num_tokens, ≥ Σ out_m]                written only in the rows of adapter tokens and the modules they target
@@ -38,7 +39,7 @@ class ExpandConfig:
     num_warps: int
     num_stages: int
     # The GEMV kernel: one program per (tile, column block, module), one token at a time on CUDA cores (see
-    # ShrinkConfig.gemv); the modules of a call run side by side instead of one after the other.
+    # ShrinkConfig.gemv).
     gemv: bool = False
 
 
@@ -89,50 +90,57 @@ def _lora_expand_kernel(
 ):
     n0 = tl.program_id(1) * BLOCK_N
     first, end, adapter = tile_bounds(tiles_ptr, tl.program_id(0))
-    table = adapter * MODULES + FIRST_MODULE
+    rank, row0, scale, offset, width, v_col = module_of_program(
+        ranks_ptr, scales_ptr, row_start_ptr, adapter * MODULES + FIRST_MODULE,
+        offset0, offset1, offset2, width0, width1, width2, NUM_SLICES,
+    )  # fmt: skip
     if USE_PDL:
         gdc_wait()
+    if (rank > 0) & (n0 < width):
+        tokens = first + tl.arange(0, BLOCK_M)
+        tok_mask = tokens < end
+        # the split partials of a chunk are summed one split at a time (loading all splits at once held
+        # split_k × BLOCK_M × BLOCK_R floats per program: register pressure with prompt tiles); the tensor-core
+        # shrink leaves one split (their sum)
+        v_rows = v_ptr + tokens.to(tl.int64)[:, None] * stride_v_tok + v_col
+        y_rows = y_ptr + tokens.to(tl.int64)[:, None] * stride_y + offset
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < width
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for c in range(0, rank, BLOCK_R):
+            j = c + tl.arange(0, BLOCK_R)
+            j_mask = j < rank
+            v_mask = tok_mask[:, None] & j_mask[None, :]
+            vt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for sp in range(split_k):
+                vt += tl.load(v_rows + sp * stride_v_split + j[None, :], mask=v_mask, other=0.0)
+            rows = tl.load(b_rows_ptr + row0 + j, mask=j_mask, other=0)
+            rows = tl.multiple_of(rows, ROW_ALIGN)
+            bt = tl.load(pool_ptr + rows[:, None] + n[None, :], mask=j_mask[:, None] & n_mask[None, :], other=0.0)
+            acc = tl.dot(vt.to(bt.dtype), bt, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        y_mask = tok_mask[:, None] & n_mask[None, :]
+        yt = tl.load(y_rows + n[None, :], mask=y_mask, other=0.0)
+        tl.store(y_rows + n[None, :], (yt.to(tl.float32) + acc * scale).to(yt.dtype), mask=y_mask)
 
-    tokens = first + tl.arange(0, BLOCK_M)
-    tok_mask = tokens < end
-    # v_rows: [BLOCK_M, 1] pointers; the split partials of a chunk are summed one split at a time (loading all
-    # splits at once held split_k × BLOCK_M × BLOCK_R floats per program: register pressure with prompt tiles)
-    v_rows = v_ptr + tokens.to(tl.int64)[:, None] * stride_v_tok
-    y_rows = y_ptr + tokens.to(tl.int64)[:, None] * stride_y
-    n = n0 + tl.arange(0, BLOCK_N)
-    v_col = 0  # this module's first column in v: the ranks of the modules before it
-    for s in tl.static_range(NUM_SLICES):
-        if s == 0:
-            offset = offset0
-            width = width0
-        elif s == 1:
-            offset = offset1
-            width = width1
-        else:
-            offset = offset2
-            width = width2
-        rank = tl.load(ranks_ptr + table + s)
-        if (rank > 0) & (n0 < width):
-            row0 = tl.load(row_start_ptr + table + s)
-            scale = tl.load(scales_ptr + table + s)
-            n_mask = n < width
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for c in range(0, rank, BLOCK_R):
-                j = c + tl.arange(0, BLOCK_R)
-                j_mask = j < rank
-                v_mask = tok_mask[:, None] & j_mask[None, :]
-                vt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                for sp in range(split_k):
-                    vt += tl.load(v_rows + sp * stride_v_split + (v_col + j)[None, :], mask=v_mask, other=0.0)
-                rows = tl.load(b_rows_ptr + row0 + j, mask=j_mask, other=0)
-                rows = tl.multiple_of(rows, ROW_ALIGN)
-                bt = tl.load(pool_ptr + rows[:, None] + n[None, :], mask=j_mask[:, None] & n_mask[None, :], other=0.0)
-                acc = tl.dot(vt.to(bt.dtype), bt, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-            y_mask = tok_mask[:, None] & n_mask[None, :]
-            yt = tl.load(y_rows + offset + n[None, :], mask=y_mask, other=0.0)
-            out = yt.to(tl.float32) + acc * scale
-            tl.store(y_rows + offset + n[None, :], out.to(yt.dtype), mask=y_mask)
-        v_col += rank
+
+@triton.jit
+def module_of_program(
+    ranks_ptr, scales_ptr, row_start_ptr, table, offset0, offset1, offset2, width0, width1, width2,
+    NUM_SLICES: tl.constexpr,
+):  # fmt: skip
+    """(rank, first Bᵀ row-table entry, scale, first column in y, width, first column in v) of the call's module
+    on grid axis 2, for the adapter whose table row (adapter * 7 + first module) is `table`. The loads depend only
+    on the adapter, so they go out together."""
+    s = tl.program_id(2)
+    rank = tl.load(ranks_ptr + table + s)
+    row0 = tl.load(row_start_ptr + table + s)
+    scale = tl.load(scales_ptr + table + s)
+    offset = tl.where(s == 0, offset0, tl.where(s == 1, offset1, offset2))
+    width = tl.where(s == 0, width0, tl.where(s == 1, width1, width2))
+    v_col = 0  # the module's first column in v: the ranks of the call's modules before it
+    for before in tl.static_range(NUM_SLICES - 1):
+        v_col += tl.where(before < s, tl.load(ranks_ptr + table + before), 0)
+    return rank, row0, scale, offset, width, v_col
 
 
 @triton.jit(do_not_specialize=["split_k", "stride_v_split", "stride_v_tok"])
@@ -170,19 +178,11 @@ def _lora_expand_gemv_kernel(
     Each rank chunk of Bᵀ is read before the chunk's v: launched with PDL, the first chunk's read overlaps the
     shrink (kernels/pdl.py)."""
     n0 = tl.program_id(1) * BLOCK_N
-    s = tl.program_id(2)
     first, end, adapter = tile_bounds(tiles_ptr, tl.program_id(0))
-    table = adapter * MODULES + FIRST_MODULE
-    # Every load below depends only on the tile's adapter, so they go out together (each program is short: its
-    # time is mostly these dependent round trips to memory, not bandwidth).
-    rank = tl.load(ranks_ptr + table + s)
-    row0 = tl.load(row_start_ptr + table + s)
-    scale = tl.load(scales_ptr + table + s)
-    offset = tl.where(s == 0, offset0, tl.where(s == 1, offset1, offset2))
-    width = tl.where(s == 0, width0, tl.where(s == 1, width1, width2))
-    v_col = 0  # this module's first column in v: the ranks of the call's modules before it
-    for before in tl.static_range(NUM_SLICES - 1):
-        v_col += tl.where(before < s, tl.load(ranks_ptr + table + before), 0)
+    rank, row0, scale, offset, width, v_col = module_of_program(
+        ranks_ptr, scales_ptr, row_start_ptr, adapter * MODULES + FIRST_MODULE,
+        offset0, offset1, offset2, width0, width1, width2, NUM_SLICES,
+    )  # fmt: skip
     if (rank > 0) & (n0 < width):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < width
@@ -237,7 +237,7 @@ def expand_launch(
         return None
     offsets = tuple(out_offsets) + (0,) * (3 - num_slices)
     widths = tuple(out_widths) + (0,) * (3 - num_slices)
-    programs_per_block = num_tiles * (num_slices if cfg.gemv else 1)
+    programs_per_block = num_tiles * num_slices
     block_n = expand_block_n(cfg, programs_per_block, max(out_widths))
     args = dict(
         v_ptr=v, stride_v_split=v.stride(0), stride_v_tok=v.stride(1), split_k=v.shape[0],
@@ -252,13 +252,12 @@ def expand_launch(
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if args["USE_PDL"]:
         options.update(launch_pdl=True)
-    blocks = cdiv(max(out_widths), block_n)
+    grid = (num_tiles, cdiv(max(out_widths), block_n), num_slices)
     if cfg.gemv:
         args.update(SPLITS=next_power_of_2(v.shape[0]))
-        grid = (num_tiles, blocks, num_slices)
         return Relaunch(_lora_expand_gemv_kernel, grid, args, options, changing=("pool_ptr", "y_ptr"))
     args.update(DOT_PRECISION=dot_precision(y.dtype))
-    return Relaunch(_lora_expand_kernel, (num_tiles, blocks), args, options, changing=("pool_ptr", "y_ptr"))
+    return Relaunch(_lora_expand_kernel, grid, args, options, changing=("pool_ptr", "y_ptr"))
 
 
 def expand_block_n(cfg: ExpandConfig, programs_per_block: int, width: int) -> int:

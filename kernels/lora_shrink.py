@@ -13,8 +13,12 @@ are computed together as one rank range: x is read for all of them at once.
 
 Steps of decodes only (tiles of one or a few tokens) go to a GEMV kernel with the same grid and output, which spends no
 tensor-core tile on padding rows. Work follows each adapter's own rank: rank chunks past it are skipped and rows
-past it inside the last chunk are masked (never loaded). Tokens of no adapter belong to no tile. The expand
-kernel sums the split_k partials.
+past it inside the last chunk are masked (never loaded). Tokens of no adapter belong to no tile.
+
+Who sums the split_k partials: the GEMV expand kernel loads a token's partials in one go. The tensor-core shrink sums
+them itself: the last program of a (tile, rank program) to finish, counted on a semaphore, adds the splits' partials
+in split order into split 0, so the expand reads one v. Otherwise every expand program (one per column block and
+module) re-read and summed every split, a chain of split_k dependent loads per rank chunk.
 """
 
 from __future__ import annotations
@@ -105,12 +109,14 @@ def _lora_shrink_kernel(
     a_rows_ptr,  # int64 [total_rows]: flat pool offset of each lora_A row
     in_features,
     k_per_split,  # input features per split (a multiple of BLOCK_K)
+    arrivals_ptr,  # int32 [num_tiles * rank programs], zero between launches: splits done per (tile, rank program)
     FIRST_MODULE: tl.constexpr,  # first module of the call (0 for q, k, v)
     NUM_SLICES: tl.constexpr,  # consecutive modules fused in the call (3 for q, k, v)
     ROW_ALIGN: tl.constexpr,  # every A row offset is a multiple of this
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    REDUCE: tl.constexpr,  # K is split: the last split to finish sums the partials into split 0 (see top)
     USE_PDL: tl.constexpr,  # let the expand kernel, launched with PDL, start now (kernels/pdl.py)
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no tf32 rounding)
 ):
@@ -139,6 +145,26 @@ def _lora_shrink_kernel(
             at = tl.load(pool_ptr + rows[:, None] + k[None, :], mask=j_mask[:, None] & k_mask[None, :], other=0.0)
             acc = tl.dot(xt, tl.trans(at), acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_R]
         tl.store(v_base + j[None, :], acc, mask=tok_mask[:, None] & j_mask[None, :])
+    if REDUCE:
+        group = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        tl.debug_barrier()  # every thread's partial stored before the arrival is counted (released by the atomic)
+        if tl.atomic_add(arrivals_ptr + group, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+            v_rows = v_ptr + tokens.to(tl.int64)[:, None] * stride_v_tok
+            sum_split_partials(v_rows, stride_v_split, tok_mask, rank, BLOCK_R)
+            tl.atomic_xchg(arrivals_ptr + group, 0)  # ready for the next layer's launch
+
+
+@triton.jit
+def sum_split_partials(v_rows, stride_v_split, tok_mask, rank, BLOCK_R: tl.constexpr):
+    """Split 0 of v := the sum, in split order, of every split's partials, in this rank program's chunks of the
+    tile's tokens (v_rows: [BLOCK_M, 1] pointers into split 0). Loads bypass L1: other SMs wrote the partials."""
+    for c in range(tl.program_id(1) * BLOCK_R, rank, tl.num_programs(1) * BLOCK_R):
+        j = c + tl.arange(0, BLOCK_R)
+        mask = tok_mask[:, None] & (j < rank)[None, :]
+        total = tl.load(v_rows + j[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+        for sp in range(1, tl.num_programs(2)):
+            total += tl.load(v_rows + sp * stride_v_split + j[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(v_rows + j[None, :], total, mask=mask)
 
 
 @triton.jit(do_not_specialize=["stride_v_split", "stride_v_tok"])  # v's width: the graph's rank bound or the step's
@@ -199,9 +225,10 @@ def shrink_launch(
     num_slices: int,
     group: SegmentGroup | None = None,
 ) -> tuple[torch.Tensor, Relaunch | None]:
-    """v [split_k, num_tokens, R] (allocated here) and the launch that writes into it the partial sums of x·Aᵀ for
+    """v [splits, num_tokens, R] (allocated here) and the launch that writes into it the partial sums of x·Aᵀ for
     modules first_module .. + num_slices - 1 (see top), called as launch(x, flat_layer) for any x and pool layer
     shaped like these (every layer of a step); None when the step has no adapter token or the modules no rank.
+    v's splits are the K splits for the GEMV kernel, one (their sum) for the tensor-core kernel.
 
     Every segment of `group` (default: the whole step) in one launch (kernel and tile shape: shrink_config); rows of
     other tokens are left unwritten.
@@ -226,12 +253,15 @@ def shrink_launch(
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, USE_PDL=pdl_enabled(x.device),
     )  # fmt: skip
     kernel = _lora_shrink_gemv_kernel
+    v_out = v
     if not cfg.gemv:
         kernel = _lora_shrink_kernel
-        args.update(DOT_PRECISION=dot_precision(x.dtype))
+        arrivals = torch.zeros(num_tiles * rank_programs, dtype=torch.int32, device=x.device)
+        args.update(arrivals_ptr=arrivals, REDUCE=split_k > 1, DOT_PRECISION=dot_precision(x.dtype))
+        v_out = v[:1]  # the expand reads the sums in split 0 only
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (num_tiles, rank_programs, split_k)
-    return v, Relaunch(kernel, grid, args, options, changing=("x_ptr", "pool_ptr"))
+    return v_out, Relaunch(kernel, grid, args, options, changing=("x_ptr", "pool_ptr"))
 
 
 def shrink_grid(cfg: ShrinkConfig, num_tiles: int, fused_rank: int, in_features: int) -> tuple[int, int, int]:
