@@ -12,15 +12,17 @@ and the launchers read fixed bounds instead of the step's values (kernels/metada
 module, and the context bound max_model_len for the split of decode attention. Every kernel skips what lies
 beyond the real ranks, tiles and lengths, so padding costs launches of idle programs, not wrong results.
 
-Graphs are keyed by bucket, by the LoRA modules the step's adapters target and by a power-of-two bound on their
-ranks: a graph launches the LoRA kernels of those modules only (an attention-only adapter set, S-LoRA's S1, skips
-the MLP calls) with grids sized for that bound, not for max_lora_rank (256 by default: rank-8 adapters would run
-in grids of idle rank programs and no K split). At start each bucket is captured without LoRA and with all seven
-modules at max_lora_rank, and for the adapters in host memory (`add_family`: their modules and largest rank); a
+Graphs are keyed by bucket, by the LoRA modules the step's adapters target, by a power-of-two bound on their
+ranks and by whether the step's tokens belong to few adapters (metadata.few_adapters: its LoRA kernels then run on
+tensor-core tiles of 16 tokens). A graph launches the LoRA kernels of those modules only (an attention-only
+adapter set, S-LoRA's S1, skips the MLP calls) with grids sized for that bound, not for max_lora_rank (256 by
+default: rank-8 adapters would run in grids of idle rank programs and no K split). At start each bucket is
+captured without LoRA and with all seven modules at max_lora_rank, and for the adapters in host memory
+(`add_family`: their modules and largest rank, both tile kinds where a bucket can hold a step of few adapters); a
 step replays the cheapest of these that covers it, and a step that only the first covers gets a graph of its own
-keys, captured on first use (a one-time stall of that step). All graphs share
-one memory pool and are captured largest first, so smaller ones reuse its blocks. Only the Triton kernel backend
-can be captured (the torch reference reads host-side lists).
+keys, captured on first use (a one-time stall of that step). All graphs share one memory pool and are captured
+largest first, so smaller ones reuse its blocks. Only the Triton kernel backend can be captured (the torch
+reference reads host-side lists).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from slora.backend.model import DecoderModel
 from slora.backend.model_spec import LORA_MODULES
 from slora.backend.page_pool import PagePool
 from slora.backend.static_lora import StaticLora
-from slora.kernels.metadata import AttentionMeta, row_alignment
+from slora.kernels.metadata import FEW_ADAPTERS_MIN_TOKENS, AttentionMeta, row_alignment
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ class GraphKey(NamedTuple):
     size: int  # bucket: sequences in the step, padded up to it
     modules: Modules  # LoRA modules some adapter of the step targets (empty: no adapter)
     max_rank: int  # bound on the step's adapter ranks: launch grids and row buffers are sized by it
+    few: bool = False  # the step's tokens belong to few adapters: tensor-core LoRA tiles (backend/static_lora.py)
 
 
 def rank_bound(max_rank: int, limit: int) -> int:
@@ -109,7 +112,7 @@ class StaticDecode:
             seq_lens_host=[1] * size,
             block_tables_host=[[] for _ in range(size)],
         )
-        self._lora = StaticLora(size, key.modules, key.max_rank, row_align, device) if key.modules else None
+        self._lora = StaticLora(size, key.modules, key.max_rank, row_align, device, key.few) if key.modules else None
         self.lora = self._lora.meta if self._lora is not None else None
         self.batch = ForwardBatch(
             input_ids=self.input_ids,
@@ -198,6 +201,8 @@ class DecodeGraphs:
         if self.capture:
             for size in reversed(self.sizes):
                 self._capture(GraphKey(size, *family))
+                if size >= FEW_ADAPTERS_MIN_TOKENS:
+                    self._capture(GraphKey(size, *family, few=True))
             logger.info("captured decode graphs for LoRA modules %s, ranks up to %d", sorted(family[0]), family[1])
 
     def key(self, batch: ForwardBatch) -> GraphKey:
@@ -209,7 +214,8 @@ class DecodeGraphs:
         modules, bound = batch.lora.targeted_modules(), rank_bound(batch.lora.max_rank, self.limits.max_lora_rank)
         covering = [f for f in self._families if f[0] >= modules and f[1] >= bound]
         best = min(covering, key=lambda f: (len(f[0]) * f[1], f[1]))
-        return GraphKey(size, *((modules, bound) if best == self.generic else best))
+        family_modules, family_bound = (modules, bound) if best == self.generic else best
+        return GraphKey(size, family_modules, family_bound, batch.lora.of_few_adapters())
 
     def _buffers(self, key: GraphKey) -> StaticDecode:
         if key not in self._static:

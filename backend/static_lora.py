@@ -5,8 +5,12 @@ LoraMeta is copied into buffers sized for the bucket (`size` sequences) and the 
 
     adapter rows 0 .. size-1   the step's adapters (ranks, scales, row starts)
     adapter row `size`         the null adapter: rank 0, never written
-    tiles                      one per decode tile of the step; the rest name the null adapter and cover no token
+    tiles                      one per LoRA tile of the step; the rest name the null adapter and cover no token
     token_adapter              the step's tokens, -1 (no adapter) for the padding rows
+
+A graph for steps of many adapters launches the GEMV kernels on one-token tiles (`size` of them at most); one for
+steps of few adapters (`few`: metadata.few_adapters) the tensor-core kernels on 16-token tiles of one adapter, at
+most size / 16 + FEW_ADAPTERS_MAX of them, so its grids stay sized for its tiles instead of one per token.
 """
 
 from __future__ import annotations
@@ -15,17 +19,22 @@ import torch
 
 from slora.backend.model_spec import LORA_MODULES
 from slora.kernels import lora_shrink
-from slora.kernels.metadata import TILE_COLUMNS, LoraMeta, StaticBounds
+from slora.kernels.launch import cdiv
+from slora.kernels.metadata import FEW_ADAPTERS_MAX, TILE_COLUMNS, LoraMeta, StaticBounds
 
 TILE_BLOCK = lora_shrink.DECODE.block_m  # tokens per decode tile (the LoRA kernels' decode configs)
+FEW_TILE_BLOCK = lora_shrink.MIXED.block_m  # tokens per tile of a graph for few adapters (the mixed configs)
 
 
 class StaticLora:
     """`meta`: the LoraMeta a graph is captured with; `fill` copies a step's metadata into it before a replay."""
 
-    def __init__(self, size: int, modules: frozenset[int], max_rank: int, row_align: int, device: torch.device) -> None:
+    def __init__(
+        self, size: int, modules: frozenset[int], max_rank: int, row_align: int, device: torch.device, few: bool = False
+    ) -> None:
         self.size = size
-        self.meta = _static_meta(size, modules, max_rank, row_align, device)
+        self.tile_block = FEW_TILE_BLOCK if few else TILE_BLOCK
+        self.meta = _static_meta(size, modules, max_rank, row_align, device, few)
         self._filled: tuple[LoraMeta, int] | None = None  # the step metadata the buffers hold now
 
     def fill(self, meta: LoraMeta, n: int) -> None:
@@ -45,16 +54,22 @@ class StaticLora:
         static.b_rows[:rows].copy_(meta.b_rows)
         static.token_adapter[:n].copy_(meta.token_adapter)
         static.token_adapter[n:].fill_(-1)
-        step_tiles = meta.tiles(TILE_BLOCK)
+        step_tiles = meta.tiles(self.tile_block)
         count = step_tiles.shape[0]
+        if count > tiles.shape[0]:
+            raise ValueError(f"a step of {count} LoRA tiles does not fit a graph of {tiles.shape[0]}")
         tiles[:count].copy_(step_tiles)
         tiles[count:, 1:3].zero_()
         tiles[count:, 3].fill_(self.size)
 
 
-def _static_meta(size: int, modules: frozenset[int], max_rank: int, row_align: int, device: torch.device) -> LoraMeta:
+def _static_meta(
+    size: int, modules: frozenset[int], max_rank: int, row_align: int, device: torch.device, few: bool
+) -> LoraMeta:
+    tile_block, kind = (FEW_TILE_BLOCK, "mixed") if few else (TILE_BLOCK, "decode")
+    max_tiles = cdiv(size, FEW_TILE_BLOCK) + FEW_ADAPTERS_MAX if few else size
     columns = len(LORA_MODULES)
-    tiles = torch.zeros((size, TILE_COLUMNS), dtype=torch.int32, device=device)
+    tiles = torch.zeros((max_tiles, TILE_COLUMNS), dtype=torch.int32, device=device)
     tiles[:, 3] = size
     return LoraMeta(
         token_adapter=torch.full((size,), -1, dtype=torch.int32, device=device),
@@ -72,5 +87,5 @@ def _static_meta(size: int, modules: frozenset[int], max_rank: int, row_align: i
         scales_host=[],
         row_start_host=[],
         row_align=row_align,
-        static=StaticBounds(max_rank, tiles, TILE_BLOCK, modules),
+        static=StaticBounds(max_rank, tiles, tile_block, modules, kind),
     )

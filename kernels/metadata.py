@@ -57,6 +57,19 @@ def alignment_of(offsets_or: int, cap: int = 16) -> int:
 
 
 SHORT_SEGMENT = 16  # segments of up to this many tokens (decodes) get decode-shaped tiles
+# A step whose adapter tokens are at least FEW_ADAPTERS_MIN_TOKENS over at most FEW_ADAPTERS_MAX adapters gets the
+# LoRA kernels' 16-token tensor-core tiles even when it is all decodes: they read an adapter's rows once per 16
+# tokens, where the GEMV kernels read them once per token (from cache after the first). H200, one layer's LoRA calls
+# (perf.bench_lora_kinds, perf/RESULTS.md #68): 64 decodes of 4 adapters r64 on all modules 0.0645 against 0.1101 ms,
+# 64 of 5 S2 adapters 0.0308 against 0.0370, 128 of 24 S2 adapters 0.0411 against 0.0559; S1's 64 of 5 even (0.0193
+# against 0.0186); GEMV ahead at 16 decodes (1 to 5 adapters) and at 64 of 24 adapters or more.
+FEW_ADAPTERS_MIN_TOKENS = 64
+FEW_ADAPTERS_MAX = 8
+
+
+def few_adapters(num_tokens: int, num_adapters: int) -> bool:
+    """Whether num_tokens adapter tokens of num_adapters adapters get 16-token tensor-core tiles (see above)."""
+    return num_tokens >= FEW_ADAPTERS_MIN_TOKENS and num_adapters <= FEW_ADAPTERS_MAX
 
 
 @dataclass
@@ -92,9 +105,13 @@ class SegmentGroup:
     @property
     def kind(self) -> str:
         """What the group's segments are, which picks the LoRA kernels' configs: "decode" (every segment of up to
-        SHORT_SEGMENT rows), "mixed" (some of them) or "prompts" (none)."""
+        SHORT_SEGMENT rows: GEMV kernels), "mixed" (some of them, or all of them but for few adapters with many
+        rows each: 16-row tensor-core tiles) or "prompts" (none: prompt-sized tiles). A graph's: its bounds'."""
+        if self.static is not None:
+            return self.static.kind
         if self.max_segment_len <= SHORT_SEGMENT:
-            return "decode"
+            rows = sum(end - start for _, start, end, _ in self.segments)
+            return "mixed" if few_adapters(rows, len(self.segments)) else "decode"
         return "mixed" if self.tile_len <= SHORT_SEGMENT else "prompts"
 
     def tiles(self, block: int) -> torch.Tensor:
@@ -170,14 +187,15 @@ class StaticBounds:
 
     A graph replays the grids and buffer shapes it was captured with, so the launchers must not derive them from
     the step: with these bounds, `fused_rank` is max_rank × the modules of the call in `modules` (0 for a call no
-    adapter of the graph's steps targets: that call is not launched at all), `max_segment_len` is 1 (decode
-    tiles) and `tiles` is the static buffer, whose unused rows name a null adapter of rank 0 and cover no token.
+    adapter of the graph's steps targets: that call is not launched at all), the kernels' configs are those of
+    `kind` and `tiles` is the static buffer, whose unused rows name a null adapter of rank 0 and cover no token.
     """
 
     max_rank: int  # the largest rank of any module of any adapter (EngineConfig.max_lora_rank)
     tiles: torch.Tensor  # int32 [max_tiles, 4], refilled before each replay
     tile_block: int  # tokens per tile the buffer was built for
     modules: frozenset[int] = frozenset(range(7))  # the only modules any adapter of a replayed step may target
+    kind: str = "decode"  # the LoRA kernels' configs (SegmentGroup.kind): "mixed" for steps of few adapters
 
 
 @dataclass
@@ -217,6 +235,11 @@ class LoraMeta:
     @property
     def num_segments(self) -> int:
         return len(self.seg_adapter_host)
+
+    def of_few_adapters(self) -> bool:
+        """Whether the step's adapter tokens belong to few adapters (few_adapters): 16-token tensor-core tiles."""
+        starts = self.seg_start_host
+        return bool(starts) and few_adapters(starts[-1] - starts[0], self.num_segments)
 
     def targeted_modules(self) -> frozenset[int]:
         """The modules some adapter of the step targets (rank > 0)."""

@@ -405,14 +405,15 @@ GRAPH_MAX_RANK = EngineConfig.max_lora_rank  # the default: the cap of a graph's
 
 def graph_meta(case: LoraCase) -> tuple[LoraMeta, int] | None:
     """A decode step's metadata as a CUDA graph replays it (backend/static_lora.py): static buffers of the smallest
-    bucket that holds its tokens, launch grids of its power-of-two rank bound, padding rows of no adapter; and that
-    bucket's size. None for a step with prompts (eager in the engine)."""
+    bucket that holds its tokens, launch grids of its power-of-two rank bound and tile kind, padding rows of no
+    adapter; and that bucket's size. None for a step with prompts (eager in the engine)."""
     meta, n = case.meta, case.num_tokens
     if not case.decode_only:
         return None
     size = bucket_for(bucket_sizes(GRAPH_MAX_SEQS), n)
     bound = rank_bound(meta.max_rank, GRAPH_MAX_RANK)
-    static = StaticLora(size, meta.targeted_modules(), bound, meta.row_align, meta.token_adapter.device)
+    device = meta.token_adapter.device
+    static = StaticLora(size, meta.targeted_modules(), bound, meta.row_align, device, meta.of_few_adapters())
     static.fill(meta, n)
     return static.meta, size
 

@@ -35,7 +35,7 @@ from perf.bench_kernels import (
     s2_adapters,
     timed,
 )
-from slora.kernels import lora_expand, lora_shrink
+from slora.kernels import lora_expand, lora_shrink, metadata
 from slora.kernels.metadata import SHORT_SEGMENT
 from slora.kernels.triton_ops import TritonOps
 
@@ -49,10 +49,13 @@ KINDS = (*GEMV_TILES, "tensor")
 @contextlib.contextmanager
 def decode_kernels(kind: str) -> Iterator[None]:
     """Decode steps through the GEMV kernels on tiles of GEMV_TILES[kind] tokens for the shrink and the expand (each
-    program runs its tile's tokens one after the other; the default: one-token tiles), or the tensor-core ones."""
+    program runs its tile's tokens one after the other; the default: one-token tiles), or the tensor-core ones.
+    Steps of few adapters stay decode steps meanwhile (no metadata.few_adapters rule), so each kind runs them."""
     saved = [(m, name, getattr(m, name)) for m in (lora_shrink, lora_expand) for name in ("DECODE", "DECODE_ONE")]
+    saved.append((metadata, "FEW_ADAPTERS_MAX", metadata.FEW_ADAPTERS_MAX))
+    metadata.FEW_ADAPTERS_MAX = 0
     try:
-        for module, name, config in saved:
+        for module, name, config in saved[:-1]:
             if kind == "tensor":
                 setattr(module, name, module.MIXED)
             else:
@@ -87,7 +90,7 @@ def cases(tokens: int) -> list[tuple[str, list[tuple[int, ...]]]]:
     adapters, and one adapter per request to compare. Only steps of up to SHORT_SEGMENT tokens per adapter: an eager
     step with more is not a decode group (metadata.SegmentGroup.kind) and gets prompt tiles whatever the decode
     configs are, so it would compare nothing."""
-    named = [
+    named: list[tuple[str, list[tuple[int, ...]]]] = [
         (f"{tokens} decodes, 1 adapter S2 r64", s2_adapters(1)),
         (f"{tokens} decodes, 4 adapters r64 all modules", adapters([64] * 4)),
         (f"{tokens} decodes, 5 adapters S2", s2_adapters(5)),

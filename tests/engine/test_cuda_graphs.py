@@ -15,7 +15,7 @@ from slora.backend.config import EngineConfig
 from slora.backend.cuda_graphs import DecodeGraphs, GraphLimits, bucket_sizes, rank_bound
 from slora.backend.engine import LLMEngine
 from slora.backend.sampling_params import SamplingParams
-from slora.kernels import lora_call
+from slora.kernels import lora_call, metadata
 from tests.engine.conftest import ModelWithAdapters
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -110,6 +110,35 @@ def test_graphs_launch_the_lora_of_targeted_modules_only(
     keys = set(graphs._static)  # noqa: SLF001 - which graphs the steps used
     assert any(key.modules == frozenset({0, 1, 2, 3}) and key.max_rank == 16 for key in keys), keys
     assert launched and not {4, 5, 6} & set(launched), sorted(set(launched))
+
+
+@pytest.mark.parametrize("device", ["cuda" if torch.cuda.is_available() else "cpu"])
+def test_steps_of_few_adapters_replay_tensor_core_graphs(
+    llama: ModelWithAdapters, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps whose tokens belong to few adapters (metadata.few_adapters, its token floor lowered to this
+    engine's batches) replay graphs of 16-token tensor-core LoRA tiles; tokens and logits equal the eager engine's
+    on the GEMV kernels, and steps of more adapters keep one-token tiles."""
+    engine = _engine(llama, device)
+    rng = random.Random(17)
+    names = ["r16-all", "r3-all", "r16-all", None, "r3-all", "r16-all", "r3-all", "r16-all", None, "r12-qkv"]
+    jobs = [([rng.randrange(150) for _ in range(rng.randint(3, 9))], name) for name in names]
+    eager_tokens, eager_logits = _run(engine, jobs[:8])
+    many_tokens, _ = _run(engine, jobs)
+    monkeypatch.setattr(metadata, "FEW_ADAPTERS_MIN_TOKENS", 4)
+    monkeypatch.setattr(metadata, "FEW_ADAPTERS_MAX", 2)
+    limits = GraphLimits(engine.config.max_num_seqs, engine.max_model_len, engine.config.max_lora_rank)
+    graphs = DecodeGraphs(engine.model, engine.pool, limits, capture=device == "cuda")
+    engine.runner.graphs = graphs
+    graph_tokens, graph_logits = _run(engine, jobs[:8])
+    assert graph_tokens == eager_tokens
+    for got, want in zip(graph_logits, eager_logits, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert {key.few for key in graphs._static if key.modules} == {True}  # noqa: SLF001 - the graphs the steps used
+    graphs._static.clear()  # noqa: SLF001
+    assert _run(engine, jobs)[0] == many_tokens  # three adapters
+    assert not any(key.few for key in graphs._static), set(graphs._static)  # noqa: SLF001
+    engine.check_idle_integrity()
 
 
 @pytest.mark.parametrize("device", ["cuda" if torch.cuda.is_available() else "cpu"])

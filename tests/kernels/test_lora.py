@@ -218,6 +218,22 @@ def test_lora_kernel_kind_follows_the_step() -> None:
     assert blocks == {static_lora.TILE_BLOCK}
 
 
+def test_decodes_of_few_adapters_get_tensor_core_tiles() -> None:
+    """64 decodes over at most 8 adapters (with base-model tokens between them) run on the 16-token tensor-core
+    tiles and match the reference; over 9 adapters they stay on the GEMV kernels."""
+    few: list[tuple[int | None, int]] = [(i % 4 + 2 if i % 9 else None, 1) for i in range(72)]
+    group = build_case(TINY, torch.float32, list(TINY_ADAPTERS), few, seed=41).meta.whole()
+    assert sum(end - start for _, start, end, _ in group.segments) == 64 and len(group.segments) == 4
+    assert (lora_shrink.shrink_config(group, 3), lora_expand.expand_config(group, 3)) == (
+        lora_shrink.MIXED,
+        lora_expand.MIXED,
+    )
+    many = [(None, 1)] + [(i % 9, 1) for i in range(64)]
+    adapters = list(TINY_ADAPTERS) + [(2, 2, 2, 2, 2, 2, 2)] * 3
+    assert build_case(TINY, torch.float32, adapters, many, seed=41).meta.whole().kind == "decode"
+    check_layer(build_case(TINY, torch.bfloat16, list(TINY_ADAPTERS), few, seed=43), "triton", seed=44)
+
+
 @pytest.mark.parametrize("step", sorted(TINY_STEPS))
 def test_padded_bmm_matches_reference(step: str) -> None:
     case = build_case(TINY, torch.float32, list(TINY_ADAPTERS), TINY_STEPS[step], seed=5)
