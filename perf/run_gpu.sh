@@ -33,8 +33,8 @@
 # when the time is gone, and the results of every finished run are kept.
 #
 # Outputs (8 files at most come back): $OUT/results.json (every run), report.md (targets checked, runs
-# table), run.log (everything the steps logged), server.log, profile.txt, throughput.png, scaling.png,
-# latency.png. Model, adapters and traces go to $WORK (local disk), reused while the machine stays warm.
+# table), run.log (everything the steps logged), server.log, metrics.txt (the engine's series on the metrics
+# endpoint when each server stopped), profile.txt, throughput.png, scaling.png, latency.png. Model, adapters and traces go to $WORK (local disk), reused while the machine stays warm.
 #
 # Knobs (environment): BUDGET_S (570), RATE (40 req/s) and DURATION (12 s) of the traces, SEED (42),
 # RUN_LIMIT (120 s per run), KERNEL (triton; the engine's kernel_backend), ENGINE_OPTS ("key=value ..." for
@@ -215,6 +215,10 @@ wait_server() {  # until the server is ready; gives up at once when slora-serve 
 
 stop_server() {
   [[ -z $SERVER_PID ]] && return 0
+  # the engine's series on Triton's metrics endpoint as the runs left them (docs/serving.md), one block a server
+  { echo "# $(date +%T) slora-serve pid $SERVER_PID"
+    "$PY" -c "import urllib.request as u; print(u.urlopen('http://localhost:$((PORT_BASE + 2))/metrics', timeout=5)
+      .read().decode())" 2>>"$LOG" | grep '^slora_' ; } >>"$OUT/metrics.txt"
   log "stopping slora-serve (pid $SERVER_PID)"
   kill -INT "$SERVER_PID" 2>/dev/null
   for _ in $(seq 30); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
