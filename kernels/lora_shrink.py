@@ -110,13 +110,14 @@ def _lora_shrink_kernel(
     in_features,
     k_per_split,  # input features per split (a multiple of BLOCK_K)
     arrivals_ptr,  # int32 [num_tiles * rank programs], zero between launches: splits done per (tile, rank program)
+    # (whether K is split is read from the grid, not passed as a constexpr: one compiled variant serves a step of
+    # many tiles, one split, and a step of few, split; with a constexpr the warm-up missed one of the two)
     FIRST_MODULE: tl.constexpr,  # first module of the call (0 for q, k, v)
     NUM_SLICES: tl.constexpr,  # consecutive modules fused in the call (3 for q, k, v)
     ROW_ALIGN: tl.constexpr,  # every A row offset is a multiple of this
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    REDUCE: tl.constexpr,  # K is split: the last split to finish sums the partials into split 0 (see top)
     USE_PDL: tl.constexpr,  # let the expand kernel, launched with PDL, start now (kernels/pdl.py)
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no tf32 rounding)
 ):
@@ -145,7 +146,7 @@ def _lora_shrink_kernel(
             at = tl.load(pool_ptr + rows[:, None] + k[None, :], mask=j_mask[:, None] & k_mask[None, :], other=0.0)
             acc = tl.dot(xt, tl.trans(at), acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_R]
         tl.store(v_base + j[None, :], acc, mask=tok_mask[:, None] & j_mask[None, :])
-    if REDUCE:
+    if tl.num_programs(2) > 1:  # K is split: the last split to finish sums the partials into split 0 (see top)
         group = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         tl.debug_barrier()  # every thread's partial stored before the arrival is counted (released by the atomic)
         if tl.atomic_add(arrivals_ptr + group, 1, sem="acq_rel") == tl.num_programs(2) - 1:
@@ -257,7 +258,7 @@ def shrink_launch(
     if not cfg.gemv:
         kernel = _lora_shrink_kernel
         arrivals = torch.zeros(num_tiles * rank_programs, dtype=torch.int32, device=x.device)
-        args.update(arrivals_ptr=arrivals, REDUCE=split_k > 1, DOT_PRECISION=dot_precision(x.dtype))
+        args.update(arrivals_ptr=arrivals, DOT_PRECISION=dot_precision(x.dtype))
         v_out = v[:1]  # the expand reads the sums in split 0 only
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (num_tiles, rank_programs, split_k)
