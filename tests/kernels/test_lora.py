@@ -8,6 +8,7 @@ Rows of base tokens, and columns of modules a token's adapter does not target, m
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import json
 from dataclasses import dataclass
@@ -179,6 +180,33 @@ def test_lora_split_k(step: str, monkeypatch: pytest.MonkeyPatch) -> None:
     check_layer(case, "triton", seed=21)
 
 
+def test_split_and_unsplit_steps_share_compiled_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of many tiles (K unsplit) and one of few (K split, summed by the shrink's last split) launch the same
+    constexprs: one compiled variant serves both, so a server warmed up on either compiles nothing for the other
+    (a constexpr for the split made the H200's engine runs compile inside their clocks, RESULTS.md session 14)."""
+    monkeypatch.setattr(lora_shrink, "MIXED", dataclasses.replace(lora_shrink.MIXED, block_k=16, target_programs=64))
+    launches = {}
+    steps: dict[str, list[tuple[int | None, int]]] = {
+        "few tiles": [(4, 20), (0, 1)],
+        "many tiles": [(4, 200), (0, 1), (1, 90)],
+    }
+    for name, step in steps.items():
+        case = build_case(TINY, torch.bfloat16, list(TINY_ADAPTERS), step, seed=47)
+        group = case.meta.whole()
+        assert group.kind == "mixed", name
+        x = torch.randn((case.num_tokens, TINY.hidden), device=DEVICE).to(torch.bfloat16)
+        launch = lora_shrink.shrink_launch(x, case.flat_layer, case.meta, 0, 3, group)[1]
+        assert launch is not None
+        launches[name] = launch
+    splits = {name: launch._grid[2] for name, launch in launches.items()}  # noqa: SLF001 - the launch's grid
+    assert splits["few tiles"] > 1 and splits["many tiles"] == 1, splits
+    signature = inspect.signature(lora_shrink._lora_shrink_kernel.fn)  # noqa: SLF001 - the kernel's Python function
+    constexprs = [name for name, p in signature.parameters.items() if p.annotation == "tl.constexpr"]
+    assert "BLOCK_M" in constexprs and "x_ptr" not in constexprs
+    values = [{c: dict(zip(launch._names, launch._values))[c] for c in constexprs} for launch in launches.values()]  # noqa: SLF001
+    assert values[0] == values[1]
+
+
 def test_lora_decode_tiles_of_several_tokens() -> None:
     """Decodes of two adapters (rank 64; ranks up to 128) five tokens each: full GEMV tiles of several tokens."""
     step: list[tuple[int | None, int]] = [(4 + i % 2, 1) for i in range(10)] + [(None, 1)]
@@ -228,7 +256,7 @@ def test_decodes_of_few_adapters_get_tensor_core_tiles() -> None:
         lora_shrink.MIXED,
         lora_expand.MIXED,
     )
-    many = [(None, 1)] + [(i % 9, 1) for i in range(64)]
+    many: list[tuple[int | None, int]] = [(None, 1)] + [(i % 9, 1) for i in range(64)]
     adapters = list(TINY_ADAPTERS) + [(2, 2, 2, 2, 2, 2, 2)] * 3
     assert build_case(TINY, torch.float32, adapters, many, seed=41).meta.whole().kind == "decode"
     check_layer(build_case(TINY, torch.bfloat16, list(TINY_ADAPTERS), few, seed=43), "triton", seed=44)
