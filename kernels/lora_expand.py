@@ -1,9 +1,9 @@
 """LoRA expand over the unified pool: y[:, offset_m : offset_m + out_m] += (v_m · Bᵀ_m) * scale_m, per token.
 
 The second half of the shrink kernel's work (see lora_shrink.py): v holds split-K partial sums of x·Aᵀ for the
-fused modules of one call (one split from the tensor-core shrink, which sums them). One program takes one tile of
+fused modules of one call (one split, their sum, from the tensor-core shrink). One program takes one tile of
 up to BLOCK_M tokens of one segment (one adapter), one BLOCK_N slice of the output columns and one module of the
-call (grid axis 2: the modules run side by side, not one after the other): it sums the partials, reads the
+call (grid axis 2: the modules run side by side, not one after the other): it sums the partials (GEMV), reads the
 adapter's Bᵀ rows for those columns once for all tokens of the tile, and adds the scaled product into y
 (read-modify-write, each element of y owned by one program, so no atomics).
 
@@ -59,12 +59,10 @@ def expand_config(group: SegmentGroup, num_slices: int) -> ExpandConfig:
     return MIXED if group.kind == "mixed" else PREFILL
 
 
-@triton.jit(do_not_specialize=["split_k", "stride_v_split", "stride_v_tok"])  # as the shrink: rank-dependent
+@triton.jit(do_not_specialize=["stride_v_tok"])  # as the shrink: rank-dependent
 def _lora_expand_kernel(
-    v_ptr,  # float32 [split_k, num_tokens, R]: the shrink kernel's partial sums
-    stride_v_split,
+    v_ptr,  # float32 [1, num_tokens, R]: the tensor-core shrink's sums
     stride_v_tok,
-    split_k,  # partials to sum
     pool_ptr,  # one pool layer, flat: Bᵀ rows live at the offsets in b_rows
     y_ptr,  # [num_tokens, ≥ Σ out_m], unit column stride (updated in place)
     stride_y,
@@ -99,9 +97,6 @@ def _lora_expand_kernel(
     if (rank > 0) & (n0 < width):
         tokens = first + tl.arange(0, BLOCK_M)
         tok_mask = tokens < end
-        # the split partials of a chunk are summed one split at a time (loading all splits at once held
-        # split_k × BLOCK_M × BLOCK_R floats per program: register pressure with prompt tiles); the tensor-core
-        # shrink leaves one split (their sum)
         v_rows = v_ptr + tokens.to(tl.int64)[:, None] * stride_v_tok + v_col
         y_rows = y_ptr + tokens.to(tl.int64)[:, None] * stride_y + offset
         n = n0 + tl.arange(0, BLOCK_N)
@@ -110,10 +105,7 @@ def _lora_expand_kernel(
         for c in range(0, rank, BLOCK_R):
             j = c + tl.arange(0, BLOCK_R)
             j_mask = j < rank
-            v_mask = tok_mask[:, None] & j_mask[None, :]
-            vt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for sp in range(split_k):
-                vt += tl.load(v_rows + sp * stride_v_split + j[None, :], mask=v_mask, other=0.0)
+            vt = tl.load(v_rows + j[None, :], mask=tok_mask[:, None] & j_mask[None, :], other=0.0)
             rows = tl.load(b_rows_ptr + row0 + j, mask=j_mask, other=0)
             rows = tl.multiple_of(rows, ROW_ALIGN)
             bt = tl.load(pool_ptr + rows[:, None] + n[None, :], mask=j_mask[:, None] & n_mask[None, :], other=0.0)
@@ -240,8 +232,7 @@ def expand_launch(
     programs_per_block = num_tiles * num_slices
     block_n = expand_block_n(cfg, programs_per_block, max(out_widths))
     args = dict(
-        v_ptr=v, stride_v_split=v.stride(0), stride_v_tok=v.stride(1), split_k=v.shape[0],
-        pool_ptr=flat_layer, y_ptr=y, stride_y=y.stride(0),
+        v_ptr=v, stride_v_tok=v.stride(1), pool_ptr=flat_layer, y_ptr=y, stride_y=y.stride(0),
         tiles_ptr=tiles, ranks_ptr=meta.ranks, scales_ptr=meta.scales, row_start_ptr=meta.row_start,
         b_rows_ptr=meta.b_rows,
         offset0=offsets[0], offset1=offsets[1], offset2=offsets[2],
@@ -254,8 +245,10 @@ def expand_launch(
         options.update(launch_pdl=True)
     grid = (num_tiles, cdiv(max(out_widths), block_n), num_slices)
     if cfg.gemv:
-        args.update(SPLITS=next_power_of_2(v.shape[0]))
+        args.update(stride_v_split=v.stride(0), split_k=v.shape[0], SPLITS=next_power_of_2(v.shape[0]))
         return Relaunch(_lora_expand_gemv_kernel, grid, args, options, changing=("pool_ptr", "y_ptr"))
+    if v.shape[0] != 1:
+        raise ValueError(f"the tensor-core expand reads the shrink's sums (one split of v), got {v.shape[0]} splits")
     args.update(DOT_PRECISION=dot_precision(y.dtype))
     return Relaunch(_lora_expand_kernel, grid, args, options, changing=("pool_ptr", "y_ptr"))
 
