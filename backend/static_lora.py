@@ -33,7 +33,6 @@ class StaticLora:
         self, size: int, modules: frozenset[int], max_rank: int, row_align: int, device: torch.device, few: bool = False
     ) -> None:
         self.size = size
-        self.tile_block = FEW_TILE_BLOCK if few else TILE_BLOCK
         self.meta = _static_meta(size, modules, max_rank, row_align, device, few)
         self._filled: tuple[LoraMeta, int] | None = None  # the step metadata the buffers hold now
 
@@ -54,7 +53,7 @@ class StaticLora:
         static.b_rows[:rows].copy_(meta.b_rows)
         static.token_adapter[:n].copy_(meta.token_adapter)
         static.token_adapter[n:].fill_(-1)
-        step_tiles = meta.tiles(self.tile_block)
+        step_tiles = meta.tiles(static.static.tile_block)
         count = step_tiles.shape[0]
         if count > tiles.shape[0]:
             raise ValueError(f"a step of {count} LoRA tiles does not fit a graph of {tiles.shape[0]}")

@@ -110,9 +110,13 @@ class SegmentGroup:
         if self.static is not None:
             return self.static.kind
         if self.max_segment_len <= SHORT_SEGMENT:
-            rows = sum(end - start for _, start, end, _ in self.segments)
-            return "mixed" if few_adapters(rows, len(self.segments)) else "decode"
+            return "mixed" if self.of_few_adapters else "decode"
         return "mixed" if self.tile_len <= SHORT_SEGMENT else "prompts"
+
+    @property
+    def of_few_adapters(self) -> bool:
+        """Whether the group's rows belong to few adapters (few_adapters), for LoRA, whose segments are adapters."""
+        return few_adapters(sum(end - start for _, start, end, _ in self.segments), len(self.segments))
 
     def tiles(self, block: int) -> torch.Tensor:
         """Tiles of up to `block` rows of one segment, with its tag (see tiles_of), built once."""
@@ -238,8 +242,7 @@ class LoraMeta:
 
     def of_few_adapters(self) -> bool:
         """Whether the step's adapter tokens belong to few adapters (few_adapters): 16-token tensor-core tiles."""
-        starts = self.seg_start_host
-        return bool(starts) and few_adapters(starts[-1] - starts[0], self.num_segments)
+        return self.whole().of_few_adapters
 
     def targeted_modules(self) -> frozenset[int]:
         """The modules some adapter of the step targets (rank > 0)."""
