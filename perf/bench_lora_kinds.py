@@ -52,10 +52,10 @@ def decode_kernels(kind: str) -> Iterator[None]:
     program runs its tile's tokens one after the other; the default: one-token tiles), or the tensor-core ones.
     Steps of few adapters stay decode steps meanwhile (no metadata.few_adapters rule), so each kind runs them."""
     saved = [(m, name, getattr(m, name)) for m in (lora_shrink, lora_expand) for name in ("DECODE", "DECODE_ONE")]
-    saved.append((metadata, "FEW_ADAPTERS_MAX", metadata.FEW_ADAPTERS_MAX))
-    metadata.FEW_ADAPTERS_MAX = 0
+    few_max = metadata.FEW_ADAPTERS_MAX
     try:
-        for module, name, config in saved[:-1]:
+        metadata.FEW_ADAPTERS_MAX = 0
+        for module, name, config in saved:
             if kind == "tensor":
                 setattr(module, name, module.MIXED)
             else:
@@ -63,6 +63,7 @@ def decode_kernels(kind: str) -> Iterator[None]:
                 setattr(module, name, dataclasses.replace(config, block_m=block))
         yield
     finally:
+        metadata.FEW_ADAPTERS_MAX = few_max
         for module, name, value in saved:
             setattr(module, name, value)
 

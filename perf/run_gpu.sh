@@ -34,7 +34,8 @@
 #
 # Outputs (8 files at most come back): $OUT/results.json (every run), report.md (targets checked, runs
 # table), run.log (everything the steps logged), server.log, metrics.txt (the engine's series on the metrics
-# endpoint when each server stopped), profile.txt, throughput.png, scaling.png, latency.png. Model, adapters and traces go to $WORK (local disk), reused while the machine stays warm.
+# endpoint when each server stopped), profile.txt, throughput.png, scaling.png, latency.png. Model, adapters
+# and traces go to $WORK (local disk), reused while the machine stays warm.
 #
 # Knobs (environment): BUDGET_S (570), RATE (40 req/s) and DURATION (12 s) of the traces, SEED (42),
 # RUN_LIMIT (120 s per run), KERNEL (triton; the engine's kernel_backend), ENGINE_OPTS ("key=value ..." for
@@ -44,12 +45,12 @@
 # engine process replays its last adapter run and its base run once more in real time, unmeasured, and profiles
 # steps 300-309 under torch.profiler and 310-319 under cProfile: the trace's own decode and mixed steps; profile.txt
 # also gets each window's per-step timeline, perf/trace_steps.py), PROFILE_TRACE (1: keep those windows' chrome
-# traces as $OUT/trace-*.json.gz; read them with python -m perf.trace_steps),
-# HOST_BUDGET (48GiB of host memory for
-# adapters), SHAPE (llama2-7b | tiny), DEVICE (cuda | cpu), N_BIG (2000), N_SALL (250) and SALL_BIG (0) of engine-sall, LENGTHS ("8 512": input and output
-# length range), CHECK_PATHS ("tests/kernels tests/engine") and CHECK_K ("not cpu": pytest -k) of the checks
-# suite, DECODE_STEP (1; 0 skips its decode-step benchmark), HOST_FORWARD (1; 0 skips bench_host_forward), GPU_LOG
-# (1: the GPU's clocks, power and temperature every 200 ms into gpu_log.csv), PY (python3), OUT, WORK, PORT_BASE (8000), GPU_ENV (.whl/gpu-env.sh; "none" skips it).
+# traces as $OUT/trace-*.json.gz; read them with python -m perf.trace_steps), HOST_BUDGET (48GiB of host memory
+# for adapters), SHAPE (llama2-7b | tiny), DEVICE (cuda | cpu), N_BIG (2000), N_SALL (250) and SALL_BIG (0) of
+# engine-sall, LENGTHS ("8 512": input and output length range), CHECK_PATHS ("tests/kernels tests/engine") and
+# CHECK_K ("not cpu": pytest -k) of the checks suite, DECODE_STEP (1; 0 skips its decode-step benchmark),
+# HOST_FORWARD (1; 0 skips bench_host_forward), GPU_LOG (1: the GPU's clocks, power and temperature every 200 ms
+# into gpu_log.csv), PY (python3), OUT, WORK, PORT_BASE (8000), GPU_ENV (.whl/gpu-env.sh; "none" skips it).
 # CPU rehearsal of the whole script (about 1-2 minutes on 2 cores; the torch kernels, as Triton needs a GPU):
 #   GPU_ENV=none PY=python KERNEL=torch SHAPE=tiny DEVICE=cpu N_BIG=40 RATE=20 DURATION=1 LENGTHS="8 48" \
 #   PROFILE="5 2" PEFT_REQUESTS=10 PEFT_LIMIT=20 OUT=/tmp/perf-out WORK=/tmp/perf-work bash perf/run_gpu.sh all
