@@ -1,0 +1,258 @@
+"""Decode steps' projections with the LoRA expand in the GEMM's epilogue (kernels/lora_gemm.py), against cuBLAS and
+the separate LoRA launches that the engine runs today.
+
+Part 1, the base GEMM alone: each 7B projection (q/k/v, o, gate/up, down) at M = 1 to 128 rows, cuBLAS (torch.mm)
+against the Triton kernel in a few configs; time and the fraction of copy bandwidth on the weight bytes.
+
+Part 2, one decoder layer of a decode step (the four projections and their LoRA):
+  cublas        torch.mm only (no adapter)
+  cublas+lora   torch.mm, then the LoRA's shrink and expand launches (TritonOps.lora: the engine's path)
+  triton        the Triton GEMM only
+  fused         the LoRA's shrink, then the Triton GEMM with the expand in its epilogue
+The LoRA's time is a path's time minus the cublas row's; its fraction of copy bandwidth is on the LoRA's minimum
+bytes (perf.bench_kernels.lora_minimum), as issue 4's decode LoRA target counts it. GPU time from CUDA-graph replay
+with the L2 flushed before each layer (perf.bench_kernels.graph_bench).
+
+    python -m perf.bench_lora_gemm --out lora_gemm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from perf import bench_kernels
+from perf.bench_kernels import (
+    LLAMA_7B,
+    S1,
+    TINY_MHA,
+    LoraCase,
+    Model,
+    adapters,
+    call_outputs,
+    graph_bench,
+    lora_calls,
+    lora_case,
+    lora_minimum,
+    measure_device,
+    s2_adapters,
+)
+from slora.kernels import lora_gemm
+from slora.kernels.lora_gemm import GemmConfig, gemm_launch, gemm_lora_launch
+from slora.kernels.lora_shrink import shrink_launch
+from slora.kernels.triton_ops import TritonOps
+
+logger = logging.getLogger("bench_lora_gemm")
+
+ROWS: tuple[int, ...] = (1, 16, 64, 128)
+CONFIGS = [lora_gemm.DECODE] + [
+    GemmConfig(128, n, k, 16, 4, stages)
+    for n, k, stages in [(32, 128, 4), (32, 256, 4), (64, 256, 4), (64, 128, 3), (64, 128, 5), (128, 128, 4),
+                         (128, 64, 4), (32, 256, 6)]
+]  # fmt: skip
+
+
+def projections(model: Model) -> list[tuple[str, tuple[int, ...], int, int]]:
+    """(name, modules, in_features, out_features) of the layer's four projections."""
+    return [(name, modules, k, sum(call_outputs(model, modules)[1])) for name, modules, k in lora_calls(model)]
+
+
+def weights(model: Model, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    return {
+        name: (torch.randn((n, k), generator=gen, device=bench_kernels.DEVICE) * 0.02).to(torch.bfloat16)
+        for name, _, k, n in projections(model)
+    }
+
+
+def gemm_sweep(model: Model, copy_gbps: float, gen: torch.Generator) -> list[dict[str, Any]]:
+    """Part 1: every projection and row count, cuBLAS and each config (best first per shape in the log)."""
+    results: list[dict[str, Any]] = []
+    w = weights(model, gen)
+    for name, modules, k, n in projections(model):
+        widths = call_outputs(model, modules)[1]
+        for m in ROWS:
+            x = torch.randn((m, k), generator=gen, device=bench_kernels.DEVICE).to(torch.bfloat16)
+            y = torch.empty((m, n), dtype=torch.bfloat16, device=bench_kernels.DEVICE)
+            weight = w[name]
+            nbytes = weight.numel() * 2 + x.numel() * 2 + y.numel() * 2
+            runs: dict[str, Callable[[], object]] = {"cublas": functools.partial(torch.mm, x, weight.t(), out=y)}
+            for cfg in CONFIGS:
+                runs[repr(cfg)] = functools.partial(gemm_launch(x, weight, y, cfg=cfg, widths=widths), x, weight, y)
+            shape: list[dict[str, Any]] = []
+            for impl, fn in runs.items():
+                ms = timed_ms(fn)
+                entry = {"projection": name, "m": m, "n": n, "k": k, "impl": impl, "ms": ms}
+                entry["frac_copy"] = None if ms is None else nbytes / (ms / 1e3) / 1e9 / copy_gbps
+                shape.append(entry)
+            results += shape
+            ranked = sorted((e for e in shape if e["ms"] is not None), key=lambda e: float(e["ms"]))
+            logger.info(
+                "%s m=%d: cublas %.4f ms; best %s %.4f ms (%.0f%% copy)", name, m,
+                next(e["ms"] for e in shape if e["impl"] == "cublas"), ranked[0]["impl"], ranked[0]["ms"],
+                100 * ranked[0]["frac_copy"],
+            )  # fmt: skip
+    return results
+
+
+def timed_ms(fn: Callable[[], object]) -> float | None:
+    """Graph-replay GPU time (one timed call on the CPU: --smoke), or None for a config that cannot run (e.g. too
+    much shared memory)."""
+    if bench_kernels.DEVICE.type != "cuda":
+        return bench_kernels.bench(fn)
+    try:
+        return graph_bench(fn)
+    except Exception as exc:  # noqa: BLE001 - a config's compile or launch failure is a result, recorded as such
+        logger.info("failed: %s", str(exc).splitlines()[0][:160])
+        torch.cuda.synchronize()
+        return None
+
+
+SMOKE_CONFIGS = [GemmConfig(16, 32, 32, 16, 4, 2)]
+
+
+def layer_paths(case: LoraCase, w: dict[str, torch.Tensor], cfg: GemmConfig, gen: torch.Generator) -> dict[str, Any]:
+    """The four paths of part 2 on one layer, as functions of no argument, and their results for a check."""
+    model, device = case.model, bench_kernels.DEVICE
+    ops = TritonOps()
+    calls = []
+    for name, modules, k, n in projections(model):
+        offsets, widths = call_outputs(model, modules)
+        x = torch.randn((case.num_tokens, k), generator=gen, device=device).to(torch.bfloat16)
+        y = torch.empty((case.num_tokens, n), dtype=torch.bfloat16, device=device)
+        weight = w[name]
+        v, shrink = shrink_launch(x, case.flat_layer, case.meta, modules[0], len(modules))
+        plain = gemm_launch(x, weight, y, cfg=cfg, widths=widths)
+        fused = gemm_lora_launch(x, weight, y, v, case.flat_layer, case.meta, modules[0], widths, cfg=cfg)
+        calls.append((x, y, weight, modules, offsets, widths, shrink, plain, fused))
+
+    def cublas() -> None:
+        for x, y, weight, *_ in calls:
+            torch.mm(x, weight.t(), out=y)
+
+    def cublas_lora() -> None:
+        for x, y, weight, modules, offsets, widths, *_ in calls:
+            torch.mm(x, weight.t(), out=y)
+            ops.lora(y, x, case.flat_layer, case.meta, modules, offsets, widths)
+
+    def triton_only() -> None:
+        for x, y, weight, *_, plain, _ in calls:
+            plain(x, weight, y)
+
+    def shrink_and_fused() -> None:
+        for x, y, weight, _, _, _, shrink, _, launch in calls:
+            if shrink is not None:
+                shrink(x, case.flat_layer)
+            launch(x, weight, y, case.flat_layer)
+
+    return {
+        "cublas": cublas,
+        "cublas+lora": cublas_lora,
+        "triton": triton_only,
+        "fused": shrink_and_fused,
+        "calls": calls,
+    }
+
+
+def check_fused(paths: dict[str, Any]) -> float:
+    """Largest difference between the fused path's y and cuBLAS + LoRA launches', relative to the largest value."""
+    worst = 0.0
+    paths["fused"]()
+    fused = [c[1].clone() for c in paths["calls"]]
+    paths["cublas+lora"]()
+    for out, call in zip(fused, paths["calls"]):
+        worst = max(worst, bench_kernels.rel_err(out, call[1]))
+    return worst
+
+
+def few(n: int, count: int) -> list[tuple[int | None, int]]:
+    """n decodes spread over `count` adapters."""
+    return [(i % count, 1) for i in range(n)]
+
+
+def layer_cases(model: Model, n: int = 64) -> list[Callable[[], LoraCase]]:
+    """Decode steps of few adapters (the fused path's aim) and, to compare, of one adapter per request."""
+    if n < 64:  # --smoke
+        return [
+            lambda: lora_case(f"decode {n} req, 2 adapters", model, adapters([8, 16]), [(i % 2, 1) for i in range(n)])
+        ]
+    return [
+        lambda: lora_case(f"decode {n} req, 4 adapters r64", model, adapters([64] * 4), few(n, 4)),
+        lambda: lora_case(f"S2 decode {n} req, 5 adapters", model, s2_adapters(5), few(n, 5)),
+        lambda: lora_case(f"S1 decode {n} req, 5 adapters", model, [S1] * 5, few(n, 5)),
+        lambda: lora_case("decode 128 req, 4 adapters r64", model, adapters([64] * 4), few(128, 4)),
+        lambda: lora_case("decode 16 req, 4 adapters r64", model, adapters([64] * 4), few(16, 4)),
+        lambda: lora_case(f"decode {n} req, {n} adapters r16", model, adapters([16] * n), [(i, 1) for i in range(n)]),
+        lambda: lora_case(f"S2 decode {n} req, {n} adapters", model, s2_adapters(n), [(i, 1) for i in range(n)]),
+    ]
+
+
+def layer_bench(
+    model: Model, copy_gbps: float, cfg: GemmConfig, gen: torch.Generator, n: int = 64
+) -> list[dict[str, Any]]:
+    """Part 2: each case's four paths, the LoRA's time over cuBLAS and its fraction of copy bandwidth."""
+    w = weights(model, gen)
+    results = []
+    for make in layer_cases(model, n):
+        case = make()
+        nbytes = sum(lora_minimum(case, modules, k)[0] for _, modules, k, _ in projections(model))
+        paths = layer_paths(case, w, cfg, gen)
+        err = check_fused(paths)
+        times = {name: timed_ms(fn) for name, fn in paths.items() if name != "calls"}
+        base = times["cublas"]
+        entry: dict[str, Any] = {"case": case.name, "lora_min_bytes": nbytes, "fused_rel_err": err, "ms": times}
+        for path in ("cublas+lora", "fused"):
+            ms = times[path]
+            if ms is not None and base is not None:
+                lora_ms = ms - base
+                entry[f"{path} lora_ms"] = lora_ms
+                entry[f"{path} lora_frac_copy"] = nbytes / (lora_ms / 1e3) / 1e9 / copy_gbps if lora_ms > 0 else None
+        logger.info("%s: %s (fused err %.1e)", case.name, {k: None if v is None else round(v, 4) for k, v in
+                    times.items()}, err)  # fmt: skip
+        results.append(entry)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="JSON file for the results")
+    parser.add_argument("--skip-sweep", action="store_true", help="part 2 only, on the default config")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, one call each (CPU: Triton interpreter)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if not torch.cuda.is_available():
+        if not args.smoke:
+            logger.error("bench_lora_gemm needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
+            return 2
+        bench_kernels.DEVICE = torch.device("cpu")
+    global ROWS, CONFIGS
+    model, cfg, n = LLAMA_7B, lora_gemm.DECODE, 64
+    if args.smoke:
+        model, cfg, n, CONFIGS = TINY_MHA, SMOKE_CONFIGS[0], 4, SMOKE_CONFIGS
+        ROWS = (1, 5)
+    gen = torch.Generator(device=bench_kernels.DEVICE).manual_seed(0)
+    device = measure_device(copy_bytes=1 << 20, n=64) if args.smoke else measure_device()
+    logger.info("%s: copy %.0f GB/s", device.name, device.copy_gbps)
+    payload: dict[str, Any] = {"device": dataclasses.asdict(device)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if not args.skip_sweep:
+        payload["gemm"] = gemm_sweep(model, device.copy_gbps, gen)
+        args.out.write_text(json.dumps(payload, indent=1))
+    payload["layer"] = layer_bench(model, device.copy_gbps, cfg, gen, n)
+    args.out.write_text(json.dumps(payload, indent=1))
+    for entry in payload["layer"]:
+        sys.stdout.write(json.dumps(entry) + "\n")
+    logger.info("wrote %s", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
