@@ -39,12 +39,12 @@ class GemmConfig:
     block_m: int  # rows per program at most (fewer rows: the next power of two, at least 16)
     block_n: int  # columns per program at most (less where a module's width needs it)
     block_k: int
-    block_r: int  # LoRA rank rows per epilogue chunk
     num_warps: int
     num_stages: int
 
 
-DECODE = GemmConfig(128, 64, 128, 16, 4, 4)
+DECODE = GemmConfig(128, 64, 128, 4, 4)
+MAX_TILES = 16  # LoRA tiles a launch takes at most: the epilogue runs every tile's step in every program
 
 
 @triton.jit(do_not_specialize=["M", "num_tiles", "tile_block", "split_k", "stride_v_split", "stride_v_tok"])
@@ -81,13 +81,19 @@ def _gemm_lora_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    MAX_TILES: tl.constexpr,  # a power of two >= num_tiles
+    R_MAX: tl.constexpr,  # a power of two >= every rank of the call's modules (at least 16)
     DOT_PRECISION: tl.constexpr,
 ):
     n0 = tl.program_id(0) * BLOCK_N
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     n = n0 + tl.arange(0, BLOCK_N)
+    if HAS_LORA:  # the LoRA tiles' metadata and Bᵀ row offsets: loaded now, in flight during the K loop
+        lora = _lora_tiles(
+            n0, tiles_ptr, num_tiles, tile_block, ranks_ptr, scales_ptr, row_start_ptr, b_rows_ptr, width0, width1,
+            FIRST_MODULE, NUM_SLICES, BLOCK_M, MAX_TILES, R_MAX,
+        )  # fmt: skip
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -103,22 +109,22 @@ def _gemm_lora_kernel(
         if USE_PDL:
             gdc_wait()  # the shrink's v from here on
         acc = _add_lora(
-            acc, rows, n0, v_ptr, stride_v_split, stride_v_tok, split_k, tiles_ptr, num_tiles, tile_block,
-            ranks_ptr, scales_ptr, row_start_ptr, b_rows_ptr, pool_ptr, width0, width1,
-            FIRST_MODULE, NUM_SLICES, ROW_ALIGN, BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION,
+            acc, rows, lora, v_ptr, stride_v_split, stride_v_tok, split_k, pool_ptr,
+            ROW_ALIGN, BLOCK_N, MAX_TILES, R_MAX, DOT_PRECISION,
         )  # fmt: skip
     y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_y + n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
 @triton.jit
-def _add_lora(
-    acc, rows, n0, v_ptr, stride_v_split, stride_v_tok, split_k, tiles_ptr, num_tiles, tile_block, ranks_ptr,
-    scales_ptr, row_start_ptr, b_rows_ptr, pool_ptr, width0, width1,
-    FIRST_MODULE: tl.constexpr, NUM_SLICES: tl.constexpr, ROW_ALIGN: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def _lora_tiles(
+    n0, tiles_ptr, num_tiles, tile_block, ranks_ptr, scales_ptr, row_start_ptr, b_rows_ptr, width0, width1,
+    FIRST_MODULE: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, MAX_TILES: tl.constexpr,
+    R_MAX: tl.constexpr,
 ):  # fmt: skip
-    """acc plus (v_t·Bᵀ)·scale of each token t of the program's rows that some tile covers, over columns n0 + ..."""
+    """For each of the (up to MAX_TILES) tiles, as vectors: its first and end token, rank, scale and first column in
+    v for the module of the program's columns, whether it adds anything to the program's rows, and its Bᵀ rows'
+    offsets [MAX_TILES, R_MAX] (beyond the rank: 0); and the program's first column inside its module."""
     s = n0 * 0  # the module of the program's columns, and their first column inside it
     col = n0
     if NUM_SLICES > 1:
@@ -128,33 +134,52 @@ def _add_lora(
         in_third = n0 >= width0 + width1
         s = tl.where(in_third, 2, s)
         col = tl.where(in_third, n0 - width0 - width1, col)
+    t = tl.arange(0, MAX_TILES)
+    t_mask = t < num_tiles
+    first = tl.load(tiles_ptr + 4 * t + 1, mask=t_mask, other=0)
+    end = tl.minimum(tl.load(tiles_ptr + 4 * t + 2, mask=t_mask, other=0), first + tile_block)
+    table = tl.load(tiles_ptr + 4 * t + 3, mask=t_mask, other=0) * MODULES + FIRST_MODULE
+    rank = tl.load(ranks_ptr + table + s, mask=t_mask, other=0)
+    row0 = tl.load(row_start_ptr + table + s, mask=t_mask, other=0)
+    scale = tl.load(scales_ptr + table + s, mask=t_mask, other=0.0)
+    v_col = tl.zeros((MAX_TILES,), dtype=tl.int32)  # the ranks of the call's modules before this one
+    for before in tl.static_range(NUM_SLICES - 1):
+        v_col += tl.where(before < s, tl.load(ranks_ptr + table + before, mask=t_mask, other=0), 0)
+    row_lo = tl.program_id(1) * BLOCK_M
+    live = t_mask & (first < end) & (first < row_lo + BLOCK_M) & (end > row_lo) & (rank > 0)
+    rank = tl.where(live, rank, 0)
+    j = tl.arange(0, R_MAX)
+    b_rows = tl.load(b_rows_ptr + row0[:, None] + j[None, :], mask=j[None, :] < rank[:, None], other=0)
+    return first, end, rank, scale, v_col, b_rows, col
+
+
+@triton.jit
+def _add_lora(
+    acc, rows, lora, v_ptr, stride_v_split, stride_v_tok, split_k, pool_ptr,
+    ROW_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, MAX_TILES: tl.constexpr, R_MAX: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """acc plus (v_t·Bᵀ)·scale of each token t of the program's rows that a tile covers. Every tile is one masked
+    step (no branch), so that their Bᵀ loads can all be in flight together."""
+    first, end, rank, scale, v_col, b_rows, col = lora
+    t = tl.arange(0, MAX_TILES)
+    j = tl.arange(0, R_MAX)
     cols = col + tl.arange(0, BLOCK_N)
     lo = rows.to(tl.int64)[:, None] * stride_v_tok
-    row_lo = tl.program_id(1) * BLOCK_M
-    for t in range(0, num_tiles):
-        first = tl.load(tiles_ptr + 4 * t + 1)
-        end = tl.minimum(tl.load(tiles_ptr + 4 * t + 2), first + tile_block)
-        if (first < end) & (first <= row_lo + BLOCK_M - 1) & (end > row_lo):
-            table = tl.load(tiles_ptr + 4 * t + 3) * MODULES + FIRST_MODULE
-            rank = tl.load(ranks_ptr + table + s)
-            row0 = tl.load(row_start_ptr + table + s)
-            scale = tl.load(scales_ptr + table + s)
-            v_col = 0  # the module's first column in v: the ranks of the call's modules before it
-            for before in tl.static_range(NUM_SLICES - 1):
-                v_col += tl.where(before < s, tl.load(ranks_ptr + table + before), 0)
-            tok_mask = (rows >= first) & (rows < end)
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for c in range(0, rank, BLOCK_R):
-                j = c + tl.arange(0, BLOCK_R)
-                j_mask = j < rank
-                v_mask = tok_mask[:, None] & j_mask[None, :]
-                vt = tl.load(v_ptr + lo + v_col + j[None, :], mask=v_mask, other=0.0)
-                for sp in range(1, split_k):  # the GEMV shrink's K splits: their partial sums, in split order
-                    vt += tl.load(v_ptr + sp * stride_v_split + lo + v_col + j[None, :], mask=v_mask, other=0.0)
-                b_rows = tl.multiple_of(tl.load(b_rows_ptr + row0 + j, mask=j_mask, other=0), ROW_ALIGN)
-                bt = tl.load(pool_ptr + b_rows[:, None] + cols[None, :], mask=j_mask[:, None], other=0.0)
-                part = tl.dot(vt.to(bt.dtype), bt, part, input_precision=DOT_PRECISION)
-            acc += part * scale
+    for g in tl.static_range(MAX_TILES):
+        sel = t == g
+        rank_g = tl.sum(tl.where(sel, rank, 0))
+        j_mask = j < rank_g
+        rows_g = tl.multiple_of(tl.sum(tl.where(sel[:, None], b_rows, 0), axis=0), ROW_ALIGN)
+        bt = tl.load(pool_ptr + rows_g[:, None] + cols[None, :], mask=j_mask[:, None], other=0.0)
+        tok = (rows >= tl.sum(tl.where(sel, first, 0))) & (rows < tl.sum(tl.where(sel, end, 0)))
+        v_mask = tok[:, None] & j_mask[None, :]
+        v_cols = lo + tl.sum(tl.where(sel, v_col, 0)) + j[None, :]
+        vt = tl.load(v_ptr + v_cols, mask=v_mask, other=0.0)
+        for sp in range(1, split_k):  # the GEMV shrink's K splits: their partial sums, in split order
+            vt += tl.load(v_ptr + sp * stride_v_split + v_cols, mask=v_mask, other=0.0)
+        part = tl.dot(vt.to(bt.dtype), bt, input_precision=DOT_PRECISION)
+        acc += part * tl.sum(tl.where(sel, scale, 0.0))
     return acc
 
 
@@ -191,11 +216,16 @@ def gemm_lora_launch(
     group = meta.whole() if group is None else group
     block = group.static.tile_block if group.static is not None else max(group.max_segment_len, 1)
     tiles = group.tiles(block)
+    num_tiles = int(tiles.shape[0])
+    if num_tiles > MAX_TILES:
+        raise ValueError(f"the fused LoRA epilogue takes at most {MAX_TILES} tiles, the step has {num_tiles}")
     lora = dict(
         v_ptr=v, stride_v_split=v.stride(0), stride_v_tok=v.stride(1), split_k=int(v.shape[0]),
-        tiles_ptr=tiles, num_tiles=int(tiles.shape[0]), tile_block=block,
+        tiles_ptr=tiles, num_tiles=num_tiles, tile_block=block,
         ranks_ptr=meta.ranks, scales_ptr=meta.scales, row_start_ptr=meta.row_start, b_rows_ptr=meta.b_rows,
         pool_ptr=flat_layer, FIRST_MODULE=first_module, ROW_ALIGN=meta.row_align,
+        MAX_TILES=next_power_of_2(max(num_tiles, 2)),
+        R_MAX=max(16, next_power_of_2(rank_bound(meta, first_module, len(widths)))),
     )  # fmt: skip
     return _launch(x, weight, y, bias, cfg, widths, lora)
 
@@ -221,7 +251,7 @@ def _launch(
         ranks_ptr=x, scales_ptr=x, row_start_ptr=x, b_rows_ptr=x, pool_ptr=x,
         width0=widths[0], width1=widths[1] if len(widths) > 1 else 0,
         FIRST_MODULE=0, NUM_SLICES=len(widths), ROW_ALIGN=1, HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
-        USE_PDL=use_pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
+        USE_PDL=use_pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, MAX_TILES=2, R_MAX=16,
         DOT_PRECISION=dot_precision(x.dtype),
     )  # fmt: skip
     args.update(lora or {})
@@ -231,6 +261,13 @@ def _launch(
     grid = (cdiv(weight.shape[0], block_n), cdiv(m, block_m))
     changing = ("x_ptr", "w_ptr", "y_ptr") + (("pool_ptr",) if lora is not None else ())
     return Relaunch(_gemm_lora_kernel, grid, args, options, changing=changing)
+
+
+def rank_bound(meta: LoraMeta, first_module: int, num_modules: int) -> int:
+    """The largest rank of modules first_module .. + num_modules - 1 over the step's adapters (a graph's: its bound)."""
+    if meta.static is not None:
+        return meta.static.max_rank
+    return max((max(r[first_module : first_module + num_modules]) for r in meta.ranks_host), default=0)
 
 
 def column_block(block_n: int, widths: tuple[int, ...]) -> int:

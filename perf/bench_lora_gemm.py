@@ -55,9 +55,12 @@ logger = logging.getLogger("bench_lora_gemm")
 
 ROWS: tuple[int, ...] = (1, 16, 64, 128)
 CONFIGS = [lora_gemm.DECODE] + [
-    GemmConfig(128, n, k, 16, 4, stages)
-    for n, k, stages in [(32, 128, 4), (32, 256, 4), (64, 256, 4), (64, 128, 3), (64, 128, 5), (128, 128, 4),
-                         (128, 64, 4), (32, 256, 6)]
+    GemmConfig(m, n, k, warps, stages)
+    for m, n, k, warps, stages in [
+        (128, 32, 128, 4, 4), (128, 32, 256, 4, 4), (128, 64, 256, 4, 4), (128, 64, 128, 4, 3), (128, 64, 128, 4, 5),
+        (128, 128, 128, 4, 4), (128, 128, 64, 4, 4), (128, 32, 256, 4, 6), (128, 128, 64, 8, 4), (128, 64, 128, 8, 4),
+        (128, 32, 256, 8, 4), (64, 64, 128, 4, 4), (64, 32, 256, 4, 4),
+    ]
 ]  # fmt: skip
 
 
@@ -71,6 +74,16 @@ def weights(model: Model, gen: torch.Generator) -> dict[str, torch.Tensor]:
         name: (torch.randn((n, k), generator=gen, device=bench_kernels.DEVICE) * 0.02).to(torch.bfloat16)
         for name, _, k, n in projections(model)
     }
+
+
+def best_configs(sweep: list[dict[str, Any]], m: int) -> dict[str, GemmConfig]:
+    """The fastest Triton config of each projection at m rows in a sweep (its GemmConfig)."""
+    by_repr = {repr(cfg): cfg for cfg in CONFIGS}
+    best: dict[str, GemmConfig] = {}
+    timed = [e for e in sweep if e["m"] == m and e["impl"] in by_repr and e["ms"] is not None]
+    for entry in sorted(timed, key=lambda e: float(e["ms"]), reverse=True):
+        best[entry["projection"]] = by_repr[entry["impl"]]
+    return best
 
 
 def gemm_sweep(model: Model, copy_gbps: float, gen: torch.Generator) -> list[dict[str, Any]]:
@@ -116,10 +129,12 @@ def timed_ms(fn: Callable[[], object]) -> float | None:
         return None
 
 
-SMOKE_CONFIGS = [GemmConfig(16, 32, 32, 16, 4, 2)]
+SMOKE_CONFIGS = [GemmConfig(16, 32, 32, 4, 2)]
 
 
-def layer_paths(case: LoraCase, w: dict[str, torch.Tensor], cfg: GemmConfig, gen: torch.Generator) -> dict[str, Any]:
+def layer_paths(
+    case: LoraCase, w: dict[str, torch.Tensor], configs: dict[str, GemmConfig], gen: torch.Generator
+) -> dict[str, Any]:
     """The four paths of part 2 on one layer, as functions of no argument, and their results for a check."""
     model, device = case.model, bench_kernels.DEVICE
     ops = TritonOps()
@@ -128,7 +143,7 @@ def layer_paths(case: LoraCase, w: dict[str, torch.Tensor], cfg: GemmConfig, gen
         offsets, widths = call_outputs(model, modules)
         x = torch.randn((case.num_tokens, k), generator=gen, device=device).to(torch.bfloat16)
         y = torch.empty((case.num_tokens, n), dtype=torch.bfloat16, device=device)
-        weight = w[name]
+        weight, cfg = w[name], configs.get(name, lora_gemm.DECODE)
         v, shrink = shrink_launch(x, case.flat_layer, case.meta, modules[0], len(modules))
         plain = gemm_launch(x, weight, y, cfg=cfg, widths=widths)
         fused = gemm_lora_launch(x, weight, y, v, case.flat_layer, case.meta, modules[0], widths, cfg=cfg)
@@ -196,7 +211,7 @@ def layer_cases(model: Model, n: int = 64) -> list[Callable[[], LoraCase]]:
 
 
 def layer_bench(
-    model: Model, copy_gbps: float, cfg: GemmConfig, gen: torch.Generator, n: int = 64
+    model: Model, copy_gbps: float, sweep: list[dict[str, Any]], gen: torch.Generator, n: int = 64
 ) -> list[dict[str, Any]]:
     """Part 2: each case's four paths, the LoRA's time over cuBLAS and its fraction of copy bandwidth."""
     w = weights(model, gen)
@@ -204,11 +219,13 @@ def layer_bench(
     for make in layer_cases(model, n):
         case = make()
         nbytes = sum(lora_minimum(case, modules, k)[0] for _, modules, k, _ in projections(model))
-        paths = layer_paths(case, w, cfg, gen)
+        configs = best_configs(sweep, min((m for m in ROWS if m >= case.num_tokens), default=ROWS[-1]))
+        paths = layer_paths(case, w, configs, gen)
         err = check_fused(paths)
         times = {name: timed_ms(fn) for name, fn in paths.items() if name != "calls"}
         base = times["cublas"]
-        entry: dict[str, Any] = {"case": case.name, "lora_min_bytes": nbytes, "fused_rel_err": err, "ms": times}
+        entry: dict[str, Any] = {"case": case.name, "lora_min_bytes": nbytes, "fused_rel_err": err, "ms": times,
+                                 "configs": {name: repr(cfg) for name, cfg in configs.items()}}  # fmt: skip
         for path in ("cublas+lora", "fused"):
             ms = times[path]
             if ms is not None and base is not None:
@@ -224,7 +241,7 @@ def layer_bench(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="JSON file for the results")
-    parser.add_argument("--skip-sweep", action="store_true", help="part 2 only, on the default config")
+    parser.add_argument("--skip-sweep", action="store_true", help="part 2 only, on lora_gemm's default config")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one call each (CPU: Triton interpreter)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -234,19 +251,18 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         bench_kernels.DEVICE = torch.device("cpu")
     global ROWS, CONFIGS
-    model, cfg, n = LLAMA_7B, lora_gemm.DECODE, 64
+    model, n = LLAMA_7B, 64
     if args.smoke:
-        model, cfg, n, CONFIGS = TINY_MHA, SMOKE_CONFIGS[0], 4, SMOKE_CONFIGS
+        model, n, CONFIGS = TINY_MHA, 4, SMOKE_CONFIGS
         ROWS = (1, 5)
     gen = torch.Generator(device=bench_kernels.DEVICE).manual_seed(0)
     device = measure_device(copy_bytes=1 << 20, n=64) if args.smoke else measure_device()
     logger.info("%s: copy %.0f GB/s", device.name, device.copy_gbps)
     payload: dict[str, Any] = {"device": dataclasses.asdict(device)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    if not args.skip_sweep:
-        payload["gemm"] = gemm_sweep(model, device.copy_gbps, gen)
-        args.out.write_text(json.dumps(payload, indent=1))
-    payload["layer"] = layer_bench(model, device.copy_gbps, cfg, gen, n)
+    payload["gemm"] = [] if args.skip_sweep else gemm_sweep(model, device.copy_gbps, gen)
+    args.out.write_text(json.dumps(payload, indent=1))
+    payload["layer"] = layer_bench(model, device.copy_gbps, payload["gemm"], gen, n)
     args.out.write_text(json.dumps(payload, indent=1))
     for entry in payload["layer"]:
         sys.stdout.write(json.dumps(entry) + "\n")

@@ -18,7 +18,7 @@ from slora.kernels.lora_shrink import shrink_launch  # noqa: E402
 from tests.kernels.builders import DEVICE, FULL_SHAPES, TINY, Shape, assert_close, gpu_only  # noqa: E402
 from tests.kernels.test_lora import TINY_ADAPTERS, TINY_STEPS, LayerCase, build_case, layer_calls  # noqa: E402
 
-SMALL = GemmConfig(block_m=16, block_n=32, block_k=32, block_r=16, num_warps=4, num_stages=2)
+SMALL = GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # 64 decodes over 4 adapters (base-model tokens between them): the few-adapter steps this kernel is for.
 FEW = [(i % 4 + 2 if i % 9 else None, 1) for i in range(72)]
@@ -117,6 +117,17 @@ def test_bad_inputs_are_named() -> None:
     half_v = torch.zeros((1, case.num_tokens, 8), device=DEVICE, dtype=torch.float16)
     with pytest.raises(ValueError, match="shrink's float32"):
         gemm_lora_launch(x, weight, y, half_v, case.flat_layer, case.meta, 4, (96,))
+
+
+def test_steps_of_many_tiles_are_refused() -> None:
+    """The epilogue runs every tile in every program: a step of more than MAX_TILES tiles is named and refused."""
+    adapters = list(TINY_ADAPTERS) + [(2,) * 7] * (lora_gemm.MAX_TILES + 2 - len(TINY_ADAPTERS))
+    case = build_case(TINY, torch.float32, adapters, [(i, 1) for i in range(len(adapters))], seed=16)
+    x = torch.zeros((case.num_tokens, 64), device=DEVICE)
+    weight, y = torch.zeros((96, 64), device=DEVICE), torch.zeros((case.num_tokens, 96), device=DEVICE)
+    v = torch.zeros((1, case.num_tokens, 8), device=DEVICE)
+    with pytest.raises(ValueError, match=f"at most {lora_gemm.MAX_TILES} tiles"):
+        gemm_lora_launch(x, weight, y, v, case.flat_layer, case.meta, 4, (96,))
 
 
 @gpu_only
