@@ -44,6 +44,27 @@ class GemmConfig:
 
 
 DECODE = GemmConfig(128, 64, 128, 4, 4)
+
+
+def gemm_config(m: int, n: int, k: int) -> GemmConfig:
+    """The config for x [m, k] · Wᵀ [k, n], from the H200 sweeps of perf.bench_lora_gemm (perf/RESULTS.md): at up to
+    16 rows the fastest of its configs per 7B projection (2-8% ahead of cuBLAS); at up to 64 within 1-4% of
+    cuBLAS (down 4% ahead); more rows: none came within 20% of cuBLAS."""
+    if m <= 16:
+        if n >= 16384:
+            return GemmConfig(16, 64, 128, 4, 3)
+        if k >= 8192:
+            return GemmConfig(16, 32, 256, 4, 6)
+        return GemmConfig(16, 32, 256 if n <= 8192 else 128, 4, 4)
+    if m <= 64:
+        if n >= 16384:
+            return GemmConfig(64, 128, 64, 4, 4)
+        if n <= 8192 or k >= 8192:
+            return GemmConfig(64, 32, 256, 4, 4)
+        return GemmConfig(64, 128, 128, 4, 4)
+    return GemmConfig(128, 64, 128, 8, 4)
+
+
 MAX_TILES = 16  # LoRA tiles a launch takes at most: the epilogue runs every tile's step in every program
 
 
@@ -83,6 +104,7 @@ def _gemm_lora_kernel(
     BLOCK_K: tl.constexpr,
     MAX_TILES: tl.constexpr,  # a power of two >= num_tiles
     R_MAX: tl.constexpr,  # a power of two >= every rank of the call's modules (at least 16)
+    EPILOGUE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     n0 = tl.program_id(0) * BLOCK_N
@@ -108,10 +130,16 @@ def _gemm_lora_kernel(
     if HAS_LORA:
         if USE_PDL:
             gdc_wait()  # the shrink's v from here on
-        acc = _add_lora(
-            acc, rows, lora, v_ptr, stride_v_split, stride_v_tok, split_k, pool_ptr,
-            ROW_ALIGN, BLOCK_N, MAX_TILES, R_MAX, DOT_PRECISION,
-        )  # fmt: skip
+        if EPILOGUE == 0:
+            acc = _add_lora(
+                acc, rows, lora, v_ptr, stride_v_split, stride_v_tok, split_k, pool_ptr,
+                ROW_ALIGN, BLOCK_N, MAX_TILES, R_MAX, DOT_PRECISION,
+            )  # fmt: skip
+        else:
+            acc = _add_lora_loop(
+                acc, rows, lora, num_tiles, v_ptr, stride_v_split, stride_v_tok, split_k, pool_ptr,
+                ROW_ALIGN, BLOCK_N, MAX_TILES, R_MAX, DOT_PRECISION,
+            )  # fmt: skip
     y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_y + n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None])
 
@@ -183,6 +211,38 @@ def _add_lora(
     return acc
 
 
+@triton.jit
+def _add_lora_loop(
+    acc, rows, lora, num_tiles, v_ptr, stride_v_split, stride_v_tok, split_k, pool_ptr,
+    ROW_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, MAX_TILES: tl.constexpr, R_MAX: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """_add_lora as a loop over the tiles (one tile's Bᵀ in registers at a time)."""
+    first, end, rank, scale, v_col, b_rows, col = lora
+    t = tl.arange(0, MAX_TILES)
+    j = tl.arange(0, R_MAX)
+    cols = col + tl.arange(0, BLOCK_N)
+    lo = rows.to(tl.int64)[:, None] * stride_v_tok
+    for g in range(0, num_tiles):
+        sel = t == g
+        rank_g = tl.sum(tl.where(sel, rank, 0))
+        j_mask = j < rank_g
+        rows_g = tl.multiple_of(tl.sum(tl.where(sel[:, None], b_rows, 0), axis=0), ROW_ALIGN)
+        bt = tl.load(pool_ptr + rows_g[:, None] + cols[None, :], mask=j_mask[:, None], other=0.0)
+        tok = (rows >= tl.sum(tl.where(sel, first, 0))) & (rows < tl.sum(tl.where(sel, end, 0)))
+        v_mask = tok[:, None] & j_mask[None, :]
+        v_cols = lo + tl.sum(tl.where(sel, v_col, 0)) + j[None, :]
+        vt = tl.load(v_ptr + v_cols, mask=v_mask, other=0.0)
+        for sp in range(1, split_k):
+            vt += tl.load(v_ptr + sp * stride_v_split + v_cols, mask=v_mask, other=0.0)
+        part = tl.dot(vt.to(bt.dtype), bt, input_precision=DOT_PRECISION)
+        acc += part * tl.sum(tl.where(sel, scale, 0.0))
+    return acc
+
+
+EPILOGUE = 0  # 0: every tile unrolled and masked; 1: a loop over the tiles
+
+
 def gemm_launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -252,6 +312,7 @@ def _launch(
         width0=widths[0], width1=widths[1] if len(widths) > 1 else 0,
         FIRST_MODULE=0, NUM_SLICES=len(widths), ROW_ALIGN=1, HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
         USE_PDL=use_pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, MAX_TILES=2, R_MAX=16,
+        EPILOGUE=EPILOGUE,
         DOT_PRECISION=dot_precision(x.dtype),
     )  # fmt: skip
     args.update(lora or {})

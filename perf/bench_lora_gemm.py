@@ -76,16 +76,6 @@ def weights(model: Model, gen: torch.Generator) -> dict[str, torch.Tensor]:
     }
 
 
-def best_configs(sweep: list[dict[str, Any]], m: int) -> dict[str, GemmConfig]:
-    """The fastest Triton config of each projection at m rows in a sweep (its GemmConfig)."""
-    by_repr = {repr(cfg): cfg for cfg in CONFIGS}
-    best: dict[str, GemmConfig] = {}
-    timed = [e for e in sweep if e["m"] == m and e["impl"] in by_repr and e["ms"] is not None]
-    for entry in sorted(timed, key=lambda e: float(e["ms"]), reverse=True):
-        best[entry["projection"]] = by_repr[entry["impl"]]
-    return best
-
-
 def gemm_sweep(model: Model, copy_gbps: float, gen: torch.Generator) -> list[dict[str, Any]]:
     """Part 1: every projection and row count, cuBLAS and each config (best first per shape in the log)."""
     results: list[dict[str, Any]] = []
@@ -132,21 +122,31 @@ def timed_ms(fn: Callable[[], object]) -> float | None:
 SMOKE_CONFIGS = [GemmConfig(16, 32, 32, 4, 2)]
 
 
+EPILOGUES = {"": 0, "_loop": 1}  # path suffix: lora_gemm.EPILOGUE
+
+
 def layer_paths(
     case: LoraCase, w: dict[str, torch.Tensor], configs: dict[str, GemmConfig], gen: torch.Generator
 ) -> dict[str, Any]:
-    """The four paths of part 2 on one layer, as functions of no argument, and their results for a check."""
+    """Part 2's paths on one layer, as functions of no argument, and the calls they run (for check_fused). The fused
+    paths are left out for a step of more tiles than the epilogue takes; "epilogue only" runs the fused GEMM without
+    its shrink (v as the last shrink left it): the epilogue's own cost over the plain GEMM."""
     model, device = case.model, bench_kernels.DEVICE
     ops = TritonOps()
     calls = []
+    fusable = int(case.meta.whole().tiles(max(case.meta.whole().max_segment_len, 1)).shape[0]) <= lora_gemm.MAX_TILES
     for name, modules, k, n in projections(model):
         offsets, widths = call_outputs(model, modules)
         x = torch.randn((case.num_tokens, k), generator=gen, device=device).to(torch.bfloat16)
         y = torch.empty((case.num_tokens, n), dtype=torch.bfloat16, device=device)
-        weight, cfg = w[name], configs.get(name, lora_gemm.DECODE)
+        weight, cfg = w[name], configs[name]
         v, shrink = shrink_launch(x, case.flat_layer, case.meta, modules[0], len(modules))
         plain = gemm_launch(x, weight, y, cfg=cfg, widths=widths)
-        fused = gemm_lora_launch(x, weight, y, v, case.flat_layer, case.meta, modules[0], widths, cfg=cfg)
+        fused = {}
+        for suffix, variant in EPILOGUES.items() if fusable else ():
+            lora_gemm.EPILOGUE = variant
+            fused[suffix] = gemm_lora_launch(x, weight, y, v, case.flat_layer, case.meta, modules[0], widths, cfg=cfg)
+        lora_gemm.EPILOGUE = 0
         calls.append((x, y, weight, modules, offsets, widths, shrink, plain, fused))
 
     def cublas() -> None:
@@ -162,29 +162,34 @@ def layer_paths(
         for x, y, weight, *_, plain, _ in calls:
             plain(x, weight, y)
 
-    def shrink_and_fused() -> None:
-        for x, y, weight, _, _, _, shrink, _, launch in calls:
-            if shrink is not None:
-                shrink(x, case.flat_layer)
-            launch(x, weight, y, case.flat_layer)
+    def fused_path(suffix: str, with_shrink: bool) -> Callable[[], None]:
+        def run() -> None:
+            for x, y, weight, _, _, _, shrink, _, launches in calls:
+                if with_shrink and shrink is not None:
+                    shrink(x, case.flat_layer)
+                launches[suffix](x, weight, y, case.flat_layer)
 
-    return {
-        "cublas": cublas,
-        "cublas+lora": cublas_lora,
-        "triton": triton_only,
-        "fused": shrink_and_fused,
-        "calls": calls,
-    }
+        return run
+
+    paths: dict[str, Any] = {"cublas": cublas, "cublas+lora": cublas_lora, "triton": triton_only}
+    for suffix in EPILOGUES if fusable else ():
+        paths[f"fused{suffix}"] = fused_path(suffix, True)
+        paths[f"epilogue only{suffix}"] = fused_path(suffix, False)
+    return {**paths, "calls": calls}
 
 
-def check_fused(paths: dict[str, Any]) -> float:
-    """Largest difference between the fused path's y and cuBLAS + LoRA launches', relative to the largest value."""
+def check_fused(paths: dict[str, Any]) -> float | None:
+    """Largest difference between a fused path's y and cuBLAS + LoRA launches', relative to the largest value."""
     worst = 0.0
-    paths["fused"]()
-    fused = [c[1].clone() for c in paths["calls"]]
+    fused_paths = [name for name in paths if name.startswith("fused")]
+    if not fused_paths:
+        return None
     paths["cublas+lora"]()
-    for out, call in zip(fused, paths["calls"]):
-        worst = max(worst, bench_kernels.rel_err(out, call[1]))
+    expected = [c[1].clone() for c in paths["calls"]]
+    for name in fused_paths:
+        paths[name]()
+        for out, call in zip(expected, paths["calls"]):
+            worst = max(worst, bench_kernels.rel_err(call[1], out))
     return worst
 
 
@@ -211,7 +216,7 @@ def layer_cases(model: Model, n: int = 64) -> list[Callable[[], LoraCase]]:
 
 
 def layer_bench(
-    model: Model, copy_gbps: float, sweep: list[dict[str, Any]], gen: torch.Generator, n: int = 64
+    model: Model, copy_gbps: float, gen: torch.Generator, n: int = 64, smoke: bool = False
 ) -> list[dict[str, Any]]:
     """Part 2: each case's four paths, the LoRA's time over cuBLAS and its fraction of copy bandwidth."""
     w = weights(model, gen)
@@ -219,20 +224,23 @@ def layer_bench(
     for make in layer_cases(model, n):
         case = make()
         nbytes = sum(lora_minimum(case, modules, k)[0] for _, modules, k, _ in projections(model))
-        configs = best_configs(sweep, min((m for m in ROWS if m >= case.num_tokens), default=ROWS[-1]))
+        configs = {
+            name: lora_gemm.gemm_config(case.num_tokens, n, k) if not smoke else SMOKE_CONFIGS[0]
+            for name, _, k, n in projections(model)
+        }
         paths = layer_paths(case, w, configs, gen)
         err = check_fused(paths)
         times = {name: timed_ms(fn) for name, fn in paths.items() if name != "calls"}
         base = times["cublas"]
         entry: dict[str, Any] = {"case": case.name, "lora_min_bytes": nbytes, "fused_rel_err": err, "ms": times,
                                  "configs": {name: repr(cfg) for name, cfg in configs.items()}}  # fmt: skip
-        for path in ("cublas+lora", "fused"):
+        for path in [name for name in times if name == "cublas+lora" or name.startswith("fused")]:
             ms = times[path]
             if ms is not None and base is not None:
                 lora_ms = ms - base
                 entry[f"{path} lora_ms"] = lora_ms
                 entry[f"{path} lora_frac_copy"] = nbytes / (lora_ms / 1e3) / 1e9 / copy_gbps if lora_ms > 0 else None
-        logger.info("%s: %s (fused err %.1e)", case.name, {k: None if v is None else round(v, 4) for k, v in
+        logger.info("%s: %s (fused err %s)", case.name, {k: None if v is None else round(v, 4) for k, v in
                     times.items()}, err)  # fmt: skip
         results.append(entry)
     return results
@@ -241,7 +249,7 @@ def layer_bench(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="JSON file for the results")
-    parser.add_argument("--skip-sweep", action="store_true", help="part 2 only, on lora_gemm's default config")
+    parser.add_argument("--sweep", action="store_true", help="also part 1, the GEMM configs against cuBLAS (~3 min)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one call each (CPU: Triton interpreter)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -260,9 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("%s: copy %.0f GB/s", device.name, device.copy_gbps)
     payload: dict[str, Any] = {"device": dataclasses.asdict(device)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload["gemm"] = [] if args.skip_sweep else gemm_sweep(model, device.copy_gbps, gen)
+    payload["gemm"] = gemm_sweep(model, device.copy_gbps, gen) if args.sweep else []
     args.out.write_text(json.dumps(payload, indent=1))
-    payload["layer"] = layer_bench(model, device.copy_gbps, payload["gemm"], gen, n)
+    payload["layer"] = layer_bench(model, device.copy_gbps, gen, n, args.smoke)
     args.out.write_text(json.dumps(payload, indent=1))
     for entry in payload["layer"]:
         sys.stdout.write(json.dumps(entry) + "\n")
