@@ -8,7 +8,8 @@ Part 2, one decoder layer of a decode step (the four projections and their LoRA)
   cublas        torch.mm only (no adapter)
   cublas+lora   torch.mm, then the LoRA's shrink and expand launches (TritonOps.lora: the engine's path)
   triton        the Triton GEMM only
-  fused         the LoRA's shrink, then the Triton GEMM with the expand in its epilogue
+  fused         one launch: the Triton GEMM with the LoRA's shrink in programs of its own and the expand in the
+                GEMM's epilogue (kernels/lora_gemm.py)
 The LoRA's time is a path's time minus the cublas row's; its fraction of copy bandwidth is on the LoRA's minimum
 bytes (perf.bench_kernels.lora_minimum), as issue 4's decode LoRA target counts it. GPU time from CUDA-graph replay
 with the L2 flushed before each layer (perf.bench_kernels.graph_bench).
@@ -47,14 +48,13 @@ from perf.bench_kernels import (
     s2_adapters,
 )
 from slora.kernels import lora_gemm
-from slora.kernels.lora_gemm import GemmConfig, gemm_launch, gemm_lora_launch
-from slora.kernels.lora_shrink import shrink_launch
+from slora.kernels.lora_gemm import GemmConfig, gemm_launch, lora_gemm_launch
 from slora.kernels.triton_ops import TritonOps
 
 logger = logging.getLogger("bench_lora_gemm")
 
 ROWS: tuple[int, ...] = (1, 16, 64, 128)
-CONFIGS = [lora_gemm.DECODE] + [
+CONFIGS = [
     GemmConfig(m, n, k, warps, stages)
     for m, n, k, warps, stages in [
         (128, 32, 128, 4, 4), (128, 32, 256, 4, 4), (128, 64, 256, 4, 4), (128, 64, 128, 4, 3), (128, 64, 128, 4, 5),
@@ -122,32 +122,25 @@ def timed_ms(fn: Callable[[], object]) -> float | None:
 SMOKE_CONFIGS = [GemmConfig(16, 32, 32, 4, 2)]
 
 
-EPILOGUES = {"": 0, "_loop": 1}  # path suffix: lora_gemm.EPILOGUE
-
-
 def layer_paths(
     case: LoraCase, w: dict[str, torch.Tensor], configs: dict[str, GemmConfig], gen: torch.Generator
 ) -> dict[str, Any]:
     """Part 2's paths on one layer, as functions of no argument, and the calls they run (for check_fused). The fused
-    paths are left out for a step of more tiles than the epilogue takes; "epilogue only" runs the fused GEMM without
-    its shrink (v as the last shrink left it): the epilogue's own cost over the plain GEMM."""
+    path is left out for a step of more tiles than it takes (lora_gemm.MAX_TILES)."""
     model, device = case.model, bench_kernels.DEVICE
     ops = TritonOps()
     calls = []
-    fusable = int(case.meta.whole().tiles(max(case.meta.whole().max_segment_len, 1)).shape[0]) <= lora_gemm.MAX_TILES
+    fusable = int(case.meta.whole().tiles(lora_gemm.TILE_M).shape[0]) <= lora_gemm.MAX_TILES
     for name, modules, k, n in projections(model):
         offsets, widths = call_outputs(model, modules)
         x = torch.randn((case.num_tokens, k), generator=gen, device=device).to(torch.bfloat16)
         y = torch.empty((case.num_tokens, n), dtype=torch.bfloat16, device=device)
         weight, cfg = w[name], configs[name]
-        v, shrink = shrink_launch(x, case.flat_layer, case.meta, modules[0], len(modules))
         plain = gemm_launch(x, weight, y, cfg=cfg, widths=widths)
-        fused = {}
-        for suffix, variant in EPILOGUES.items() if fusable else ():
-            lora_gemm.EPILOGUE = variant
-            fused[suffix] = gemm_lora_launch(x, weight, y, v, case.flat_layer, case.meta, modules[0], widths, cfg=cfg)
-        lora_gemm.EPILOGUE = 0
-        calls.append((x, y, weight, modules, offsets, widths, shrink, plain, fused))
+        fused = None
+        if fusable and case.meta.fused_rank(modules[0], len(modules)):
+            fused = lora_gemm_launch(x, weight, y, case.flat_layer, case.meta, modules[0], widths, cfg=cfg)
+        calls.append((x, y, weight, modules, offsets, widths, plain, fused))
 
     def cublas() -> None:
         for x, y, weight, *_ in calls:
@@ -162,19 +155,16 @@ def layer_paths(
         for x, y, weight, *_, plain, _ in calls:
             plain(x, weight, y)
 
-    def fused_path(suffix: str, with_shrink: bool) -> Callable[[], None]:
-        def run() -> None:
-            for x, y, weight, _, _, _, shrink, _, launches in calls:
-                if with_shrink and shrink is not None:
-                    shrink(x, case.flat_layer)
-                launches[suffix](x, weight, y, case.flat_layer)
-
-        return run
+    def fused_path() -> None:
+        for x, y, weight, *_, plain, fused in calls:
+            if fused is None:  # no adapter of the step targets these modules: the plain GEMM
+                plain(x, weight, y)
+            else:
+                fused(x, weight, y, case.flat_layer)
 
     paths: dict[str, Any] = {"cublas": cublas, "cublas+lora": cublas_lora, "triton": triton_only}
-    for suffix in EPILOGUES if fusable else ():
-        paths[f"fused{suffix}"] = fused_path(suffix, True)
-        paths[f"epilogue only{suffix}"] = fused_path(suffix, False)
+    if fusable:
+        paths["fused"] = fused_path
     return {**paths, "calls": calls}
 
 

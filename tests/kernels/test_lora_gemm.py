@@ -3,18 +3,15 @@ plain-torch LoRA reference on the same step, pool and adapters as the shrink/exp
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from slora.kernels import lora_gemm, lora_shrink  # noqa: E402
-from slora.kernels.lora_gemm import GemmConfig, column_block, gemm_launch, gemm_lora_launch  # noqa: E402
+from slora.kernels import lora_gemm  # noqa: E402
+from slora.kernels.lora_gemm import GemmConfig, column_block, gemm_launch, lora_gemm_launch  # noqa: E402
 from slora.kernels.lora_ref import lora_ref  # noqa: E402
-from slora.kernels.lora_shrink import shrink_launch  # noqa: E402
 from tests.kernels.builders import DEVICE, FULL_SHAPES, TINY, Shape, assert_close, gpu_only  # noqa: E402
 from tests.kernels.test_lora import TINY_ADAPTERS, TINY_STEPS, LayerCase, build_case, layer_calls  # noqa: E402
 
@@ -24,13 +21,10 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FEW = [(i % 4 + 2 if i % 9 else None, 1) for i in range(72)]
 
 
-def fused(case: LayerCase, x: torch.Tensor, weight: torch.Tensor, call: tuple, cfg: GemmConfig) -> torch.Tensor:
-    modules, _, widths, _ = call
+def fused(case: LayerCase, x: torch.Tensor, weight: torch.Tensor, widths: tuple[int, ...], modules: tuple[int, ...],
+          cfg: GemmConfig) -> torch.Tensor:  # fmt: skip
     y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    v, shrink = shrink_launch(x, case.flat_layer, case.meta, modules[0], len(modules))
-    assert shrink is not None
-    shrink(x, case.flat_layer)
-    gemm_lora_launch(x, weight, y, v, case.flat_layer, case.meta, modules[0], widths, cfg=cfg)(
+    lora_gemm_launch(x, weight, y, case.flat_layer, case.meta, modules[0], widths, cfg=cfg)(
         x, weight, y, case.flat_layer
     )
     return y
@@ -48,7 +42,7 @@ def check_fused_layer(case: LayerCase, cfg: GemmConfig, seed: int) -> None:
         expected = F.linear(x, weight)
         plain = expected.clone()
         lora_ref(expected, x, case.flat_layer, case.meta, modules, offsets, widths)
-        actual = fused(case, x, weight, call, cfg)
+        actual = fused(case, x, weight, widths, modules, cfg)
         assert_close(actual, expected, case.dtype, float(expected.float().abs().max()))
         gemm = torch.empty_like(actual)
         gemm_launch(x, weight, gemm, cfg=cfg, widths=widths)(x, weight, gemm)
@@ -75,28 +69,37 @@ def test_gemm_matches_linear(dtype: torch.dtype, bias: bool, m: int) -> None:
 @pytest.mark.parametrize("step", ["few", *sorted(TINY_STEPS)])
 def test_gemm_with_lora_matches_reference(dtype: torch.dtype, step: str) -> None:
     """Adapters of ranks 1-128 with partial targets (a gap inside q/k/v), base-model tokens among them, row blocks
-    of 16 tokens that cut through segments; "decode" reads the GEMV shrink's K-split partial sums."""
+    of 16 tokens that cut through segments."""
     steps = {"few": FEW, **TINY_STEPS}
     check_fused_layer(build_case(TINY, dtype, list(TINY_ADAPTERS), steps[step], seed=7), SMALL, seed=8)
 
 
-@pytest.mark.parametrize("step", ["few", "decode"])
-def test_gemm_with_lora_reads_split_partial_sums(step: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Input features split across the shrink's programs: the GEMV shrink leaves each split's partial sums, which the
-    epilogue adds up; the tensor-core shrink sums them itself."""
-    for name in ("DECODE", "DECODE_ONE", "MIXED"):
-        config = getattr(lora_shrink, name)
-        monkeypatch.setattr(lora_shrink, name, dataclasses.replace(config, block_k=16, target_programs=4096))
+@pytest.mark.parametrize("step", ["few", "prefill"])
+def test_shrink_splits_and_every_layer_after_the_first(step: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Input features split across shrink programs (their partials summed by the tile's last split), and one
+    launch run again (the next layer): its counters must be back at zero."""
+    monkeypatch.setattr(lora_gemm, "SHRINK_K", 16)
     case = build_case(TINY, torch.bfloat16, list(TINY_ADAPTERS), {"few": FEW, **TINY_STEPS}[step], seed=14)
-    x = torch.zeros((case.num_tokens, 64), device=DEVICE, dtype=torch.bfloat16)
-    v, _ = shrink_launch(x, case.flat_layer, case.meta, 0, 3)
-    assert v.shape[0] == (4 if step == "decode" else 1)
-    check_fused_layer(case, SMALL, seed=15)
+    gen = torch.Generator(device=DEVICE).manual_seed(15)
+    launch = None
+    for _ in range(2):  # two layers
+        x = torch.randn((case.num_tokens, 64), generator=gen, device=DEVICE).to(torch.bfloat16)
+        weight = (torch.randn((160, 64), generator=gen, device=DEVICE) * 0.1).to(torch.bfloat16)
+        y = torch.empty((case.num_tokens, 160), dtype=torch.bfloat16, device=DEVICE)
+        if launch is None:
+            launch = lora_gemm_launch(x, weight, y, case.flat_layer, case.meta, 0, (64, 48, 48), cfg=SMALL)
+            assert launch.grid[0] > 4 * 3, "expected K split four ways over the shrink's programs"
+        launch(x, weight, y, case.flat_layer)
+        expected = F.linear(x, weight)
+        lora_ref(expected, x, case.flat_layer, case.meta, (0, 1, 2), (0, 64, 112), (64, 48, 48))
+        assert_close(y, expected, torch.bfloat16, float(expected.float().abs().max()))
 
 
 def test_gemm_with_lora_on_one_row_block() -> None:
-    """The default config: every token in one row block, every tile's rows added by each column block."""
-    check_fused_layer(build_case(TINY, torch.bfloat16, list(TINY_ADAPTERS), FEW, seed=9), lora_gemm.DECODE, seed=10)
+    """The config for 72 rows: every token in one row block, every tile's rows added by each column block."""
+    cfg = lora_gemm.gemm_config(72, 96, 64)
+    assert cfg.block_m == 128
+    check_fused_layer(build_case(TINY, torch.bfloat16, list(TINY_ADAPTERS), FEW, seed=9), cfg, seed=10)
 
 
 def test_column_blocks_stay_inside_a_module() -> None:
@@ -114,20 +117,18 @@ def test_bad_inputs_are_named() -> None:
     case = build_case(TINY, torch.float32, list(TINY_ADAPTERS), FEW, seed=11)
     x = torch.zeros((case.num_tokens, 64), device=DEVICE)
     weight, y = torch.zeros((96, 64), device=DEVICE), torch.zeros((case.num_tokens, 96), device=DEVICE)
-    half_v = torch.zeros((1, case.num_tokens, 8), device=DEVICE, dtype=torch.float16)
-    with pytest.raises(ValueError, match="shrink's float32"):
-        gemm_lora_launch(x, weight, y, half_v, case.flat_layer, case.meta, 4, (96,))
+    with pytest.raises(ValueError, match="are not LoRA modules"):
+        lora_gemm_launch(x, weight, y, case.flat_layer, case.meta, 6, (48, 48))
 
 
 def test_steps_of_many_tiles_are_refused() -> None:
-    """The epilogue runs every tile in every program: a step of more than MAX_TILES tiles is named and refused."""
+    """Every GEMM program runs each tile's step: a step of more than MAX_TILES tiles is named and refused."""
     adapters = list(TINY_ADAPTERS) + [(2,) * 7] * (lora_gemm.MAX_TILES + 2 - len(TINY_ADAPTERS))
     case = build_case(TINY, torch.float32, adapters, [(i, 1) for i in range(len(adapters))], seed=16)
     x = torch.zeros((case.num_tokens, 64), device=DEVICE)
     weight, y = torch.zeros((96, 64), device=DEVICE), torch.zeros((case.num_tokens, 96), device=DEVICE)
-    v = torch.zeros((1, case.num_tokens, 8), device=DEVICE)
     with pytest.raises(ValueError, match=f"at most {lora_gemm.MAX_TILES} tiles"):
-        gemm_lora_launch(x, weight, y, v, case.flat_layer, case.meta, 4, (96,))
+        lora_gemm_launch(x, weight, y, case.flat_layer, case.meta, 4, (96,))
 
 
 @gpu_only
@@ -140,4 +141,6 @@ def test_gemm_with_lora_full_shapes(shape: Shape) -> None:
         (8,) * 7,
     ]
     few = [(i % 4 if i % 7 else None, 1) for i in range(96)]
-    check_fused_layer(build_case(shape, torch.bfloat16, adapters, few, seed=12), lora_gemm.DECODE, seed=13)
+    check_fused_layer(
+        build_case(shape, torch.bfloat16, adapters, few, seed=12), lora_gemm.gemm_config(96, 0, 0), seed=13
+    )
