@@ -60,7 +60,7 @@ class DecoderModel:
 
     def _attention(self, i: int, w: LayerWeights, x: torch.Tensor, batch: ForwardBatch, pool: PagePool) -> torch.Tensor:
         s = self.spec
-        qkv = F.linear(x, w.qkv, w.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
+        qkv = self.ops.linear(x, w.qkv, w.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
         self._lora(i, qkv, x, batch, pool, (Q_PROJ, K_PROJ, V_PROJ), (0, s.q_size, s.q_size + s.kv_size))
         q, k, v = qkv.split((s.q_size, s.kv_size, s.kv_size), dim=-1)
         q = q.view(-1, s.num_heads, s.head_dim)
@@ -70,16 +70,16 @@ class DecoderModel:
         # q and k rotated in place (inside qkv), then k and v stored in their pool slots
         self.ops.rotary_write_kv(q, k, v, batch.positions, self.rope.cos, self.rope.sin, kv_layer, batch.attn)
         attn = self.ops.attention(q, kv_layer, batch.attn, self.scale).reshape(-1, s.q_size)
-        out = F.linear(attn, w.o)  # [num_tokens, hidden]
+        out = self.ops.linear(attn, w.o)  # [num_tokens, hidden]
         self._lora(i, out, attn, batch, pool, (O_PROJ,), (0,))
         return out
 
     def _mlp(self, i: int, w: LayerWeights, x: torch.Tensor, batch: ForwardBatch, pool: PagePool) -> torch.Tensor:
         inter = self.spec.intermediate_size
-        gate_up = F.linear(x, w.gate_up)  # [num_tokens, 2 * intermediate]
+        gate_up = self.ops.linear(x, w.gate_up)  # [num_tokens, 2 * intermediate]
         self._lora(i, gate_up, x, batch, pool, (GATE_PROJ, UP_PROJ), (0, inter))
         act = self.ops.silu_mul(gate_up, inter)
-        out = F.linear(act, w.down)  # [num_tokens, hidden]
+        out = self.ops.linear(act, w.down)  # [num_tokens, hidden]
         self._lora(i, out, act, batch, pool, (DOWN_PROJ,), (0,))
         return out
 

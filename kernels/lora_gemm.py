@@ -300,8 +300,9 @@ def gemm_launch(
     cfg: GemmConfig | None = None,
     widths: tuple[int, ...] | None = None,
 ) -> Relaunch:
-    """The launch of y = x·Wᵀ (+ bias), called as launch(x, weight, y) for tensors shaped like these (every layer of
-    a step); widths (default: one module of N columns) only limits the column block, as the LoRA launch does."""
+    """The launch of y = x·Wᵀ (+ bias), called as launch(x, weight, y) (launch(x, weight, y, bias) with a bias) for
+    tensors shaped like these (every layer of a step); widths (default: one module of N columns) only limits the
+    column block, as the LoRA launch does."""
     widths = widths or (weight.shape[0],)
     _check(x, weight, y, bias, widths)
     args, grid, options = _gemm_args(x, weight, y, bias, cfg, widths)
@@ -310,7 +311,8 @@ def gemm_launch(
         gemm_programs=grid, tiles_ptr=x, ranks_ptr=x, scales_ptr=x, row_start_ptr=x, a_rows_ptr=x, b_rows_ptr=x,
         pool_ptr=x, FIRST_MODULE=0, ROW_ALIGN=1, HAS_LORA=False, MAX_TILES_P2=2, R_MAX=16,
     )  # fmt: skip
-    return Relaunch(_lora_gemm_kernel, (grid,), args, options, changing=("x_ptr", "w_ptr", "y_ptr"))
+    changing = ("x_ptr", "w_ptr", "y_ptr") + (() if bias is None else ("bias_ptr",))
+    return Relaunch(_lora_gemm_kernel, (grid,), args, options, changing=changing)
 
 
 def lora_gemm_launch(
@@ -326,8 +328,9 @@ def lora_gemm_launch(
     cfg: GemmConfig | None = None,
 ) -> Relaunch:
     """The launch of y = x·Wᵀ (+ bias) plus the LoRA of modules first_module .. + len(widths) - 1 (see top), called
-    as launch(x, weight, y, flat_layer) for tensors shaped like these (every layer of a step). Its scratch (v and
-    the counters) belongs to the launch: launches run one after the other on a stream, never two at once."""
+    as launch(x, weight, y, flat_layer) (then bias, with one) for tensors shaped like these (every layer of a
+    step). Its scratch (v and the counters) belongs to the launch: launches run one after the other on a stream,
+    never two at once."""
     _check(x, weight, y, bias, widths)
     _check_lora(weight, meta, first_module, widths)
     group = meta.whole() if group is None else group
@@ -355,7 +358,8 @@ def lora_gemm_launch(
         R_MAX=max(16, next_power_of_2(rank_bound(meta, first_module, len(widths)))),
     )  # fmt: skip
     grid = (num_tiles * splits + gemm_programs,)
-    return Relaunch(_lora_gemm_kernel, grid, args, options, changing=("x_ptr", "w_ptr", "y_ptr", "pool_ptr"))
+    changing = ("x_ptr", "w_ptr", "y_ptr", "pool_ptr") + (() if bias is None else ("bias_ptr",))
+    return Relaunch(_lora_gemm_kernel, grid, args, options, changing=changing)
 
 
 def _gemm_args(

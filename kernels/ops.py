@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from slora.kernels.activation_ref import silu_mul_ref
 from slora.kernels.attention_ref import paged_attention_ref, write_kv_ref
@@ -21,6 +22,10 @@ from slora.kernels.rotary_ref import apply_rotary_ref
 
 class Ops(Protocol):
     name: str
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x·Wᵀ + bias, as F.linear (the Triton ops take a GEMM of their own for steps of few rows)."""
+        ...
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta) -> None: ...
 
@@ -70,6 +75,9 @@ class Ops(Protocol):
 
 class TorchOps:
     name = "torch"
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None

@@ -1,5 +1,6 @@
 """The Ops interface on Triton-language kernels: paged K/V writes, paged attention, heterogeneous LoRA, and the
-fused elementwise work (RMSNorm with the residual add, RoPE of q and k in place, SiLU · up).
+fused elementwise work (RMSNorm with the residual add, RoPE of q and k in place, SiLU · up), and the projections
+of steps of few rows (kernels/projection.py).
 
 Attention: steps that only decode use flash-decoding (paged_decode.py, split along the sequence); any step with a
 prompt or a chunk uses the general kernel (paged_attention.py), which serves its decodes too. LoRA: one shrink
@@ -21,11 +22,18 @@ from slora.kernels.norm import rms_norm
 from slora.kernels.ops import PaddedLora
 from slora.kernels.paged_attention import paged_attention
 from slora.kernels.paged_decode import paged_decode_attention
+from slora.kernels.projection import Projections
 from slora.kernels.rotary import apply_rotary_, apply_rotary_write_kv_
 
 
 class TritonOps:
     name = "triton"
+
+    def __init__(self) -> None:
+        self._projections = Projections()
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self._projections(x, weight, bias)
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None

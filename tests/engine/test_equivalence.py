@@ -10,7 +10,7 @@ import torch
 from slora.backend.config import EngineConfig
 from slora.backend.engine import LLMEngine
 from slora.backend.sampling_params import SamplingParams
-from slora.kernels import lora_call
+from slora.kernels import lora_call, projection
 from slora.kernels.metadata import LoraMeta, SegmentGroup
 from tests.engine.conftest import ModelWithAdapters
 from tests.factories import hf_reference
@@ -104,9 +104,42 @@ def test_mistral_sharded_checkpoint(mistral_sharded: ModelWithAdapters, target: 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_logits_close_to_hf(llama: ModelWithAdapters, dtype: str, target: dict[str, str]) -> None:
     """In 16-bit the engine's first-step logits stay within a tolerance of HF + PEFT in the same dtype."""
+    _check_half_precision_logits(llama, _config(llama, target, dtype=dtype, page_size=8), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton GEMM serves CUDA steps only")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_small_steps_on_the_triton_gemm(llama: ModelWithAdapters, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With its width floor lowered to the test model's, a step of up to 16 rows runs its projections on the Triton
+    GEMM (kernels/projection.py), and the logits stay within the 16-bit tolerance of HF + PEFT."""
+    monkeypatch.setattr(projection, "MIN_FEATURES", 16)
+    target = {"device": "cuda", "kernel_backend": "triton", "dtype": dtype}
+    engine = _check_half_precision_logits(llama, _config(llama, target, dtype=dtype, page_size=8), dtype)
+    assert engine.model.ops._projections._launches, "no projection took the Triton GEMM"  # type: ignore[attr-defined]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton GEMM serves CUDA steps only")
+def test_decode_graphs_replay_the_triton_gemm(llama: ModelWithAdapters, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps of a few requests replayed as CUDA graphs, their projections on the Triton GEMM, give the
+    greedy tokens of the same engine stepping eagerly."""
+    monkeypatch.setattr(projection, "MIN_FEATURES", 16)
+    target = {"device": "cuda", "kernel_backend": "triton", "dtype": "bfloat16"}
+    adapters = [None, "r3-all", "r8-mlp"]
+    runs = []
+    for graphs in (False, True):
+        engine = LLMEngine(_config(llama, target, page_size=8, cuda_graphs=graphs))
+        prompts = _prompts(engine.spec.vocab_size, [5, 17, 9], seed=5)
+        runs.append([r.token_ids for r in engine.generate(prompts, adapters, GREEDY)])
+        assert engine.model.ops._projections._launches  # type: ignore[attr-defined]
+    assert runs[0] == runs[1]
+
+
+def _check_half_precision_logits(llama: ModelWithAdapters, config: EngineConfig, dtype: str) -> LLMEngine:
     torch_dtype = getattr(torch, dtype)
-    device = torch.device(target["device"])
-    engine = LLMEngine(_config(llama, target, dtype=dtype, page_size=8))
+    device = config.torch_device()
+    engine = LLMEngine(config)
     captured: list[torch.Tensor] = []
     engine.runner.logits_hook = captured.append
     prompt = _prompts(engine.spec.vocab_size, [13], seed=3)[0]
@@ -117,3 +150,4 @@ def test_half_precision_logits_close_to_hf(llama: ModelWithAdapters, dtype: str,
         with torch.inference_mode():
             ref = ref_model.to(device)(input_ids=torch.tensor([prompt], device=device)).logits[0, -1].float()
         torch.testing.assert_close(captured[0][0].cpu(), ref.cpu(), atol=0.05, rtol=0.05)
+    return engine

@@ -1,0 +1,66 @@
+"""The model's projections (x·Wᵀ + bias): the Triton GEMM of kernels/lora_gemm.py for steps of few rows on CUDA,
+F.linear (cuBLAS) for the rest.
+
+At up to 16 rows a projection reads its weight once and does next to no arithmetic, so its time is the weight's
+bytes over the bandwidth it reaches. On the H200 the Triton GEMM, with the config lora_gemm.gemm_config picks,
+read the 7B projections 2-8% faster than cuBLAS there (perf.bench_lora_gemm, perf/RESULTS.md); at 64 rows they
+were even, and at 128 cuBLAS was 20-40% ahead. Weights narrower than MIN_FEATURES were not measured and stay on
+cuBLAS. SLORA_TRITON_GEMM=0 turns the Triton GEMM off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from slora.kernels.lora_gemm import gemm_launch
+from slora.kernels.relaunch import Relaunch
+
+ENV = "SLORA_TRITON_GEMM"
+MAX_ROWS = 16
+MIN_FEATURES = 2048  # in and out features: the shapes measured (7B projections) and larger
+
+
+def triton_gemm_enabled() -> bool:
+    """Whether SLORA_TRITON_GEMM (default on) lets small projections take the Triton GEMM."""
+    return os.environ.get(ENV, "1") != "0"
+
+
+class Projections:
+    """x·Wᵀ + bias for the model, one Triton launch per shape built on first use and reused by every layer."""
+
+    def __init__(self, triton_gemm: bool | None = None) -> None:
+        self.triton_gemm = triton_gemm_enabled() if triton_gemm is None else triton_gemm
+        self._launches: dict[tuple[object, ...], Relaunch] = {}
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.takes_triton(x, weight, bias):
+            return F.linear(x, weight, bias)
+        y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+        key = (x.shape, x.stride(0), weight.shape, weight.stride(0), bias is None, x.dtype, x.device)
+        launch = self._launches.get(key)
+        if launch is None:
+            launch = self._launches[key] = gemm_launch(x, weight, y, bias)
+        if bias is None:
+            launch(x, weight, y)
+        else:
+            launch(x, weight, y, bias)
+        return y
+
+    def takes_triton(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether x·Wᵀ goes to the Triton GEMM: few rows on CUDA, a measured weight shape, 16-bit, unit strides."""
+        return (
+            self.triton_gemm
+            and x.is_cuda
+            and 0 < x.shape[0] <= MAX_ROWS
+            and min(weight.shape) >= MIN_FEATURES
+            and weight.shape[0] % 16 == 0
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype
+            and x.dim() == 2
+            and x.stride(1) == 1
+            and weight.stride(1) == 1
+            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+        )

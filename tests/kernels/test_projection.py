@@ -1,0 +1,55 @@
+"""Which projections take the Triton GEMM (kernels/projection.py), and that they compute F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slora.kernels import projection
+from slora.kernels.projection import Projections
+from tests.kernels.builders import DEVICE, assert_close, gpu_only
+
+
+def test_cpu_projections_are_f_linear() -> None:
+    proj = Projections(triton_gemm=True)
+    x, w = torch.randn(4, 2048), torch.randn(2048, 2048)
+    assert torch.equal(proj(x, w), F.linear(x, w))
+    assert not proj.takes_triton(x.bfloat16(), w.bfloat16(), None), "CPU tensors stay on F.linear"
+
+
+def test_environment_turns_the_triton_gemm_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(projection.ENV, "0")
+    assert not Projections().triton_gemm
+    monkeypatch.delenv(projection.ENV)
+    assert Projections().triton_gemm
+
+
+@gpu_only
+def test_small_steps_of_wide_weights_take_the_triton_gemm() -> None:
+    proj = Projections(triton_gemm=True)
+    w = torch.randn(4096, 2048, device=DEVICE, dtype=torch.bfloat16)
+    taken = {
+        m: proj.takes_triton(torch.zeros(m, 2048, device=DEVICE, dtype=torch.bfloat16), w, None) for m in (1, 16, 17)
+    }
+    assert taken == {1: True, 16: True, 17: False}
+    narrow = torch.zeros(576, 576, device=DEVICE, dtype=torch.bfloat16)
+    assert not proj.takes_triton(torch.zeros(4, 576, device=DEVICE, dtype=torch.bfloat16), narrow, None)
+    assert not proj.takes_triton(torch.zeros(4, 2048, device=DEVICE), w.float(), None), "float32 stays on cuBLAS"
+
+
+@gpu_only
+@pytest.mark.parametrize("rows", [1, 7, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_projections_match_f_linear(rows: int, dtype: torch.dtype) -> None:
+    """Two layers' weights of one shape (one launch, reused) and a bias, against F.linear."""
+    gen = torch.Generator(device=DEVICE).manual_seed(rows)
+    proj = Projections(triton_gemm=True)
+    for _ in range(2):
+        x = torch.randn(rows, 4096, generator=gen, device=DEVICE).to(dtype)
+        w = (torch.randn(6144, 4096, generator=gen, device=DEVICE) * 0.02).to(dtype)
+        b = torch.randn(6144, generator=gen, device=DEVICE).to(dtype)
+        for bias in (None, b):
+            expected = F.linear(x, w, bias)
+            assert_close(proj(x, w, bias), expected, dtype, float(expected.float().abs().max()))
+    assert len(proj._launches) == 2, "one launch per shape and bias, reused by the second layer"
