@@ -59,7 +59,8 @@ CONFIGS = [
     for m, n, k, warps, stages in [
         (128, 32, 128, 4, 4), (128, 32, 256, 4, 4), (128, 64, 256, 4, 4), (128, 64, 128, 4, 3), (128, 64, 128, 4, 5),
         (128, 128, 128, 4, 4), (128, 128, 64, 4, 4), (128, 32, 256, 4, 6), (128, 128, 64, 8, 4), (128, 64, 128, 8, 4),
-        (128, 32, 256, 8, 4), (64, 64, 128, 4, 4), (64, 32, 256, 4, 4),
+        (128, 32, 256, 8, 4), (64, 64, 128, 4, 4), (64, 32, 256, 4, 4), (128, 16, 256, 4, 4), (128, 16, 512, 4, 3),
+        (32, 64, 128, 4, 4), (32, 32, 256, 4, 4),
     ]
 ]  # fmt: skip
 
@@ -122,6 +123,9 @@ def timed_ms(fn: Callable[[], object]) -> float | None:
 SMOKE_CONFIGS = [GemmConfig(16, 32, 32, 4, 2)]
 
 
+EPILOGUES = {"": 0, "_chunks": 1}  # path suffix: lora_gemm.EPILOGUE
+
+
 def layer_paths(
     case: LoraCase, w: dict[str, torch.Tensor], configs: dict[str, GemmConfig], gen: torch.Generator
 ) -> dict[str, Any]:
@@ -137,9 +141,14 @@ def layer_paths(
         y = torch.empty((case.num_tokens, n), dtype=torch.bfloat16, device=device)
         weight, cfg = w[name], configs[name]
         plain = gemm_launch(x, weight, y, cfg=cfg, widths=widths)
-        fused = None
-        if fusable and case.meta.fused_rank(modules[0], len(modules)):
-            fused = lora_gemm_launch(x, weight, y, case.flat_layer, case.meta, modules[0], widths, cfg=cfg)
+        fused = {}
+        for name_suffix, variant in EPILOGUES.items():
+            if fusable and case.meta.fused_rank(modules[0], len(modules)):
+                lora_gemm.EPILOGUE = variant
+                fused[name_suffix] = lora_gemm_launch(
+                    x, weight, y, case.flat_layer, case.meta, modules[0], widths, cfg=cfg
+                )
+        lora_gemm.EPILOGUE = 0
         calls.append((x, y, weight, modules, offsets, widths, plain, fused))
 
     def cublas() -> None:
@@ -155,16 +164,19 @@ def layer_paths(
         for x, y, weight, *_, plain, _ in calls:
             plain(x, weight, y)
 
-    def fused_path() -> None:
-        for x, y, weight, *_, plain, fused in calls:
-            if fused is None:  # no adapter of the step targets these modules: the plain GEMM
-                plain(x, weight, y)
-            else:
-                fused(x, weight, y, case.flat_layer)
+    def fused_path(suffix: str) -> Callable[[], None]:
+        def run() -> None:
+            for x, y, weight, *_, plain, fused in calls:
+                if not fused:  # no adapter of the step targets these modules: the plain GEMM
+                    plain(x, weight, y)
+                else:
+                    fused[suffix](x, weight, y, case.flat_layer)
+
+        return run
 
     paths: dict[str, Any] = {"cublas": cublas, "cublas+lora": cublas_lora, "triton": triton_only}
-    if fusable:
-        paths["fused"] = fused_path
+    for suffix in EPILOGUES if fusable else ():
+        paths[f"fused{suffix}"] = fused_path(suffix)
     return {**paths, "calls": calls}
 
 
@@ -241,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="JSON file for the results")
     parser.add_argument("--sweep", action="store_true", help="also part 1, the GEMM configs against cuBLAS (~3 min)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one call each (CPU: Triton interpreter)")
+    parser.add_argument("--rows", type=int, nargs="+", help="part 1's row counts (default 1 16 64 128)")
+    parser.add_argument("--skip-layer", action="store_true", help="part 1 only")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if not torch.cuda.is_available():
@@ -249,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         bench_kernels.DEVICE = torch.device("cpu")
     global ROWS, CONFIGS
+    if args.rows:
+        ROWS = tuple(args.rows)
     model, n = LLAMA_7B, 64
     if args.smoke:
         model, n, CONFIGS = TINY_MHA, 4, SMOKE_CONFIGS
@@ -260,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload["gemm"] = gemm_sweep(model, device.copy_gbps, gen) if args.sweep else []
     args.out.write_text(json.dumps(payload, indent=1))
-    payload["layer"] = layer_bench(model, device.copy_gbps, gen, n, args.smoke)
+    payload["layer"] = [] if args.skip_layer else layer_bench(model, device.copy_gbps, gen, n, args.smoke)
     args.out.write_text(json.dumps(payload, indent=1))
     for entry in payload["layer"]:
         sys.stdout.write(json.dumps(entry) + "\n")
