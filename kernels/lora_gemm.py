@@ -34,7 +34,6 @@ after another, and the shrink programs take GEMM slots. The engine does not use 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -81,7 +80,6 @@ SHRINK_R = 32  # rank rows per shrink chunk
 SHRINK_K = 128  # input features per shrink step
 SHRINK_PROGRAMS = 128  # K is split until the shrink has about this many programs
 MAX_SPLITS = 16
-EPI_R: tl.constexpr = tl.constexpr(16)  # rank rows per chunk of _add_lora_chunks
 SYNC_SLOTS = 3 + MAX_TILES  # tickets, tiles done, GEMM programs done, then one arrival count per tile
 
 
@@ -127,36 +125,31 @@ def _lora_gemm_kernel(
     TILE: tl.constexpr,
     S_R: tl.constexpr,
     S_K: tl.constexpr,
-    INTERPRET: tl.constexpr,
-    EPI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     if HAS_LORA:
         ticket = tl.atomic_add(sync_ptr, 1)
-        # the shrink's units (tile, K split): unit u goes to the program of ticket u % programs, before its K loop
-        # (under the interpreter, which runs programs one after the other, the first program takes them all)
-        units = num_tiles * splits
-        if INTERPRET:
-            start = tl.where(ticket == 0, 0, units)
-            stride = 1
-        else:
-            start = ticket
-            stride = gemm_programs
-        for unit in range(start, units, stride):
+        shrink_programs = num_tiles * splits
+        if ticket < shrink_programs:
             _shrink(
-                unit // splits, unit % splits, x_ptr, stride_x, K, v_ptr, stride_v_split, stride_v_tok,
-                sync_ptr, splits, k_per_split, tiles_ptr, ranks_ptr, row_start_ptr, a_rows_ptr, pool_ptr,
+                ticket // splits, ticket % splits, x_ptr, stride_x, K, v_ptr, stride_v_split, stride_v_tok, sync_ptr,
+                splits, k_per_split, tiles_ptr, ranks_ptr, row_start_ptr, a_rows_ptr, pool_ptr,
                 FIRST_MODULE, NUM_SLICES, ROW_ALIGN, TILE, S_R, S_K, DOT_PRECISION,
             )  # fmt: skip
-        pid = ticket
+        else:
+            _gemm(
+                ticket - shrink_programs, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, y_ptr, stride_y, M, K,
+                n_blocks, v_ptr, stride_v_tok, sync_ptr, num_tiles, gemm_programs, tiles_ptr, ranks_ptr, scales_ptr,
+                row_start_ptr, b_rows_ptr, pool_ptr, width0, width1, FIRST_MODULE, NUM_SLICES, ROW_ALIGN, HAS_BIAS,
+                True, BLOCK_M, BLOCK_N, BLOCK_K, MAX_TILES_P2, R_MAX, TILE, DOT_PRECISION,
+            )  # fmt: skip
     else:
-        pid = tl.program_id(0)
-    _gemm(
-        pid, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, y_ptr, stride_y, M, K,
-        n_blocks, v_ptr, stride_v_tok, sync_ptr, num_tiles, gemm_programs, tiles_ptr, ranks_ptr, scales_ptr,
-        row_start_ptr, b_rows_ptr, pool_ptr, width0, width1, FIRST_MODULE, NUM_SLICES, ROW_ALIGN, HAS_BIAS,
-        HAS_LORA, BLOCK_M, BLOCK_N, BLOCK_K, MAX_TILES_P2, R_MAX, TILE, EPI, DOT_PRECISION,
-    )  # fmt: skip
+        _gemm(
+            tl.program_id(0), x_ptr, stride_x, w_ptr, stride_w, bias_ptr, y_ptr, stride_y, M, K,
+            n_blocks, v_ptr, stride_v_tok, sync_ptr, num_tiles, gemm_programs, tiles_ptr, ranks_ptr, scales_ptr,
+            row_start_ptr, b_rows_ptr, pool_ptr, width0, width1, FIRST_MODULE, NUM_SLICES, ROW_ALIGN, HAS_BIAS,
+            False, BLOCK_M, BLOCK_N, BLOCK_K, MAX_TILES_P2, R_MAX, TILE, DOT_PRECISION,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -206,8 +199,7 @@ def _gemm(
     num_tiles, gemm_programs, tiles_ptr, ranks_ptr, scales_ptr, row_start_ptr, b_rows_ptr, pool_ptr, width0, width1,
     FIRST_MODULE: tl.constexpr, NUM_SLICES: tl.constexpr, ROW_ALIGN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    MAX_TILES_P2: tl.constexpr, R_MAX: tl.constexpr, TILE: tl.constexpr, EPI: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    MAX_TILES_P2: tl.constexpr, R_MAX: tl.constexpr, TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One GEMM program: its block of x·Wᵀ (+ bias), then (HAS_LORA) every tile's v·Bᵀ·scale once v is complete."""
     n0 = (pid % n_blocks) * BLOCK_N
@@ -234,15 +226,8 @@ def _gemm(
     if HAS_LORA:
         while tl.atomic_add(sync_ptr + 1, 0, sem="acquire") < num_tiles:
             pass  # the shrink programs hold earlier tickets: started, and waiting for nothing
-        if EPI == 0:
-            acc = _add_lora(acc, rows, lora, num_tiles, v_ptr, stride_v_tok, pool_ptr, ROW_ALIGN, BLOCK_N,
-                            MAX_TILES_P2, R_MAX, DOT_PRECISION)  # fmt: skip
-        else:
-            acc = _add_lora_chunks(
-                acc, rows, n0, row0, v_ptr, stride_v_tok, tiles_ptr, num_tiles, ranks_ptr, scales_ptr, row_start_ptr,
-                b_rows_ptr, pool_ptr, width0, width1, FIRST_MODULE, NUM_SLICES, ROW_ALIGN, BLOCK_M, BLOCK_N, R_MAX,
-                TILE, DOT_PRECISION,
-            )  # fmt: skip
+        acc = _add_lora(acc, rows, lora, num_tiles, v_ptr, stride_v_tok, pool_ptr, ROW_ALIGN, BLOCK_N, MAX_TILES_P2,
+                        R_MAX, DOT_PRECISION)  # fmt: skip
     y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_y + n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None])
     if HAS_LORA:
@@ -313,50 +298,6 @@ def _add_lora(
     return acc
 
 
-@triton.jit
-def _add_lora_chunks(
-    acc, rows, n0, row0, v_ptr, stride_v_tok, tiles_ptr, num_tiles, ranks_ptr, scales_ptr, row_start_ptr, b_rows_ptr,
-    pool_ptr, width0, width1, FIRST_MODULE: tl.constexpr, NUM_SLICES: tl.constexpr, ROW_ALIGN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R_MAX: tl.constexpr, TILE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """_add_lora as one software-pipelined loop over chunks of EPI_R rank rows of each tile, each chunk's metadata
-    loaded (from cache) in the chunk."""
-    s = n0 * 0
-    col = n0
-    if NUM_SLICES > 1:
-        s = tl.where(n0 >= width0, 1, 0)
-        col = tl.where(n0 >= width0, n0 - width0, n0)
-    if NUM_SLICES > 2:
-        in_third = n0 >= width0 + width1
-        s = tl.where(in_third, 2, s)
-        col = tl.where(in_third, n0 - width0 - width1, col)
-    cols = col + tl.arange(0, BLOCK_N)
-    v_rows = v_ptr + rows.to(tl.int64)[:, None] * stride_v_tok
-    for c in tl.range(0, num_tiles * R_MAX, EPI_R, num_stages=3):
-        g = c // R_MAX
-        j = c % R_MAX + tl.arange(0, EPI_R)
-        first = tl.load(tiles_ptr + 4 * g + 1)
-        end = tl.minimum(tl.load(tiles_ptr + 4 * g + 2), first + TILE)
-        table = tl.load(tiles_ptr + 4 * g + 3) * MODULES + FIRST_MODULE
-        rank = tl.load(ranks_ptr + table + s)
-        v_col = 0
-        for before in tl.static_range(NUM_SLICES - 1):
-            v_col += tl.where(before < s, tl.load(ranks_ptr + table + before), 0)
-        live = (first < end) & (first < row0 + BLOCK_M) & (end > row0)
-        j_mask = j < tl.where(live, rank, 0)
-        b_rows = tl.load(b_rows_ptr + tl.load(row_start_ptr + table + s) + j, mask=j_mask, other=0)
-        bt = tl.load(pool_ptr + tl.multiple_of(b_rows, ROW_ALIGN)[:, None] + cols[None, :], mask=j_mask[:, None],
-                     other=0.0)  # fmt: skip
-        tok = (rows >= first) & (rows < end)
-        vt = tl.load(v_rows + v_col + j[None, :], mask=tok[:, None] & j_mask[None, :], other=0.0, cache_modifier=".cg")
-        acc += tl.dot(vt.to(bt.dtype), bt, input_precision=DOT_PRECISION) * tl.load(scales_ptr + table + s)
-    return acc
-
-
-EPILOGUE = 0  # 0: _add_lora; 1: _add_lora_chunks
-
-
 def gemm_launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -422,7 +363,7 @@ def lora_gemm_launch(
         MAX_TILES_P2=next_power_of_2(max(num_tiles, 2)),
         R_MAX=max(16, next_power_of_2(rank_bound(meta, first_module, len(widths)))),
     )  # fmt: skip
-    grid = (gemm_programs,)
+    grid = (num_tiles * splits + gemm_programs,)
     changing = ("x_ptr", "w_ptr", "y_ptr", "pool_ptr") + (() if bias is None else ("bias_ptr",))
     return Relaunch(_lora_gemm_kernel, grid, args, options, changing=changing)
 
@@ -447,8 +388,7 @@ def _gemm_args(
         bias_ptr=weight if bias is None else bias, y_ptr=y, stride_y=y.stride(0), M=m, K=k, n_blocks=n_blocks,
         width0=widths[0], width1=widths[1] if len(widths) > 1 else 0, NUM_SLICES=len(widths),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, TILE=TILE_M,
-        S_R=SHRINK_R, S_K=SHRINK_K, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", EPI=EPILOGUE,
-        DOT_PRECISION=dot_precision(x.dtype),
+        S_R=SHRINK_R, S_K=SHRINK_K, DOT_PRECISION=dot_precision(x.dtype),
     )  # fmt: skip
     return args, n_blocks * cdiv(m, block_m), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 

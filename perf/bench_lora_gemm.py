@@ -123,9 +123,6 @@ def timed_ms(fn: Callable[[], object]) -> float | None:
 SMOKE_CONFIGS = [GemmConfig(16, 32, 32, 4, 2)]
 
 
-EPILOGUES = {"": 0, "_chunks": 1}  # path suffix: lora_gemm.EPILOGUE
-
-
 def layer_paths(
     case: LoraCase, w: dict[str, torch.Tensor], configs: dict[str, GemmConfig], gen: torch.Generator
 ) -> dict[str, Any]:
@@ -141,14 +138,9 @@ def layer_paths(
         y = torch.empty((case.num_tokens, n), dtype=torch.bfloat16, device=device)
         weight, cfg = w[name], configs[name]
         plain = gemm_launch(x, weight, y, cfg=cfg, widths=widths)
-        fused = {}
-        for name_suffix, variant in EPILOGUES.items():
-            if fusable and case.meta.fused_rank(modules[0], len(modules)):
-                lora_gemm.EPILOGUE = variant
-                fused[name_suffix] = lora_gemm_launch(
-                    x, weight, y, case.flat_layer, case.meta, modules[0], widths, cfg=cfg
-                )
-        lora_gemm.EPILOGUE = 0
+        fused = None
+        if fusable and case.meta.fused_rank(modules[0], len(modules)):
+            fused = lora_gemm_launch(x, weight, y, case.flat_layer, case.meta, modules[0], widths, cfg=cfg)
         calls.append((x, y, weight, modules, offsets, widths, plain, fused))
 
     def cublas() -> None:
@@ -164,19 +156,16 @@ def layer_paths(
         for x, y, weight, *_, plain, _ in calls:
             plain(x, weight, y)
 
-    def fused_path(suffix: str) -> Callable[[], None]:
-        def run() -> None:
-            for x, y, weight, *_, plain, fused in calls:
-                if not fused:  # no adapter of the step targets these modules: the plain GEMM
-                    plain(x, weight, y)
-                else:
-                    fused[suffix](x, weight, y, case.flat_layer)
-
-        return run
+    def fused_path() -> None:
+        for x, y, weight, *_, plain, fused in calls:
+            if fused is None:  # no adapter of the step targets these modules: the plain GEMM
+                plain(x, weight, y)
+            else:
+                fused(x, weight, y, case.flat_layer)
 
     paths: dict[str, Any] = {"cublas": cublas, "cublas+lora": cublas_lora, "triton": triton_only}
-    for suffix in EPILOGUES if fusable else ():
-        paths[f"fused{suffix}"] = fused_path(suffix)
+    if fusable:
+        paths["fused"] = fused_path
     return {**paths, "calls": calls}
 
 
