@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from slora.kernels.launch import cdiv, dot_precision, next_power_of_2
-from slora.kernels.lora_shrink import MODULES, NUM_MODULES, fused_rows, tile_bounds
+from slora.kernels.lora_shrink import MODULES, NUM_MODULES, fused_rows, split_dot, tile_bounds
 from slora.kernels.metadata import LoraMeta, SegmentGroup
 from slora.kernels.relaunch import Relaunch
 
@@ -171,13 +171,7 @@ def _shrink(
         j = c + tl.arange(0, S_R)
         j_mask = j < rank
         rows = tl.multiple_of(tl.load(a_rows_ptr + row0 + j, mask=j_mask, other=0), ROW_ALIGN)
-        acc = tl.zeros((TILE, S_R), dtype=tl.float32)
-        for kk in range(0, k_per_split, S_K):
-            k = k_lo + kk + tl.arange(0, S_K)
-            k_mask = k < K
-            xt = tl.load(x_rows + k[None, :], mask=tok_mask[:, None] & k_mask[None, :], other=0.0)
-            at = tl.load(pool_ptr + rows[:, None] + k[None, :], mask=j_mask[:, None] & k_mask[None, :], other=0.0)
-            acc = tl.dot(xt, tl.trans(at), acc, input_precision=DOT_PRECISION)
+        acc = split_dot(x_rows, tok_mask, pool_ptr, rows, j_mask, k_lo, k_per_split, K, TILE, S_R, S_K, DOT_PRECISION)
         tl.store(v_rows + split * stride_v_split + j[None, :], acc, mask=tok_mask[:, None] & j_mask[None, :])
     tl.debug_barrier()  # every thread's partials stored before the arrival is counted (released by the atomic)
     if tl.atomic_add(sync_ptr + 3 + tile, 1, sem="acq_rel") == splits - 1:

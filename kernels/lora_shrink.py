@@ -138,13 +138,8 @@ def _lora_shrink_kernel(
         j_mask = j < rank
         rows = tl.load(a_rows_ptr + row0 + j, mask=j_mask, other=0)
         rows = tl.multiple_of(rows, ROW_ALIGN)
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for kk in range(0, k_per_split, BLOCK_K):
-            k = k_lo + kk + tl.arange(0, BLOCK_K)
-            k_mask = k < in_features
-            xt = tl.load(x_rows + k[None, :], mask=tok_mask[:, None] & k_mask[None, :], other=0.0)
-            at = tl.load(pool_ptr + rows[:, None] + k[None, :], mask=j_mask[:, None] & k_mask[None, :], other=0.0)
-            acc = tl.dot(xt, tl.trans(at), acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_R]
+        acc = split_dot(x_rows, tok_mask, pool_ptr, rows, j_mask, k_lo, k_per_split, in_features, BLOCK_M, BLOCK_R,
+                        BLOCK_K, DOT_PRECISION)  # fmt: skip
         tl.store(v_base + j[None, :], acc, mask=tok_mask[:, None] & j_mask[None, :])
     if tl.num_programs(2) > 1:  # K is split: the last split to finish sums the partials into split 0 (see top)
         group = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
@@ -153,6 +148,23 @@ def _lora_shrink_kernel(
             v_rows = v_ptr + tokens.to(tl.int64)[:, None] * stride_v_tok
             sum_split_partials(v_rows, stride_v_split, tok_mask, rank, BLOCK_R)
             tl.atomic_xchg(arrivals_ptr + group, 0)  # ready for the next layer's launch
+
+
+@triton.jit
+def split_dot(
+    x_rows, tok_mask, pool_ptr, rows, j_mask, k_lo, k_per_split, in_features, BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_M, BLOCK_R] float32: the tile's x rows (x_rows: [BLOCK_M, 1] pointers) times the A rows at pool offsets
+    `rows`, over input features k_lo .. k_lo + k_per_split - 1 (one K split), on tensor cores."""
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for kk in range(0, k_per_split, BLOCK_K):
+        k = k_lo + kk + tl.arange(0, BLOCK_K)
+        k_mask = k < in_features
+        xt = tl.load(x_rows + k[None, :], mask=tok_mask[:, None] & k_mask[None, :], other=0.0)
+        at = tl.load(pool_ptr + rows[:, None] + k[None, :], mask=j_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(xt, tl.trans(at), acc, input_precision=DOT_PRECISION)
+    return acc
 
 
 @triton.jit

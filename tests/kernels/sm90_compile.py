@@ -26,6 +26,7 @@ from triton.runtime.jit import JITFunction
 
 from slora.kernels import rotary
 from slora.kernels.jit_stats import kernels_replaced
+from slora.kernels.lora_gemm import gemm_launch, lora_gemm_launch
 from slora.kernels.triton_ops import TritonOps
 from tests.kernels.builders import Shape, attention_step
 from tests.kernels.test_attention import Heads, make_pool
@@ -137,6 +138,35 @@ def rotary_write_kv(heads: Heads, block_size: int, dtype: torch.dtype) -> Callab
     return run
 
 
+def projections(rows: int) -> Callable[[], None]:
+    """The 7B projections at `rows` rows on the Triton GEMM, with the configs the engine picks (and a bias)."""
+
+    def run() -> None:
+        for n, k in ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)):
+            x, w, y = (torch.zeros(shape, dtype=torch.bfloat16) for shape in ((rows, k), (n, k), (rows, n)))
+            if n == 12288:
+                bias = torch.zeros(n, dtype=torch.bfloat16)
+                gemm_launch(x, w, y, bias)(x, w, y, bias)
+            else:
+                gemm_launch(x, w, y)(x, w, y)
+
+    return run
+
+
+def lora_projections(step: list[tuple[int | None, int]]) -> Callable[[], None]:
+    """The 7B layer's projections with their LoRA in one launch each (kernels/lora_gemm.py)."""
+    case = build_case(LLAMA_7B, torch.bfloat16, [(64,) * 7, (16, 8, 8, 16, 0, 0, 0)], step, seed=1)
+
+    def run() -> None:
+        for modules, _, widths, in_features in layer_calls(LLAMA_7B):
+            x = torch.zeros((case.num_tokens, in_features), dtype=torch.bfloat16)
+            w = torch.zeros((sum(widths), in_features), dtype=torch.bfloat16)
+            y = torch.zeros((case.num_tokens, sum(widths)), dtype=torch.bfloat16)
+            lora_gemm_launch(x, w, y, case.flat_layer, case.meta, modules[0], widths)(x, w, y, case.flat_layer)
+
+    return run
+
+
 DECODE = [(0, 1), (1, 1), (2, 1), (None, 1), (1, 1)]
 PREFILL = [(1, 100), (None, 3), (0, 1)]
 SCENARIOS = {
@@ -148,6 +178,9 @@ SCENARIOS = {
     "attention-decode-fp32": lambda: attention(Heads(9, 3, 64), 4, torch.float32, [(1, 30), (1, 7)]),
     "rotary-write-kv-bf16": lambda: rotary_write_kv(Heads(32, 8, 128), 16, torch.bfloat16),
     "silu-mul-bf16": lambda: lambda: TritonOps().silu_mul(torch.zeros((5, 2 * 11008), dtype=torch.bfloat16), 11008),
+    "projections-1-bf16": lambda: projections(1),
+    "projections-64-bf16": lambda: projections(64),
+    "lora-projections-bf16": lambda: lora_projections([(i % 2, 1) for i in range(64)]),
 }
 
 

@@ -61,19 +61,21 @@ def test_kernels_replaced_stands_in_for_every_kernel_and_puts_them_back() -> Non
     assert current() == before
 
 
-# Integer arguments of the LoRA kernels whose values follow the step (its tokens, its adapters' ranks, its split):
+# Integer arguments of the LoRA kernels (and the projection GEMM's row count) whose values follow the step (its
+# tokens, its adapters' ranks, its split):
 # specialized, each new divisibility class would compile a variant while serving.
 STEP_DEPENDENT = {
     "_lora_shrink_kernel": {"stride_v_split", "stride_v_tok"},
     "_lora_shrink_gemv_kernel": {"stride_v_split", "stride_v_tok"},
     "_lora_expand_kernel": {"stride_v_tok"},  # reads one split of v: the tensor-core shrink sums them
     "_lora_expand_gemv_kernel": {"split_k", "stride_v_split", "stride_v_tok"},
+    "_lora_gemm_kernel": {"M", "num_tiles", "splits", "k_per_split", "stride_v_split", "stride_v_tok"},
 }
 
 
 @pytest.mark.parametrize("kernel_name", sorted(STEP_DEPENDENT))
 def test_step_dependent_arguments_are_not_specialized(kernel_name: str) -> None:
-    module = "slora.kernels.lora_shrink" if "shrink" in kernel_name else "slora.kernels.lora_expand"
+    module = dict((name, module) for module, name in jit_stats.KERNELS)[kernel_name]
     kernel = getattr(importlib.import_module(module), kernel_name)
     if hasattr(kernel, "params"):  # compiled: triton.jit's JITFunction
         unspecialized = {p.name for p in kernel.params if p.do_not_specialize}
