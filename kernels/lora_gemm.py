@@ -1,4 +1,5 @@
-"""A projection and its LoRA in one launch: y = x·Wᵀ (+ bias) + ((x_t·Aᵀ_t)·Bᵀ_t)·scale_t for each token t.
+"""A Triton GEMM for decode steps' projections, y = x·Wᵀ (+ bias) (gemm_launch), and the same with the projection's
+LoRA in one launch, y += ((x_t·Aᵀ_t)·Bᵀ_t)·scale_t for each token t (lora_gemm_launch).
 
 A decode step's LoRA call site costs a base GEMM, a shrink and an expand: three launches, each a few microseconds of
 fixed cost even in a CUDA graph, which is most of the LoRA's time when few adapters share the step (a layer's four
@@ -58,7 +59,7 @@ class GemmConfig:
 def gemm_config(m: int, n: int, k: int) -> GemmConfig:
     """The config for x [m, k] · Wᵀ [k, n], from the H200 sweeps of perf.bench_lora_gemm (perf/RESULTS.md): at up to
     16 rows the fastest of its configs per 7B projection (2-8% ahead of cuBLAS); at up to 64 within 1-4% of
-    cuBLAS (down 4% ahead); more rows: none came within 20% of cuBLAS."""
+    cuBLAS (down 4% ahead); at 128 rows 15-32% behind cuBLAS."""
     if m <= 16:
         if n >= 16384:
             return GemmConfig(16, 64, 128, 4, 3)
