@@ -26,6 +26,9 @@
 #               request: step time, minimum bytes and bandwidth (the S2 LoRA / base ratio's bytes floor) [~3 min]
 #               (FLOOR_COUNTS: the adapter counts, "0 5 -1"; FLOOR_PROFILE=1: profile each; FLOOR_TAG: file suffix;
 #               FLOOR_SETTING: the adapters' setting, S2 or Sall)
+#   projections perf.bench_lora_gemm --sweep (the Triton projection GEMM's configs against cuBLAS at 1-128 rows, and a
+#               decoder layer's LoRA in one launch against separate launches), then perf.bench_decode_step at batch
+#               1/8/16 with the Triton GEMM for small steps (SLORA_TRITON_GEMM=1) and with cuBLAS (0)   [~6 min]
 #   checks      kernel and engine tests on the GPU, then perf.bench_decode_step (CUDA graphs, batch 1/8/64),
 #               perf.bench_host_step (host time of a 256-sequence decode step) and perf.bench_host_forward
 #               (host time of eager steps, kernels stubbed: this host's Python against the CPU machine's) [~8 min]
@@ -362,6 +365,16 @@ suite() {
         step -m perf.bench_host_forward --model "$WORK/deep" --adapter-root "$WORK/deep-adapters" --seqs 128 \
           --out "$OUT/host_forward.json"
       fi ;;
+    projections)  # the projection GEMM against cuBLAS, then decode steps with it (SLORA_TRITON_GEMM=1) and without
+      local s1_root
+      s1_root=$(adapters S1)
+      step -m perf.bench_lora_gemm --sweep --out "$OUT/lora_gemm.json"
+      for gemm in 1 0; do
+        export SLORA_TRITON_GEMM=$gemm
+        step -m perf.bench_decode_step --model "$MODEL" --load-format dummy --adapter-root "$s1_root" \
+          --batch 1 8 16 --steps 30 --out "$OUT/decode_step_gemm$gemm.json"
+      done
+      unset SLORA_TRITON_GEMM ;;
     s2-floor)  # whole decode steps at the S2 runs' batch: does a LoRA step pay more than its adapters' bytes?
       # shellcheck disable=SC2086
       step -m perf.bench_decode_step --model "$MODEL" --load-format dummy \
