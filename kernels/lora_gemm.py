@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from slora.kernels.launch import cdiv, dot_precision, next_power_of_2
-from slora.kernels.lora_shrink import MODULES, NUM_MODULES, fused_rows, split_dot, tile_bounds
+from slora.kernels.lora_shrink import MODULES, NUM_MODULES, fused_rows, split_dot, sum_split_partials, tile_bounds
 from slora.kernels.metadata import LoraMeta, SegmentGroup
 from slora.kernels.relaunch import Relaunch
 
@@ -176,13 +176,7 @@ def _shrink(
         tl.store(v_rows + split * stride_v_split + j[None, :], acc, mask=tok_mask[:, None] & j_mask[None, :])
     tl.debug_barrier()  # every thread's partials stored before the arrival is counted (released by the atomic)
     if tl.atomic_add(sync_ptr + 3 + tile, 1, sem="acq_rel") == splits - 1:
-        for c in range(0, rank, S_R):  # the last split: split 0 := the sum of every split's partials, in order
-            j = c + tl.arange(0, S_R)
-            mask = tok_mask[:, None] & (j < rank)[None, :]
-            total = tl.load(v_rows + j[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-            for sp in range(1, splits):
-                total += tl.load(v_rows + sp * stride_v_split + j[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(v_rows + j[None, :], total, mask=mask)
+        sum_split_partials(v_rows, stride_v_split, tok_mask, rank, splits, 0, S_R, S_R)  # the last split sums them
         tl.atomic_xchg(sync_ptr + 3 + tile, 0)
         tl.debug_barrier()
         tl.atomic_add(sync_ptr + 1, 1, sem="release")  # the tile is done
@@ -356,7 +350,7 @@ def lora_gemm_launch(
         scales_ptr=meta.scales, row_start_ptr=meta.row_start, a_rows_ptr=meta.a_rows, b_rows_ptr=meta.b_rows,
         pool_ptr=flat_layer, FIRST_MODULE=first_module, ROW_ALIGN=meta.row_align, HAS_LORA=True,
         MAX_TILES_P2=next_power_of_2(max(num_tiles, 2)),
-        R_MAX=max(16, next_power_of_2(rank_bound(meta, first_module, len(widths)))),
+        R_MAX=max(16, next_power_of_2(max_module_rank(meta, first_module, len(widths)))),
     )  # fmt: skip
     grid = (num_tiles * splits + gemm_programs,)
     changing = ("x_ptr", "w_ptr", "y_ptr", "pool_ptr") + (() if bias is None else ("bias_ptr",))
@@ -388,7 +382,7 @@ def _gemm_args(
     return args, n_blocks * cdiv(m, block_m), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def rank_bound(meta: LoraMeta, first_module: int, num_modules: int) -> int:
+def max_module_rank(meta: LoraMeta, first_module: int, num_modules: int) -> int:
     """The largest rank of modules first_module .. + num_modules - 1 over the step's adapters (a graph's: its bound)."""
     if meta.static is not None:
         return meta.static.max_rank

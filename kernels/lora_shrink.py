@@ -146,7 +146,10 @@ def _lora_shrink_kernel(
         tl.debug_barrier()  # every thread's partial stored before the arrival is counted (released by the atomic)
         if tl.atomic_add(arrivals_ptr + group, 1, sem="acq_rel") == tl.num_programs(2) - 1:
             v_rows = v_ptr + tokens.to(tl.int64)[:, None] * stride_v_tok
-            sum_split_partials(v_rows, stride_v_split, tok_mask, rank, BLOCK_R)
+            sum_split_partials(
+                v_rows, stride_v_split, tok_mask, rank, tl.num_programs(2), tl.program_id(1) * BLOCK_R,
+                tl.num_programs(1) * BLOCK_R, BLOCK_R,
+            )  # fmt: skip
             tl.atomic_xchg(arrivals_ptr + group, 0)  # ready for the next layer's launch
 
 
@@ -168,14 +171,17 @@ def split_dot(
 
 
 @triton.jit
-def sum_split_partials(v_rows, stride_v_split, tok_mask, rank, BLOCK_R: tl.constexpr):
-    """Split 0 of v := the sum, in split order, of every split's partials, in this rank program's chunks of the
-    tile's tokens (v_rows: [BLOCK_M, 1] pointers into split 0). Loads bypass L1: other SMs wrote the partials."""
-    for c in range(tl.program_id(1) * BLOCK_R, rank, tl.num_programs(1) * BLOCK_R):
+def sum_split_partials(
+    v_rows, stride_v_split, tok_mask, rank, splits, first_chunk, chunk_step, BLOCK_R: tl.constexpr
+):  # fmt: skip
+    """Split 0 of v := the sum, in split order, of the `splits` splits' partials, in the rank chunks first_chunk,
+    first_chunk + chunk_step, ... below `rank`, for the tile's tokens (v_rows: [BLOCK_M, 1] pointers into split 0).
+    Loads bypass L1: other SMs wrote the partials."""
+    for c in range(first_chunk, rank, chunk_step):
         j = c + tl.arange(0, BLOCK_R)
         mask = tok_mask[:, None] & (j < rank)[None, :]
         total = tl.load(v_rows + j[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-        for sp in range(1, tl.num_programs(2)):
+        for sp in range(1, splits):
             total += tl.load(v_rows + sp * stride_v_split + j[None, :], mask=mask, other=0.0, cache_modifier=".cg")
         tl.store(v_rows + j[None, :], total, mask=mask)
 

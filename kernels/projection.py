@@ -4,8 +4,8 @@ F.linear (cuBLAS) for the rest.
 At up to 16 rows a projection reads its weight once and does next to no arithmetic, so its time is the weight's
 bytes over the bandwidth it reaches. On the H200 the Triton GEMM, with the config lora_gemm.gemm_config picks,
 read the 7B projections 2-8% faster than cuBLAS there (perf.bench_lora_gemm, perf/RESULTS.md); at 64 rows they
-were even, and at 128 cuBLAS was 20-40% ahead. Weights narrower than MIN_FEATURES were not measured and stay on
-cuBLAS. SLORA_TRITON_GEMM=0 turns the Triton GEMM off.
+were even, and at 128 the Triton GEMM was 15-32% behind. Weights narrower than MIN_FEATURES were not measured and
+stay on cuBLAS. SLORA_TRITON_GEMM=0 turns the Triton GEMM off.
 """
 
 from __future__ import annotations
