@@ -192,9 +192,7 @@ def few(n: int, count: int) -> list[tuple[int | None, int]]:
 def layer_cases(model: Model, n: int = 64) -> list[Callable[[], LoraCase]]:
     """Decode steps of few adapters (the fused path's aim) and, to compare, of one adapter per request."""
     if n < 64:  # --smoke
-        return [
-            lambda: lora_case(f"decode {n} req, 2 adapters", model, adapters([8, 16]), [(i % 2, 1) for i in range(n)])
-        ]
+        return [lambda: lora_case(f"decode {n} req, 2 adapters", model, adapters([8, 16]), few(n, 2))]
     return [
         lambda: lora_case(f"decode {n} req, 4 adapters r64", model, adapters([64] * 4), few(n, 4)),
         lambda: lora_case(f"S2 decode {n} req, 5 adapters", model, s2_adapters(5), few(n, 5)),
