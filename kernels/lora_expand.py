@@ -182,7 +182,6 @@ def _lora_expand_gemv_kernel(
         for i in range(0, tl.minimum(end - first, BLOCK_M)):  # the tile's tokens (rows first + i)
             t = first.to(tl.int64) + i
             y_row = y_ptr + t * stride_y + offset
-            yt = tl.load(y_row + n, mask=n_mask, other=0.0)  # written before the shrink started: no wait
             v_row = v_ptr + t * stride_v_tok + v_col
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for c in range(0, rank, BLOCK_R):
@@ -197,6 +196,7 @@ def _lora_expand_gemv_kernel(
                 v_ptrs = v_row + sp[:, None].to(tl.int64) * stride_v_split + j[None, :]
                 vt = tl.sum(tl.load(v_ptrs, mask=(sp[:, None] < split_k) & j_mask[None, :], other=0.0), axis=0)
                 acc += tl.sum(vt[:, None] * bt.to(tl.float32), axis=0)
+            yt = tl.load(y_row + n, mask=n_mask, other=0.0)  # after the wait: the projection writes y
             tl.store(y_row + n, (yt.to(tl.float32) + acc * scale).to(yt.dtype), mask=n_mask)
     if USE_PDL:
         gdc_wait()  # also a program with nothing to add: the expand must not end before the shrink

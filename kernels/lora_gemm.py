@@ -40,10 +40,12 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from slora.kernels.launch import cdiv, dot_precision, next_power_of_2
 from slora.kernels.lora_shrink import MODULES, NUM_MODULES, fused_rows, split_dot, sum_split_partials, tile_bounds
 from slora.kernels.metadata import LoraMeta, SegmentGroup
+from slora.kernels.pdl import shrink_pdl
 from slora.kernels.relaunch import Relaunch
 
 
@@ -127,7 +129,10 @@ def _lora_gemm_kernel(
     S_R: tl.constexpr,
     S_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,  # let the LoRA shrink behind this GEMM start now (kernels/pdl.py)
 ):
+    if USE_PDL:
+        gdc_launch_dependents()
     if HAS_LORA:
         ticket = tl.atomic_add(sync_ptr, 1)
         shrink_programs = num_tiles * splits
@@ -305,6 +310,7 @@ def gemm_launch(
         v_ptr=x, stride_v_split=0, stride_v_tok=0, sync_ptr=x, num_tiles=0, splits=1, k_per_split=0,
         gemm_programs=grid, tiles_ptr=x, ranks_ptr=x, scales_ptr=x, row_start_ptr=x, a_rows_ptr=x, b_rows_ptr=x,
         pool_ptr=x, FIRST_MODULE=0, ROW_ALIGN=1, HAS_LORA=False, MAX_TILES_P2=2, R_MAX=16,
+        USE_PDL=shrink_pdl(x.device),
     )  # fmt: skip
     changing = ("x_ptr", "w_ptr", "y_ptr") + (() if bias is None else ("bias_ptr",))
     return Relaunch(_lora_gemm_kernel, (grid,), args, options, changing=changing)
@@ -350,7 +356,7 @@ def lora_gemm_launch(
         scales_ptr=meta.scales, row_start_ptr=meta.row_start, a_rows_ptr=meta.a_rows, b_rows_ptr=meta.b_rows,
         pool_ptr=flat_layer, FIRST_MODULE=first_module, ROW_ALIGN=meta.row_align, HAS_LORA=True,
         MAX_TILES_P2=next_power_of_2(max(num_tiles, 2)),
-        R_MAX=max(16, next_power_of_2(max_module_rank(meta, first_module, len(widths)))),
+        R_MAX=max(16, next_power_of_2(max_module_rank(meta, first_module, len(widths)))), USE_PDL=False,
     )  # fmt: skip
     grid = (num_tiles * splits + gemm_programs,)
     changing = ("x_ptr", "w_ptr", "y_ptr", "pool_ptr") + (() if bias is None else ("bias_ptr",))

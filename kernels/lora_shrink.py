@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from slora.kernels.launch import cdiv, dot_precision
 from slora.kernels.metadata import LoraMeta, SegmentGroup
-from slora.kernels.pdl import pdl_enabled
+from slora.kernels.pdl import pdl_enabled, shrink_pdl
 from slora.kernels.relaunch import Relaunch
 
 NUM_MODULES = 7  # q, k, v, o, gate, up, down: the columns of LoraMeta's tables
@@ -118,7 +118,7 @@ def _lora_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,  # let the expand kernel, launched with PDL, start now (kernels/pdl.py)
+    USE_PDL: tl.constexpr,  # let the expand start now; end after the kernel in front (kernels/pdl.py)
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no tf32 rounding)
 ):
     if USE_PDL:
@@ -151,6 +151,8 @@ def _lora_shrink_kernel(
                 tl.num_programs(1) * BLOCK_R, BLOCK_R,
             )  # fmt: skip
             tl.atomic_xchg(arrivals_ptr + group, 0)  # ready for the next layer's launch
+    if USE_PDL:
+        gdc_wait()  # launched with PDL behind the base projection: end after it (kernels/pdl.py)
 
 
 @triton.jit
@@ -234,6 +236,8 @@ def _lora_shrink_gemv_kernel(
                 at = tl.load(pool_ptr + rows[:, None] + k[None, :], mask=j_mask[:, None] & k_mask[None, :], other=0.0)
                 acc += tl.sum(at.to(tl.float32) * xt[None, :], axis=1)
             tl.store(v_split + t * stride_v_tok + j, acc, mask=j_mask)
+    if USE_PDL:
+        gdc_wait()  # launched with PDL behind the base projection: end after it (kernels/pdl.py)
 
 
 def shrink_launch(
@@ -278,7 +282,9 @@ def shrink_launch(
         arrivals = torch.zeros(num_tiles * rank_programs, dtype=torch.int32, device=x.device)
         args.update(arrivals_ptr=arrivals, DOT_PRECISION=dot_precision(x.dtype))
         v_out = v[:1]  # the expand reads the sums in split 0 only
-    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    options: dict[str, object] = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if shrink_pdl(x.device):
+        options.update(launch_pdl=True)
     grid = (num_tiles, rank_programs, split_k)
     return v_out, Relaunch(kernel, grid, args, options, changing=("x_ptr", "pool_ptr"))
 

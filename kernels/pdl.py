@@ -1,14 +1,24 @@
-"""Programmatic dependent launch (PDL) of the LoRA expand kernel behind its shrink kernel.
+"""Programmatic dependent launch (PDL) of the LoRA kernels: the shrink behind the base projection, the expand behind
+the shrink.
 
 A decode step's LoRA call is two short kernels, shrink then expand, each a few tens of microseconds and bound by
-the latency of its first loads as much as by bandwidth. The expand's Bᵀ rows do not depend on the shrink's output:
-launched with PDL (Hopper and later), the expand's programs start while the shrink still runs, read their first
-rank chunk of Bᵀ, and only then wait (griddepcontrol.wait) for the shrink to finish and its v to be visible. The
-shrink lets them start as soon as all its programs are running (griddepcontrol.launch_dependents).
+the latency of its first loads as much as by bandwidth; each launch in a CUDA graph also costs the gap between one
+kernel's end and the next one's start. Launched with PDL (Hopper and later), a kernel's programs start before the
+kernel in front of it has ended, as soon as that kernel's programs have all started and called
+griddepcontrol.launch_dependents (or have ended), and wait for its end with griddepcontrol.wait:
 
-The wait is the only ordering the expand gets: nothing it reads before the wait may be written by the shrink or by
-the kernels before it that are still running. Both instructions are no-ops on a launch without PDL, so the kernels
-stay correct when it is off (SLORA_LORA_PDL=0, an older GPU or Triton, the CPU interpreter).
+- the shrink, behind the base projection that shares its input x: it reads x and the adapters' A rows and writes
+  its own v, none of which the projection writes, so it needs no wait before its work. It waits at its end, so
+  that its end implies the projection's: the expand behind it adds into the projection's output. The Triton GEMM
+  of small steps (kernels/projection.py) lets it start as soon as all of its programs run; behind cuBLAS it starts
+  when cuBLAS's programs have ended, saving the launch gap only;
+- the expand, behind the shrink: it reads its first rank chunk of Bᵀ, then waits, then reads v and y.
+
+So nothing a LoRA kernel reads before its wait may be written by a kernel that is still running: x must have been
+written before the kernel in front of the shrink started (the projection, launched without PDL, started after
+its own predecessors had ended). Both instructions are no-ops on a launch without PDL, so the kernels stay correct
+when it is off (SLORA_LORA_PDL=0 for all of it, SLORA_SHRINK_PDL=0 for the shrink's launch alone, an older GPU or
+Triton, the CPU interpreter).
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import os
 import torch
 
 ENV = "SLORA_LORA_PDL"  # "0" turns PDL off (to compare, or if a driver mishandles it)
+SHRINK_ENV = "SLORA_SHRINK_PDL"  # "0" launches the shrink without PDL (the expand keeps it)
 
 
 @functools.lru_cache(maxsize=16)
@@ -30,6 +41,13 @@ def pdl_enabled(device: torch.device) -> bool:
     if torch.cuda.get_device_capability(device)[0] < 9:
         return False
     return _triton_has_pdl()
+
+
+@functools.lru_cache(maxsize=16)
+def shrink_pdl(device: torch.device) -> bool:
+    """Whether the LoRA shrink on `device` is launched with PDL behind the base projection: pdl_enabled, and not
+    turned off through SLORA_SHRINK_PDL=0."""
+    return pdl_enabled(device) and os.environ.get(SHRINK_ENV, "1") != "0"
 
 
 def _triton_has_pdl() -> bool:

@@ -852,7 +852,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         DEVICE = torch.device("cpu")
     torch.manual_seed(0)
-    logger.info("LoRA expand launched with PDL: %s (%s=0 turns it off)", pdl.pdl_enabled(DEVICE), pdl.ENV)
+    logger.info(
+        "LoRA expand launched with PDL: %s (%s=0 turns it off), shrink: %s (%s=0)",
+        pdl.pdl_enabled(DEVICE), pdl.ENV, pdl.shrink_pdl(DEVICE), pdl.SHRINK_ENV,
+    )  # fmt: skip
     device, rows = run_all(args.smoke, args.only)
     checks = check_targets(rows)
     sys.stdout.write(table(rows))
@@ -863,6 +866,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": asdict(device),
         "flush": flush_mode,
         "lora_pdl": pdl.pdl_enabled(DEVICE),
+        "shrink_pdl": pdl.shrink_pdl(DEVICE),
         "rows": [asdict(r) for r in rows],
         "targets": checks,
     }

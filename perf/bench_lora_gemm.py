@@ -6,13 +6,16 @@ against the Triton kernel in a few configs; time and the fraction of copy bandwi
 
 Part 2, one decoder layer of a decode step (the four projections and their LoRA):
   cublas        torch.mm only (no adapter)
-  cublas+lora   torch.mm, then the LoRA's shrink and expand launches (TritonOps.lora: the engine's path)
+  cublas+lora   torch.mm, then the LoRA's shrink and expand launches (TritonOps.lora: the engine's path above 16
+                rows)
   triton        the Triton GEMM only
+  triton+lora   the Triton GEMM, then the LoRA's launches (the engine's path at up to 16 rows)
   fused         one launch: the Triton GEMM with the LoRA's shrink in programs of its own and the expand in the
                 GEMM's epilogue (kernels/lora_gemm.py)
-The LoRA's time is a path's time minus the cublas row's; its fraction of copy bandwidth is on the LoRA's minimum
-bytes (perf.bench_kernels.lora_minimum), as issue 4's decode LoRA target counts it. GPU time from CUDA-graph replay
-with the L2 flushed before each layer (perf.bench_kernels.graph_bench).
+The LoRA's time is a path's time minus its base GEMM's (triton+lora: the triton row; the others: the cublas row);
+its fraction of copy bandwidth is on the LoRA's minimum bytes (perf.bench_kernels.lora_minimum), as issue 4's decode
+LoRA target counts it. GPU time from CUDA-graph replay with the L2 flushed before each layer
+(perf.bench_kernels.graph_bench).
 
     python -m perf.bench_lora_gemm --out lora_gemm.json
 """
@@ -47,7 +50,7 @@ from perf.bench_kernels import (
     measure_device,
     s2_adapters,
 )
-from slora.kernels import lora_gemm
+from slora.kernels import lora_gemm, pdl
 from slora.kernels.lora_gemm import GemmConfig, gemm_launch, lora_gemm_launch
 from slora.kernels.triton_ops import TritonOps
 
@@ -126,8 +129,8 @@ SMOKE_CONFIGS = [GemmConfig(16, 32, 32, 4, 2)]
 def layer_paths(
     case: LoraCase, w: dict[str, torch.Tensor], configs: dict[str, GemmConfig], gen: torch.Generator
 ) -> dict[str, Any]:
-    """Part 2's paths on one layer, as functions of no argument, and the calls they run (for check_fused). The fused
-    path is left out for a step of more tiles than it takes (lora_gemm.MAX_TILES)."""
+    """Part 2's paths on one layer, as functions of no argument, and the calls they run (for
+    check_against_engine). The fused path is left out for a step of more tiles than it takes (lora_gemm.MAX_TILES)."""
     model, device = case.model, bench_kernels.DEVICE
     ops = TritonOps()
     calls = []
@@ -156,6 +159,11 @@ def layer_paths(
         for x, y, weight, *_, plain, _ in calls:
             plain(x, weight, y)
 
+    def triton_lora() -> None:
+        for x, y, weight, modules, offsets, widths, plain, _ in calls:
+            plain(x, weight, y)
+            ops.lora(y, x, case.flat_layer, case.meta, modules, offsets, widths)
+
     def fused_path() -> None:
         for x, y, weight, *_, plain, fused in calls:
             if fused is None:  # no adapter of the step targets these modules: the plain GEMM
@@ -163,21 +171,24 @@ def layer_paths(
             else:
                 fused(x, weight, y, case.flat_layer)
 
-    paths: dict[str, Any] = {"cublas": cublas, "cublas+lora": cublas_lora, "triton": triton_only}
+    paths: dict[str, Any] = {
+        "cublas": cublas, "cublas+lora": cublas_lora, "triton": triton_only, "triton+lora": triton_lora,
+    }  # fmt: skip
     if fusable:
         paths["fused"] = fused_path
     return {**paths, "calls": calls}
 
 
-def check_fused(paths: dict[str, Any]) -> float | None:
-    """Largest difference between a fused path's y and cuBLAS + LoRA launches', relative to the largest value."""
-    worst = 0.0
-    fused_paths = [name for name in paths if name.startswith("fused")]
-    if not fused_paths:
+def check_against_engine(paths: dict[str, Any], names: list[str]) -> float | None:
+    """Largest difference between the y of the named paths and cuBLAS + LoRA launches', relative to the largest
+    value (None without such a path)."""
+    names = [name for name in names if name in paths]
+    if not names:
         return None
+    worst = 0.0
     paths["cublas+lora"]()
     expected = [c[1].clone() for c in paths["calls"]]
-    for name in fused_paths:
+    for name in names:
         paths[name]()
         for out, call in zip(expected, paths["calls"]):
             worst = max(worst, bench_kernels.rel_err(call[1], out))
@@ -218,13 +229,15 @@ def layer_bench(
             for name, _, k, n in projections(model)
         }
         paths = layer_paths(case, w, configs, gen)
-        err = check_fused(paths)
+        err = check_against_engine(paths, [name for name in paths if name.startswith("fused")])
+        triton_err = check_against_engine(paths, ["triton+lora"])
         times = {name: timed_ms(fn) for name, fn in paths.items() if name != "calls"}
-        base = times["cublas"]
-        entry: dict[str, Any] = {"case": case.name, "lora_min_bytes": nbytes, "fused_rel_err": err, "ms": times,
-                                 "configs": {name: repr(cfg) for name, cfg in configs.items()}}  # fmt: skip
-        for path in [name for name in times if name == "cublas+lora" or name.startswith("fused")]:
-            ms = times[path]
+        entry: dict[str, Any] = {
+            "case": case.name, "lora_min_bytes": nbytes, "fused_rel_err": err, "triton_lora_rel_err": triton_err,
+            "ms": times, "configs": {name: repr(cfg) for name, cfg in configs.items()},
+        }  # fmt: skip
+        for path in [name for name in times if name.endswith("+lora") or name.startswith("fused")]:
+            ms, base = times[path], times["triton" if path == "triton+lora" else "cublas"]
             if ms is not None and base is not None:
                 lora_ms = ms - base
                 entry[f"{path} lora_ms"] = lora_ms
@@ -259,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device=bench_kernels.DEVICE).manual_seed(0)
     device = measure_device(copy_bytes=1 << 20, n=64) if args.smoke else measure_device()
     logger.info("%s: copy %.0f GB/s", device.name, device.copy_gbps)
-    payload: dict[str, Any] = {"device": dataclasses.asdict(device)}
+    shrink_pdl = pdl.shrink_pdl(bench_kernels.DEVICE)
+    logger.info("LoRA shrink launched with PDL: %s (%s=0 turns it off)", shrink_pdl, pdl.SHRINK_ENV)
+    payload: dict[str, Any] = {"device": dataclasses.asdict(device), "shrink_pdl": shrink_pdl}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload["gemm"] = gemm_sweep(model, device.copy_gbps, gen) if args.sweep else []
     args.out.write_text(json.dumps(payload, indent=1))

@@ -29,6 +29,9 @@
 #   projections perf.bench_lora_gemm --sweep (the Triton projection GEMM's configs against cuBLAS at 1-128 rows, and a
 #               decoder layer's LoRA in one launch against separate launches), then perf.bench_decode_step at batch
 #               1/8/16 with the Triton GEMM for small steps (SLORA_TRITON_GEMM=1) and with cuBLAS (0)   [~6 min]
+#   pdl         the LoRA shrink launched with PDL behind the base GEMM (SLORA_SHRINK_PDL=1) and without (0): a
+#               decoder layer's LoRA (perf.bench_lora_gemm, no sweep), then perf.bench_decode_step at batch
+#               1/8/16/64 with S1 adapters                                                             [~3 min]
 #   checks      kernel and engine tests on the GPU, then perf.bench_decode_step (CUDA graphs, batch 1/8/64),
 #               perf.bench_host_step (host time of a 256-sequence decode step) and perf.bench_host_forward
 #               (host time of eager steps, kernels stubbed: this host's Python against the CPU machine's) [~8 min]
@@ -375,6 +378,16 @@ suite() {
           --batch 1 8 16 --steps 30 --out "$OUT/decode_step_gemm$gemm.json"
       done
       unset SLORA_TRITON_GEMM ;;
+    pdl)  # the shrink launched with PDL behind the base GEMM, and without: one layer's LoRA, then whole decode steps
+      local s1_root
+      s1_root=$(adapters S1)
+      for shrink in 1 0; do
+        export SLORA_SHRINK_PDL=$shrink
+        step -m perf.bench_lora_gemm --out "$OUT/lora_layer_pdl$shrink.json"
+        step -m perf.bench_decode_step --model "$MODEL" --load-format dummy --adapter-root "$s1_root" \
+          --batch 1 8 16 64 --steps 30 --out "$OUT/decode_step_pdl$shrink.json"
+      done
+      unset SLORA_SHRINK_PDL ;;
     s2-floor)  # whole decode steps at the S2 runs' batch: does a LoRA step pay more than its adapters' bytes?
       # shellcheck disable=SC2086
       step -m perf.bench_decode_step --model "$MODEL" --load-format dummy \
@@ -389,7 +402,7 @@ suite() {
       s1_100=$(trace s1 100)
       peft "$s1_5" "$s1_100" ;;
     *)
-      log "unknown suite $1 (all, headline, lora-vs-base, engine-s1, engine-s2, s2-ratio, engine-sall, bmm, serving-s1, served, served-both, genai, s2-floor, checks, peft, peft-only)"; return 2 ;;
+      log "unknown suite $1 (all, headline, lora-vs-base, engine-s1, engine-s2, s2-ratio, engine-sall, bmm, serving-s1, served, served-both, genai, s2-floor, projections, pdl, checks, peft, peft-only)"; return 2 ;;
   esac
 }
 

@@ -16,6 +16,7 @@ import logging
 import sys
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import torch
 import triton
@@ -24,7 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from slora.kernels import rotary
+from slora.kernels import lora_expand, lora_gemm, lora_shrink, rotary
 from slora.kernels.jit_stats import kernels_replaced
 from slora.kernels.lora_gemm import gemm_launch, lora_gemm_launch
 from slora.kernels.triton_ops import TritonOps
@@ -47,7 +48,7 @@ class Launch:
 
     def __init__(self, kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.fn = JITFunction(kernel.fn)
-        self.options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        self.options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
         named = dict(zip(self.fn.arg_names, args)) | kwargs
         self.constexprs = {p.name: named[p.name] for p in self.fn.params if p.is_constexpr}
         self.values = {p.name: named[p.name] for p in self.fn.params if not p.is_constexpr}
@@ -167,11 +168,32 @@ def lora_projections(step: list[tuple[int | None, int]]) -> Callable[[], None]:
     return run
 
 
+def with_pdl(run: Callable[[], None]) -> Callable[[], None]:
+    """`run` with the launches an sm_90 GPU makes: PDL on (kernels/pdl.py), which the CPU never turns on."""
+
+    def run_with_pdl() -> None:
+        def on(device: torch.device) -> bool:
+            return True
+
+        with (
+            mock.patch.object(lora_shrink, "pdl_enabled", on),
+            mock.patch.object(lora_shrink, "shrink_pdl", on),
+            mock.patch.object(lora_expand, "pdl_enabled", on),
+            mock.patch.object(lora_gemm, "shrink_pdl", on),
+        ):
+            run()
+
+    return run_with_pdl
+
+
 DECODE = [(0, 1), (1, 1), (2, 1), (None, 1), (1, 1)]
 PREFILL = [(1, 100), (None, 3), (0, 1)]
 SCENARIOS = {
     "lora-decode-bf16": lambda: lora_layer(LLAMA_7B, torch.bfloat16, DECODE),
     "lora-prefill-bf16": lambda: lora_layer(LLAMA_7B, torch.bfloat16, PREFILL),
+    "lora-decode-pdl-bf16": lambda: with_pdl(lora_layer(LLAMA_7B, torch.bfloat16, DECODE)),
+    "lora-prefill-pdl-bf16": lambda: with_pdl(lora_layer(LLAMA_7B, torch.bfloat16, PREFILL)),
+    "projections-1-pdl-bf16": lambda: with_pdl(projections(1)),
     "lora-decode-fp32": lambda: lora_layer(Shape(576, 1536, 9, 3, 64), torch.float32, DECODE),
     "attention-decode-split-bf16": lambda: attention(Heads(32, 8, 128), 16, torch.bfloat16, [(1, 4000)]),
     "attention-mixed-bf16": lambda: attention(Heads(32, 32, 128), 32, torch.bfloat16, [(100, 300), (1, 50)]),

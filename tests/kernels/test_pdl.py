@@ -1,5 +1,5 @@
-"""Programmatic dependent launch of the LoRA expand kernel (kernels/pdl.py): when it is on, and that the LoRA
-calls launched with it still match the torch reference on the GPU."""
+"""Programmatic dependent launch of the LoRA kernels (kernels/pdl.py): when it is on, and that the LoRA calls
+launched with it still match the torch reference on the GPU, also right behind the base projection they add into."""
 
 from __future__ import annotations
 
@@ -10,16 +10,21 @@ import torch
 
 pytest.importorskip("triton")
 
-from slora.kernels import jit_stats, lora_expand, pdl  # noqa: E402
-from tests.kernels.builders import DEVICE, FULL_SHAPES, gpu_only  # noqa: E402
-from tests.kernels.test_lora import build_case, check_layer, gpu_adapters, gpu_step  # noqa: E402
+from slora.kernels import jit_stats, lora_expand, lora_shrink, pdl  # noqa: E402
+from slora.kernels.lora_ref import lora_ref  # noqa: E402
+from slora.kernels.projection import Projections  # noqa: E402
+from slora.kernels.triton_ops import TritonOps  # noqa: E402
+from tests.kernels.builders import DEVICE, FULL_SHAPES, assert_close, gpu_only  # noqa: E402
+from tests.kernels.test_lora import build_case, check_layer, gpu_adapters, gpu_step, layer_calls  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def fresh_answer() -> Iterator[None]:
     pdl.pdl_enabled.cache_clear()
+    pdl.shrink_pdl.cache_clear()
     yield
     pdl.pdl_enabled.cache_clear()
+    pdl.shrink_pdl.cache_clear()
 
 
 def test_off_on_the_cpu() -> None:
@@ -29,15 +34,21 @@ def test_off_on_the_cpu() -> None:
 def test_turned_off_through_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(pdl.ENV, "0")
     assert not pdl.pdl_enabled(DEVICE)
+    assert not pdl.shrink_pdl(DEVICE), "the shrink's PDL goes with the rest"
+
+
+def test_shrink_turned_off_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(pdl.SHRINK_ENV, "0")
+    assert not pdl.shrink_pdl(DEVICE)
 
 
 def hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
-def launched_with_pdl() -> set[bool]:
-    """launch_pdl of every compiled variant of the decode expand kernel so far."""
-    return {bool(c.metadata.launch_pdl) for c in jit_stats.compiled_kernels(lora_expand._lora_expand_gemv_kernel)}
+def launched_with_pdl(kernel: object = lora_expand._lora_expand_gemv_kernel) -> set[bool]:
+    """launch_pdl of every compiled variant of `kernel` (default: the decode expand) so far."""
+    return {bool(c.metadata.launch_pdl) for c in jit_stats.compiled_kernels(kernel)}
 
 
 @gpu_only
@@ -53,3 +64,33 @@ def test_lora_layer_matches_reference(kind: str, use_pdl: bool, monkeypatch: pyt
     check_layer(case, "triton", seed=22)
     if kind == "decode":
         assert use_pdl in launched_with_pdl()
+
+
+@gpu_only
+@pytest.mark.parametrize("shrink_pdl", [True, False], ids=["shrink-pdl", "shrink-no-pdl"])
+@pytest.mark.parametrize("decodes", [16, 64], ids=["triton-gemm", "cublas"])
+def test_lora_right_behind_its_projection(decodes: int, shrink_pdl: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's order, y = x·Wᵀ then the LoRA into y, launched back to back for several inputs before one
+    sync: a shrink launched with PDL must not let the expand read y before the projection has written it (on the
+    Triton GEMM of small steps, which lets the shrink start early, and on cuBLAS)."""
+    if shrink_pdl and not hopper():
+        pytest.skip("PDL needs compute capability 9 or later")
+    monkeypatch.setenv(pdl.SHRINK_ENV, "1" if shrink_pdl else "0")
+    shape = FULL_SHAPES[2]
+    step = [(i % 4, 1) for i in range(decodes)]
+    case = build_case(shape, torch.bfloat16, [(64,) * 7, (16,) * 7, (8,) * 7, (1,) * 7], step, seed=31)
+    gen = torch.Generator(device=DEVICE).manual_seed(32)
+    ops, projections = TritonOps(), Projections(triton_gemm=True)
+    for modules, offsets, widths, in_features in layer_calls(shape):
+        weight = torch.randn((sum(widths), in_features), generator=gen, device=DEVICE).to(torch.bfloat16) / 64
+        xs = [torch.randn((decodes, in_features), generator=gen, device=DEVICE).to(torch.bfloat16) for _ in range(8)]
+        outs = []
+        for x in xs:  # no sync in between: each LoRA launch pair follows its projection directly
+            y = projections(x, weight)
+            ops.lora(y, x, case.flat_layer, case.meta, modules, offsets, widths)
+            outs.append(y)
+        for x, actual in zip(xs, outs):
+            expected = torch.nn.functional.linear(x.float(), weight.float()).to(torch.bfloat16)
+            lora_ref(expected, x, case.flat_layer, case.meta, modules, offsets, widths)
+            assert_close(actual, expected, torch.bfloat16, float(expected.float().abs().max()))
+    assert shrink_pdl in launched_with_pdl(lora_shrink._lora_shrink_gemv_kernel)
