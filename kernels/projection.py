@@ -19,7 +19,7 @@ from slora.kernels.lora_gemm import gemm_launch
 from slora.kernels.relaunch import Relaunch
 
 ENV = "SLORA_TRITON_GEMM"
-MAX_ROWS = 16
+MAX_ROWS = 64
 MIN_FEATURES = 2048  # in and out features: the shapes measured (7B projections) and larger
 
 

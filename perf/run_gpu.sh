@@ -29,9 +29,10 @@
 #   projections perf.bench_lora_gemm --sweep (the Triton projection GEMM's configs against cuBLAS at 1-128 rows, and a
 #               decoder layer's LoRA in one launch against separate launches), then perf.bench_decode_step at batch
 #               1/8/16 with the Triton GEMM for small steps (SLORA_TRITON_GEMM=1) and with cuBLAS (0)   [~6 min]
-#   pdl         the LoRA shrink launched with PDL behind the base GEMM (SLORA_SHRINK_PDL=1) and without (0): a
-#               decoder layer's LoRA (perf.bench_lora_gemm, no sweep), then perf.bench_decode_step at batch
-#               1/8/16/64 with S1 adapters                                                             [~3 min]
+#   pdl         programmatic dependent launch (kernels/pdl.py): a decoder layer's LoRA (perf.bench_lora_gemm, no
+#               sweep) with everything on and with the projection GEMM launched without PDL (SLORA_GEMM_PDL=0),
+#               then perf.bench_decode_step at batch 1/16/32/64 (S1 adapters) with everything on, with
+#               SLORA_GEMM_PDL=0, with SLORA_SHRINK_PDL=0 too, and on cuBLAS (SLORA_TRITON_GEMM=0)   [~5 min]
 #   checks      kernel and engine tests on the GPU, then perf.bench_decode_step (CUDA graphs, batch 1/8/64),
 #               perf.bench_host_step (host time of a 256-sequence decode step) and perf.bench_host_forward
 #               (host time of eager steps, kernels stubbed: this host's Python against the CPU machine's) [~8 min]
@@ -161,6 +162,15 @@ adapters() {  # adapters SETTING: n=N_BIG adapter directories, built once per wa
     step -m perf.make_adapters --model "$MODEL" --setting "$setting" -n "$N_BIG" --out "$root"
   fi
   echo "$root"
+}
+
+pdl_settings() {  # pdl_settings TAG: the environment of the pdl suite's decode-step run TAG
+  case $1 in
+    all-pdl) echo "SLORA_TRITON_GEMM=1" ;;
+    no-gemm-pdl) echo "SLORA_TRITON_GEMM=1 SLORA_GEMM_PDL=0" ;;
+    no-pdl) echo "SLORA_TRITON_GEMM=1 SLORA_GEMM_PDL=0 SLORA_SHRINK_PDL=0" ;;
+    cublas) echo "SLORA_TRITON_GEMM=0" ;;
+  esac
 }
 
 trace() {  # trace PREFIX N: the trace file (same seed: same arrivals and lengths for every N and prefix)
@@ -378,16 +388,17 @@ suite() {
           --batch 1 8 16 --steps 30 --out "$OUT/decode_step_gemm$gemm.json"
       done
       unset SLORA_TRITON_GEMM ;;
-    pdl)  # the shrink launched with PDL behind the base GEMM, and without: one layer's LoRA, then whole decode steps
-      local s1_root
+    pdl)  # PDL on and off piece by piece: one layer's LoRA, then whole decode steps
+      local s1_root tag
       s1_root=$(adapters S1)
-      for shrink in 1 0; do
-        export SLORA_SHRINK_PDL=$shrink
-        step -m perf.bench_lora_gemm --out "$OUT/lora_layer_pdl$shrink.json"
-        step -m perf.bench_decode_step --model "$MODEL" --load-format dummy --adapter-root "$s1_root" \
-          --batch 1 8 16 64 --steps 30 --out "$OUT/decode_step_pdl$shrink.json"
+      for gemm_pdl in 1 0; do
+        SLORA_GEMM_PDL=$gemm_pdl step -m perf.bench_lora_gemm --out "$OUT/lora_layer_gemm_pdl$gemm_pdl.json"
       done
-      unset SLORA_SHRINK_PDL ;;
+      for tag in all-pdl no-gemm-pdl no-pdl cublas; do
+        # shellcheck disable=SC2046
+        (export $(pdl_settings "$tag"); step -m perf.bench_decode_step --model "$MODEL" --load-format dummy \
+          --adapter-root "$s1_root" --batch 1 16 32 64 --steps 30 --out "$OUT/decode_step_$tag.json")
+      done ;;
     s2-floor)  # whole decode steps at the S2 runs' batch: does a LoRA step pay more than its adapters' bytes?
       # shellcheck disable=SC2086
       step -m perf.bench_decode_step --model "$MODEL" --load-format dummy \

@@ -12,6 +12,7 @@ Exit status: 0 compiled, 1 a kernel failed, 3 this machine cannot compile for NV
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from collections.abc import Callable
@@ -25,7 +26,17 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from slora.kernels import lora_expand, lora_gemm, lora_shrink, rotary
+from slora.kernels import (
+    activation,
+    decode_reduce,
+    lora_expand,
+    lora_gemm,
+    lora_shrink,
+    norm,
+    paged_attention,
+    paged_decode,
+    rotary,
+)
 from slora.kernels.jit_stats import kernels_replaced
 from slora.kernels.lora_gemm import gemm_launch, lora_gemm_launch
 from slora.kernels.triton_ops import TritonOps
@@ -139,6 +150,19 @@ def rotary_write_kv(heads: Heads, block_size: int, dtype: torch.dtype) -> Callab
     return run
 
 
+def norm_silu_mul() -> Callable[[], None]:
+    """RMSNorm with and without the residual, and SiLU·up, at the 7B layer's widths."""
+
+    def run() -> None:
+        ops = TritonOps()
+        x = torch.zeros((3, 4096), dtype=torch.bfloat16)
+        ops.rms_norm(x, x[0], 1e-5)
+        ops.rms_norm(x, x[0], 1e-5, x)
+        ops.silu_mul(torch.zeros((3, 2 * 11008), dtype=torch.bfloat16), 11008)
+
+    return run
+
+
 def projections(rows: int) -> Callable[[], None]:
     """The 7B projections at `rows` rows on the Triton GEMM, with the configs the engine picks (and a bias)."""
 
@@ -168,6 +192,13 @@ def lora_projections(step: list[tuple[int | None, int]]) -> Callable[[], None]:
     return run
 
 
+PDL_SWITCHES = [
+    (lora_shrink, "pdl_enabled"), (lora_shrink, "shrink_pdl"), (lora_expand, "pdl_enabled"),
+    (lora_gemm, "shrink_pdl"), (lora_gemm, "gemm_pdl"), (norm, "gemm_pdl"), (activation, "gemm_pdl"),
+    (paged_decode, "gemm_pdl"), (decode_reduce, "gemm_pdl"), (paged_attention, "gemm_pdl"),
+]  # fmt: skip
+
+
 def with_pdl(run: Callable[[], None]) -> Callable[[], None]:
     """`run` with the launches an sm_90 GPU makes: PDL on (kernels/pdl.py), which the CPU never turns on."""
 
@@ -175,12 +206,9 @@ def with_pdl(run: Callable[[], None]) -> Callable[[], None]:
         def on(device: torch.device) -> bool:
             return True
 
-        with (
-            mock.patch.object(lora_shrink, "pdl_enabled", on),
-            mock.patch.object(lora_shrink, "shrink_pdl", on),
-            mock.patch.object(lora_expand, "pdl_enabled", on),
-            mock.patch.object(lora_gemm, "shrink_pdl", on),
-        ):
+        with contextlib.ExitStack() as stack:
+            for module, name in PDL_SWITCHES:
+                stack.enter_context(mock.patch.object(module, name, on))
             run()
 
     return run_with_pdl
@@ -194,6 +222,11 @@ SCENARIOS = {
     "lora-decode-pdl-bf16": lambda: with_pdl(lora_layer(LLAMA_7B, torch.bfloat16, DECODE)),
     "lora-prefill-pdl-bf16": lambda: with_pdl(lora_layer(LLAMA_7B, torch.bfloat16, PREFILL)),
     "projections-1-pdl-bf16": lambda: with_pdl(projections(1)),
+    "attention-decode-split-pdl-bf16": lambda: with_pdl(attention(Heads(32, 8, 128), 16, torch.bfloat16, [(1, 4000)])),
+    "attention-mixed-pdl-bf16": lambda: with_pdl(
+        attention(Heads(32, 32, 128), 32, torch.bfloat16, [(100, 300), (1, 50)])
+    ),
+    "norm-silu-mul-pdl-bf16": lambda: with_pdl(norm_silu_mul()),
     "lora-decode-fp32": lambda: lora_layer(Shape(576, 1536, 9, 3, 64), torch.float32, DECODE),
     "attention-decode-split-bf16": lambda: attention(Heads(32, 8, 128), 16, torch.bfloat16, [(1, 4000)]),
     "attention-mixed-bf16": lambda: attention(Heads(32, 32, 128), 32, torch.bfloat16, [(100, 300), (1, 50)]),

@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from slora.kernels import jit_stats, lora_expand, lora_shrink, pdl  # noqa: E402
+from slora.kernels import jit_stats, lora_expand, lora_gemm, lora_shrink, pdl  # noqa: E402
 from slora.kernels.lora_ref import lora_ref  # noqa: E402
-from slora.kernels.projection import Projections  # noqa: E402
+from slora.kernels.projection import MAX_ROWS, Projections  # noqa: E402
 from slora.kernels.triton_ops import TritonOps  # noqa: E402
 from tests.kernels.builders import DEVICE, FULL_SHAPES, assert_close, gpu_only  # noqa: E402
 from tests.kernels.test_lora import build_case, check_layer, gpu_adapters, gpu_step, layer_calls  # noqa: E402
@@ -20,11 +20,12 @@ from tests.kernels.test_lora import build_case, check_layer, gpu_adapters, gpu_s
 
 @pytest.fixture(autouse=True)
 def fresh_answer() -> Iterator[None]:
-    pdl.pdl_enabled.cache_clear()
-    pdl.shrink_pdl.cache_clear()
+    switches = (pdl.pdl_enabled, pdl.shrink_pdl, pdl.gemm_pdl)
+    for switch in switches:
+        switch.cache_clear()
     yield
-    pdl.pdl_enabled.cache_clear()
-    pdl.shrink_pdl.cache_clear()
+    for switch in switches:
+        switch.cache_clear()
 
 
 def test_off_on_the_cpu() -> None:
@@ -35,11 +36,14 @@ def test_turned_off_through_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv(pdl.ENV, "0")
     assert not pdl.pdl_enabled(DEVICE)
     assert not pdl.shrink_pdl(DEVICE), "the shrink's PDL goes with the rest"
+    assert not pdl.gemm_pdl(DEVICE), "the GEMM's PDL goes with the rest"
 
 
-def test_shrink_turned_off_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shrink_and_gemm_turned_off_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(pdl.SHRINK_ENV, "0")
+    monkeypatch.setenv(pdl.GEMM_ENV, "0")
     assert not pdl.shrink_pdl(DEVICE)
+    assert not pdl.gemm_pdl(DEVICE)
 
 
 def hopper() -> bool:
@@ -67,15 +71,17 @@ def test_lora_layer_matches_reference(kind: str, use_pdl: bool, monkeypatch: pyt
 
 
 @gpu_only
-@pytest.mark.parametrize("shrink_pdl", [True, False], ids=["shrink-pdl", "shrink-no-pdl"])
-@pytest.mark.parametrize("decodes", [16, 64], ids=["triton-gemm", "cublas"])
-def test_lora_right_behind_its_projection(decodes: int, shrink_pdl: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine's order, y = x·Wᵀ then the LoRA into y, launched back to back for several inputs before one
-    sync: a shrink launched with PDL must not let the expand read y before the projection has written it (on the
-    Triton GEMM of small steps, which lets the shrink start early, and on cuBLAS)."""
-    if shrink_pdl and not hopper():
+@pytest.mark.parametrize("use_pdl", [True, False], ids=["pdl", "no-pdl"])
+@pytest.mark.parametrize("decodes", [16, 64, 65], ids=["triton-gemm-16", "triton-gemm-64", "cublas"])
+def test_lora_right_behind_its_projection(decodes: int, use_pdl: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's order, x from a norm, y = x·Wᵀ, then the LoRA into y, launched back to back for several inputs
+    before one sync: launched with PDL, the GEMM must not read x before the norm has written it, the shrink not
+    before the GEMM's wait, the expand not read y before the GEMM has written it (on the Triton GEMM of small
+    steps, which lets the shrink start early, and on cuBLAS)."""
+    if use_pdl and not hopper():
         pytest.skip("PDL needs compute capability 9 or later")
-    monkeypatch.setenv(pdl.SHRINK_ENV, "1" if shrink_pdl else "0")
+    monkeypatch.setenv(pdl.SHRINK_ENV, "1" if use_pdl else "0")
+    monkeypatch.setenv(pdl.GEMM_ENV, "1" if use_pdl else "0")
     shape = FULL_SHAPES[2]
     step = [(i % 4, 1) for i in range(decodes)]
     case = build_case(shape, torch.bfloat16, [(64,) * 7, (16,) * 7, (8,) * 7, (1,) * 7], step, seed=31)
@@ -83,14 +89,19 @@ def test_lora_right_behind_its_projection(decodes: int, shrink_pdl: bool, monkey
     ops, projections = TritonOps(), Projections(triton_gemm=True)
     for modules, offsets, widths, in_features in layer_calls(shape):
         weight = torch.randn((sum(widths), in_features), generator=gen, device=DEVICE).to(torch.bfloat16) / 64
-        xs = [torch.randn((decodes, in_features), generator=gen, device=DEVICE).to(torch.bfloat16) for _ in range(8)]
+        norm_weight = torch.rand(in_features, generator=gen, device=DEVICE).to(torch.bfloat16) + 0.5
+        states = [torch.randn((decodes, in_features), generator=gen, device=DEVICE).bfloat16() for _ in range(8)]
         outs = []
-        for x in xs:  # no sync in between: each LoRA launch pair follows its projection directly
+        for h in states:  # no sync in between: norm, GEMM, shrink and expand follow one another directly
+            x, _ = ops.rms_norm(h, norm_weight, 1e-5)
             y = projections(x, weight)
             ops.lora(y, x, case.flat_layer, case.meta, modules, offsets, widths)
-            outs.append(y)
-        for x, actual in zip(xs, outs):
+            outs.append((x, y))
+        for h, (x, actual) in zip(states, outs):
+            assert torch.equal(x, ops.rms_norm(h, norm_weight, 1e-5)[0])
             expected = torch.nn.functional.linear(x.float(), weight.float()).to(torch.bfloat16)
             lora_ref(expected, x, case.flat_layer, case.meta, modules, offsets, widths)
             assert_close(actual, expected, torch.bfloat16, float(expected.float().abs().max()))
-    assert shrink_pdl in launched_with_pdl(lora_shrink._lora_shrink_gemv_kernel)
+    assert use_pdl in launched_with_pdl(lora_shrink._lora_shrink_gemv_kernel)
+    if decodes <= MAX_ROWS:
+        assert use_pdl in launched_with_pdl(lora_gemm._lora_gemm_kernel)

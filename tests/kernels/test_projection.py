@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from slora.kernels import projection
-from slora.kernels.projection import Projections
+from slora.kernels.projection import MAX_ROWS, Projections
 from tests.kernels.builders import DEVICE, assert_close, gpu_only
 
 
@@ -30,16 +30,17 @@ def test_small_steps_of_wide_weights_take_the_triton_gemm() -> None:
     proj = Projections(triton_gemm=True)
     w = torch.randn(4096, 2048, device=DEVICE, dtype=torch.bfloat16)
     taken = {
-        m: proj.takes_triton(torch.zeros(m, 2048, device=DEVICE, dtype=torch.bfloat16), w, None) for m in (1, 16, 17)
+        m: proj.takes_triton(torch.zeros(m, 2048, device=DEVICE, dtype=torch.bfloat16), w, None)
+        for m in (1, 16, 17, MAX_ROWS, MAX_ROWS + 1)
     }
-    assert taken == {1: True, 16: True, 17: False}
+    assert taken == {1: True, 16: True, 17: True, MAX_ROWS: True, MAX_ROWS + 1: False}
     narrow = torch.zeros(576, 576, device=DEVICE, dtype=torch.bfloat16)
     assert not proj.takes_triton(torch.zeros(4, 576, device=DEVICE, dtype=torch.bfloat16), narrow, None)
     assert not proj.takes_triton(torch.zeros(4, 2048, device=DEVICE), w.float(), None), "float32 stays on cuBLAS"
 
 
 @gpu_only
-@pytest.mark.parametrize("rows", [1, 7, 16])
+@pytest.mark.parametrize("rows", [1, 7, 16, 24, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_projections_match_f_linear(rows: int, dtype: torch.dtype) -> None:
     """Two layers' weights of one shape (one launch, reused) and a bias, against F.linear."""
