@@ -11,10 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from slora.kernels.launch import cdiv
-from slora.kernels.pdl import gemm_pdl
 from slora.kernels.relaunch import launch_cached
 
 BLOCK = 1024  # columns per program
@@ -27,10 +25,7 @@ def _silu_mul_kernel(
     out_ptr,  # [num_tokens, inter], contiguous
     inter,
     BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,  # let a kernel launched with PDL behind this one start now
 ):
-    if USE_PDL:
-        gdc_launch_dependents()  # a projection GEMM launched with PDL behind may start (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -52,8 +47,5 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     out = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens:
         grid = (num_tokens, cdiv(inter, BLOCK))
-        launch_cached(
-            _silu_mul_kernel, grid, gate_up, gate_up.stride(0), out, inter, BLOCK=BLOCK,
-            USE_PDL=gemm_pdl(gate_up.device),
-        )  # fmt: skip
+        launch_cached(_silu_mul_kernel, grid, gate_up, gate_up.stride(0), out, inter, BLOCK=BLOCK)
     return out

@@ -13,11 +13,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from slora.kernels.launch import next_power_of_2
 from slora.kernels.metadata import AttentionMeta
-from slora.kernels.pdl import gemm_pdl
 from slora.kernels.relaunch import launch_cached
 
 # Partition lanes of the reduce: one compiled variant covers up to this many partitions per sequence (masked
@@ -40,10 +38,7 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_P: tl.constexpr,  # next power of two >= max_parts
     BLOCK_D: tl.constexpr,
-    USE_PDL: tl.constexpr,  # let a kernel launched with PDL behind this one start now
 ):
-    if USE_PDL:
-        gdc_launch_dependents()  # a projection GEMM launched with PDL behind may start (kernels/pdl.py)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -82,6 +77,6 @@ def decode_reduce(
         part_m, part_l, part_acc, out, out.stride(0), out.stride(1), meta.q_start, meta.seq_lens,
         max_parts, partition_size,
         HEAD_DIM=head_dim, BLOCK_P=max(MIN_BLOCK_P, next_power_of_2(max_parts)),
-        BLOCK_D=next_power_of_2(head_dim), USE_PDL=gemm_pdl(out.device),
+        BLOCK_D=next_power_of_2(head_dim),
         num_warps=4,
     )  # fmt: skip

@@ -40,12 +40,12 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from slora.kernels.launch import cdiv, dot_precision, next_power_of_2
 from slora.kernels.lora_shrink import MODULES, NUM_MODULES, fused_rows, split_dot, sum_split_partials, tile_bounds
 from slora.kernels.metadata import LoraMeta, SegmentGroup
-from slora.kernels.pdl import gemm_pdl, shrink_pdl
+from slora.kernels.pdl import shrink_pdl
 from slora.kernels.relaunch import Relaunch
 
 
@@ -129,9 +129,10 @@ def _lora_gemm_kernel(
     S_R: tl.constexpr,
     S_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,  # let the LoRA shrink behind this GEMM start once x is complete (kernels/pdl.py)
-    PDL_WAIT: tl.constexpr,  # launched with PDL: read the first W block, then wait for the kernel in front
+    USE_PDL: tl.constexpr,  # let the LoRA shrink behind this GEMM start now (kernels/pdl.py)
 ):
+    if USE_PDL:
+        gdc_launch_dependents()
     if HAS_LORA:
         ticket = tl.atomic_add(sync_ptr, 1)
         shrink_programs = num_tiles * splits
@@ -146,14 +147,14 @@ def _lora_gemm_kernel(
                 ticket - shrink_programs, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, y_ptr, stride_y, M, K,
                 n_blocks, v_ptr, stride_v_tok, sync_ptr, num_tiles, gemm_programs, tiles_ptr, ranks_ptr, scales_ptr,
                 row_start_ptr, b_rows_ptr, pool_ptr, width0, width1, FIRST_MODULE, NUM_SLICES, ROW_ALIGN, HAS_BIAS,
-                True, BLOCK_M, BLOCK_N, BLOCK_K, MAX_TILES_P2, R_MAX, TILE, DOT_PRECISION, False, False,
+                True, BLOCK_M, BLOCK_N, BLOCK_K, MAX_TILES_P2, R_MAX, TILE, DOT_PRECISION,
             )  # fmt: skip
     else:
         _gemm(
             tl.program_id(0), x_ptr, stride_x, w_ptr, stride_w, bias_ptr, y_ptr, stride_y, M, K,
             n_blocks, v_ptr, stride_v_tok, sync_ptr, num_tiles, gemm_programs, tiles_ptr, ranks_ptr, scales_ptr,
             row_start_ptr, b_rows_ptr, pool_ptr, width0, width1, FIRST_MODULE, NUM_SLICES, ROW_ALIGN, HAS_BIAS,
-            False, BLOCK_M, BLOCK_N, BLOCK_K, MAX_TILES_P2, R_MAX, TILE, DOT_PRECISION, USE_PDL, PDL_WAIT,
+            False, BLOCK_M, BLOCK_N, BLOCK_K, MAX_TILES_P2, R_MAX, TILE, DOT_PRECISION,
         )  # fmt: skip
 
 
@@ -193,12 +194,8 @@ def _gemm(
     FIRST_MODULE: tl.constexpr, NUM_SLICES: tl.constexpr, ROW_ALIGN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     MAX_TILES_P2: tl.constexpr, R_MAX: tl.constexpr, TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr,
 ):  # fmt: skip
-    """One GEMM program: its block of x·Wᵀ (+ bias), then (HAS_LORA) every tile's v·Bᵀ·scale once v is complete.
-
-    Launched with PDL (PDL_WAIT), it asks L2 for its first W block (which no kernel writes) before it waits for the
-    kernel in front, and reads x only after. Then (USE_PDL) the kernel behind may start: x is complete."""
+    """One GEMM program: its block of x·Wᵀ (+ bias), then (HAS_LORA) every tile's v·Bᵀ·scale once v is complete."""
     n0 = (pid % n_blocks) * BLOCK_N
     row0 = (pid // n_blocks) * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -211,11 +208,6 @@ def _gemm(
         )  # fmt: skip
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_w
-    if PDL_WAIT:
-        prefetch_l2(w_rows, K, BLOCK_K)
-        gdc_wait()
-    if USE_PDL:
-        gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -237,17 +229,6 @@ def _gemm(
             tl.atomic_xchg(sync_ptr, 0)
             tl.atomic_xchg(sync_ptr + 1, 0)
             tl.atomic_xchg(sync_ptr + 2, 0)
-
-
-@triton.jit
-def prefetch_l2(w_rows, K, BLOCK_K: tl.constexpr):
-    """Ask L2 for the first BLOCK_K columns of the program's W rows (w_rows: [BLOCK_N, 1] pointers), one request per
-    128-byte line, without waiting for them (PTX prefetch; compiled code only: the interpreter runs no PTX)."""
-    lines = tl.arange(0, BLOCK_K // 64) * 64  # 64 16-bit elements a line
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [w_rows + tl.minimum(lines, K - 1)[None, :]],
-        dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
 
 
 @triton.jit
@@ -329,10 +310,8 @@ def gemm_launch(
         v_ptr=x, stride_v_split=0, stride_v_tok=0, sync_ptr=x, num_tiles=0, splits=1, k_per_split=0,
         gemm_programs=grid, tiles_ptr=x, ranks_ptr=x, scales_ptr=x, row_start_ptr=x, a_rows_ptr=x, b_rows_ptr=x,
         pool_ptr=x, FIRST_MODULE=0, ROW_ALIGN=1, HAS_LORA=False, MAX_TILES_P2=2, R_MAX=16,
-        USE_PDL=shrink_pdl(x.device), PDL_WAIT=gemm_pdl(x.device),
+        USE_PDL=shrink_pdl(x.device),
     )  # fmt: skip
-    if args["PDL_WAIT"]:
-        options.update(launch_pdl=True)
     changing = ("x_ptr", "w_ptr", "y_ptr") + (() if bias is None else ("bias_ptr",))
     return Relaunch(_lora_gemm_kernel, (grid,), args, options, changing=changing)
 
@@ -378,7 +357,6 @@ def lora_gemm_launch(
         pool_ptr=flat_layer, FIRST_MODULE=first_module, ROW_ALIGN=meta.row_align, HAS_LORA=True,
         MAX_TILES_P2=next_power_of_2(max(num_tiles, 2)),
         R_MAX=max(16, next_power_of_2(max_module_rank(meta, first_module, len(widths)))), USE_PDL=False,
-        PDL_WAIT=False,
     )  # fmt: skip
     grid = (num_tiles * splits + gemm_programs,)
     changing = ("x_ptr", "w_ptr", "y_ptr", "pool_ptr") + (() if bias is None else ("bias_ptr",))
@@ -407,8 +385,7 @@ def _gemm_args(
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, TILE=TILE_M,
         S_R=SHRINK_R, S_K=SHRINK_K, DOT_PRECISION=dot_precision(x.dtype),
     )  # fmt: skip
-    options: dict[str, object] = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return args, n_blocks * cdiv(m, block_m), options
+    return args, n_blocks * cdiv(m, block_m), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def max_module_rank(meta: LoraMeta, first_module: int, num_modules: int) -> int:

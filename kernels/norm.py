@@ -11,10 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from slora.kernels.launch import next_power_of_2
-from slora.kernels.pdl import gemm_pdl
 from slora.kernels.relaunch import launch_cached
 
 NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -33,10 +31,7 @@ def _rms_norm_kernel(
     HIDDEN: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= HIDDEN
-    USE_PDL: tl.constexpr,  # let a kernel launched with PDL behind this one start now
 ):
-    if USE_PDL:
-        gdc_launch_dependents()  # a projection GEMM launched with PDL behind may start (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
@@ -72,7 +67,7 @@ def rms_norm(
     launch_cached(_rms_norm_kernel, (num_tokens,),
         x, x.stride(0), x if residual is None else residual, 0 if residual is None else residual.stride(0),
         weight, out, s, eps,
-        HIDDEN=hidden, HAS_RESIDUAL=residual is not None, BLOCK=block, USE_PDL=gemm_pdl(x.device),
+        HIDDEN=hidden, HAS_RESIDUAL=residual is not None, BLOCK=block,
         num_warps=_num_warps(block),
     )  # fmt: skip
     return out, s

@@ -20,11 +20,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from slora.kernels.launch import LOG2E, dot_precision, next_power_of_2
 from slora.kernels.metadata import SHORT_SEGMENT, AttentionMeta
-from slora.kernels.pdl import gemm_pdl
 from slora.kernels.relaunch import Relaunch
 
 
@@ -75,10 +73,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,  # let a kernel launched with PDL behind this one start now
 ):
-    if USE_PDL:
-        gdc_launch_dependents()  # a projection GEMM launched with PDL behind may start (kernels/pdl.py)
     tile = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
@@ -174,7 +169,7 @@ def _launches(
             qk_scale=scale * LOG2E,
             GROUP=heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=next_power_of_2(head_dim),
-            DOT_PRECISION=dot_precision(q.dtype), USE_PDL=gemm_pdl(q.device),
+            DOT_PRECISION=dot_precision(q.dtype),
         )  # fmt: skip
         options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         grid = (int(tiles.shape[0]), heads)

@@ -19,13 +19,11 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from slora.kernels.decode_reduce import decode_reduce
 from slora.kernels.launch import LOG2E, cdiv, dot_precision, next_power_of_2, num_sms
 from slora.kernels.metadata import AttentionMeta
 from slora.kernels.paged_attention import check_attention_args
-from slora.kernels.pdl import gemm_pdl
 from slora.kernels.relaunch import launch_cached
 
 
@@ -73,10 +71,7 @@ def _paged_decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,  # let a kernel launched with PDL behind this one start now
 ):
-    if USE_PDL:
-        gdc_launch_dependents()  # a projection GEMM launched with PDL behind may start (kernels/pdl.py)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -154,7 +149,7 @@ def paged_decode_attention(
         parts, partition, scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, SPLIT=split,
         BLOCK_G=max(16, next_power_of_2(group)), BLOCK_D=next_power_of_2(head_dim),
-        BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype), USE_PDL=gemm_pdl(q.device),
+        BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split:

@@ -30,7 +30,6 @@ import torch
 
 ENV = "SLORA_LORA_PDL"  # "0" turns PDL off (to compare, or if a driver mishandles it)
 SHRINK_ENV = "SLORA_SHRINK_PDL"  # "0" launches the shrink without PDL (the expand keeps it)
-GEMM_ENV = "SLORA_GEMM_PDL"  # "0" launches the Triton projection GEMM without PDL
 
 
 @functools.lru_cache(maxsize=16)
@@ -49,14 +48,6 @@ def shrink_pdl(device: torch.device) -> bool:
     """Whether the LoRA shrink on `device` is launched with PDL behind the base projection: pdl_enabled, and not
     turned off through SLORA_SHRINK_PDL=0."""
     return pdl_enabled(device) and os.environ.get(SHRINK_ENV, "1") != "0"
-
-
-@functools.lru_cache(maxsize=16)
-def gemm_pdl(device: torch.device) -> bool:
-    """Whether the Triton projection GEMM on `device` is launched with PDL behind the kernel that wrote its input
-    (the norm, the attention, the activation; they let it start at once): pdl_enabled, and not turned off through
-    SLORA_GEMM_PDL=0."""
-    return pdl_enabled(device) and os.environ.get(GEMM_ENV, "1") != "0"
 
 
 def _triton_has_pdl() -> bool:

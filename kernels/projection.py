@@ -1,11 +1,13 @@
-"""The model's projections (x·Wᵀ + bias): the Triton GEMM of kernels/lora_gemm.py for steps of few rows on CUDA,
-F.linear (cuBLAS) for the rest.
+"""The model's projections (x·Wᵀ + bias): the Triton GEMM of kernels/lora_gemm.py for steps of up to 64 rows on
+CUDA, F.linear (cuBLAS) for the rest.
 
-At up to 16 rows a projection reads its weight once and does next to no arithmetic, so its time is the weight's
-bytes over the bandwidth it reaches. On the H200 the Triton GEMM, with the config lora_gemm.gemm_config picks,
-read the 7B projections 2-8% faster than cuBLAS there (perf.bench_lora_gemm, perf/RESULTS.md); at 64 rows they
-were even, and at 128 the Triton GEMM was 15-32% behind. Weights narrower than MIN_FEATURES were not measured and
-stay on cuBLAS. SLORA_TRITON_GEMM=0 turns the Triton GEMM off.
+At up to 64 rows a projection reads its weight once and does little arithmetic, so its time is the weight's bytes
+over the bandwidth it reaches. On the H200 the Triton GEMM, with the config lora_gemm.gemm_config picks, read the 7B
+projections 2-8% faster than cuBLAS at up to 16 rows and even with it at 24-64 (perf.bench_lora_gemm); at 128 it was
+15-32% behind. It also lets the LoRA shrink behind it start before it ends (kernels/pdl.py), which cuBLAS does not:
+whole 7B decode steps at 32 and 64 rows ran 1-2% faster than on cuBLAS without adapters, 4.5-5.5% with S1 adapters
+(perf.bench_decode_step, perf/RESULTS.md session 16). Weights narrower than MIN_FEATURES were not measured and stay on cuBLAS.
+SLORA_TRITON_GEMM=0 turns the Triton GEMM off.
 """
 
 from __future__ import annotations

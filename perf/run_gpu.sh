@@ -29,10 +29,9 @@
 #   projections perf.bench_lora_gemm --sweep (the Triton projection GEMM's configs against cuBLAS at 1-128 rows, and a
 #               decoder layer's LoRA in one launch against separate launches), then perf.bench_decode_step at batch
 #               1/8/16 with the Triton GEMM for small steps (SLORA_TRITON_GEMM=1) and with cuBLAS (0)   [~6 min]
-#   pdl         programmatic dependent launch (kernels/pdl.py): a decoder layer's LoRA (perf.bench_lora_gemm, no
-#               sweep) with everything on and with the projection GEMM launched without PDL (SLORA_GEMM_PDL=0),
-#               then perf.bench_decode_step at batch 1/16/32/64 (S1 adapters) with everything on, with
-#               SLORA_GEMM_PDL=0, with SLORA_SHRINK_PDL=0 too, and on cuBLAS (SLORA_TRITON_GEMM=0)   [~5 min]
+#   pdl         the LoRA shrink launched with PDL behind the base projection (kernels/pdl.py): a decoder layer's
+#               LoRA (perf.bench_lora_gemm, no sweep), then perf.bench_decode_step at batch 1/16/32/64 (S1 adapters)
+#               with it (pdl), without it (SLORA_SHRINK_PDL=0: no-pdl) and on cuBLAS (SLORA_TRITON_GEMM=0)  [~4 min]
 #   checks      kernel and engine tests on the GPU, then perf.bench_decode_step (CUDA graphs, batch 1/8/64),
 #               perf.bench_host_step (host time of a 256-sequence decode step) and perf.bench_host_forward
 #               (host time of eager steps, kernels stubbed: this host's Python against the CPU machine's) [~8 min]
@@ -166,9 +165,8 @@ adapters() {  # adapters SETTING: n=N_BIG adapter directories, built once per wa
 
 pdl_settings() {  # pdl_settings TAG: the environment of the pdl suite's decode-step run TAG
   case $1 in
-    all-pdl) echo "SLORA_TRITON_GEMM=1" ;;
-    no-gemm-pdl) echo "SLORA_TRITON_GEMM=1 SLORA_GEMM_PDL=0" ;;
-    no-pdl) echo "SLORA_TRITON_GEMM=1 SLORA_GEMM_PDL=0 SLORA_SHRINK_PDL=0" ;;
+    pdl) echo "SLORA_TRITON_GEMM=1" ;;
+    no-pdl) echo "SLORA_TRITON_GEMM=1 SLORA_SHRINK_PDL=0" ;;
     cublas) echo "SLORA_TRITON_GEMM=0" ;;
   esac
 }
@@ -388,13 +386,11 @@ suite() {
           --batch 1 8 16 --steps 30 --out "$OUT/decode_step_gemm$gemm.json"
       done
       unset SLORA_TRITON_GEMM ;;
-    pdl)  # PDL on and off piece by piece: one layer's LoRA, then whole decode steps
+    pdl)  # the shrink launched with PDL: one layer's LoRA, then whole decode steps with it, without it, on cuBLAS
       local s1_root tag
       s1_root=$(adapters S1)
-      for gemm_pdl in 1 0; do
-        SLORA_GEMM_PDL=$gemm_pdl step -m perf.bench_lora_gemm --out "$OUT/lora_layer_gemm_pdl$gemm_pdl.json"
-      done
-      for tag in all-pdl no-gemm-pdl no-pdl cublas; do
+      step -m perf.bench_lora_gemm --out "$OUT/lora_layer.json"
+      for tag in pdl no-pdl cublas; do
         # shellcheck disable=SC2046
         (export $(pdl_settings "$tag"); step -m perf.bench_decode_step --model "$MODEL" --load-format dummy \
           --adapter-root "$s1_root" --batch 1 16 32 64 --steps 30 --out "$OUT/decode_step_$tag.json")

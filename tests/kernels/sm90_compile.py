@@ -26,17 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from slora.kernels import (
-    activation,
-    decode_reduce,
-    lora_expand,
-    lora_gemm,
-    lora_shrink,
-    norm,
-    paged_attention,
-    paged_decode,
-    rotary,
-)
+from slora.kernels import lora_expand, lora_gemm, lora_shrink, rotary
 from slora.kernels.jit_stats import kernels_replaced
 from slora.kernels.lora_gemm import gemm_launch, lora_gemm_launch
 from slora.kernels.triton_ops import TritonOps
@@ -193,9 +183,7 @@ def lora_projections(step: list[tuple[int | None, int]]) -> Callable[[], None]:
 
 
 PDL_SWITCHES = [
-    (lora_shrink, "pdl_enabled"), (lora_shrink, "shrink_pdl"), (lora_expand, "pdl_enabled"),
-    (lora_gemm, "shrink_pdl"), (lora_gemm, "gemm_pdl"), (norm, "gemm_pdl"), (activation, "gemm_pdl"),
-    (paged_decode, "gemm_pdl"), (decode_reduce, "gemm_pdl"), (paged_attention, "gemm_pdl"),
+    (lora_shrink, "pdl_enabled"), (lora_shrink, "shrink_pdl"), (lora_expand, "pdl_enabled"), (lora_gemm, "shrink_pdl"),
 ]  # fmt: skip
 
 
@@ -222,17 +210,12 @@ SCENARIOS = {
     "lora-decode-pdl-bf16": lambda: with_pdl(lora_layer(LLAMA_7B, torch.bfloat16, DECODE)),
     "lora-prefill-pdl-bf16": lambda: with_pdl(lora_layer(LLAMA_7B, torch.bfloat16, PREFILL)),
     "projections-1-pdl-bf16": lambda: with_pdl(projections(1)),
-    "attention-decode-split-pdl-bf16": lambda: with_pdl(attention(Heads(32, 8, 128), 16, torch.bfloat16, [(1, 4000)])),
-    "attention-mixed-pdl-bf16": lambda: with_pdl(
-        attention(Heads(32, 32, 128), 32, torch.bfloat16, [(100, 300), (1, 50)])
-    ),
-    "norm-silu-mul-pdl-bf16": lambda: with_pdl(norm_silu_mul()),
     "lora-decode-fp32": lambda: lora_layer(Shape(576, 1536, 9, 3, 64), torch.float32, DECODE),
     "attention-decode-split-bf16": lambda: attention(Heads(32, 8, 128), 16, torch.bfloat16, [(1, 4000)]),
     "attention-mixed-bf16": lambda: attention(Heads(32, 32, 128), 32, torch.bfloat16, [(100, 300), (1, 50)]),
     "attention-decode-fp32": lambda: attention(Heads(9, 3, 64), 4, torch.float32, [(1, 30), (1, 7)]),
     "rotary-write-kv-bf16": lambda: rotary_write_kv(Heads(32, 8, 128), 16, torch.bfloat16),
-    "silu-mul-bf16": lambda: lambda: TritonOps().silu_mul(torch.zeros((5, 2 * 11008), dtype=torch.bfloat16), 11008),
+    "norm-silu-mul-bf16": norm_silu_mul,
     "projections-1-bf16": lambda: projections(1),
     "projections-64-bf16": lambda: projections(64),
     "lora-projections-bf16": lambda: lora_projections([(i % 2, 1) for i in range(64)]),

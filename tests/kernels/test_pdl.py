@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from slora.kernels import jit_stats, lora_expand, lora_gemm, lora_shrink, pdl  # noqa: E402
+from slora.kernels import jit_stats, lora_expand, lora_shrink, pdl  # noqa: E402
 from slora.kernels.lora_ref import lora_ref  # noqa: E402
 from slora.kernels.projection import MAX_ROWS, Projections  # noqa: E402
 from slora.kernels.triton_ops import TritonOps  # noqa: E402
@@ -20,7 +20,7 @@ from tests.kernels.test_lora import build_case, check_layer, gpu_adapters, gpu_s
 
 @pytest.fixture(autouse=True)
 def fresh_answer() -> Iterator[None]:
-    switches = (pdl.pdl_enabled, pdl.shrink_pdl, pdl.gemm_pdl)
+    switches = (pdl.pdl_enabled, pdl.shrink_pdl)
     for switch in switches:
         switch.cache_clear()
     yield
@@ -36,14 +36,11 @@ def test_turned_off_through_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv(pdl.ENV, "0")
     assert not pdl.pdl_enabled(DEVICE)
     assert not pdl.shrink_pdl(DEVICE), "the shrink's PDL goes with the rest"
-    assert not pdl.gemm_pdl(DEVICE), "the GEMM's PDL goes with the rest"
 
 
-def test_shrink_and_gemm_turned_off_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shrink_turned_off_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(pdl.SHRINK_ENV, "0")
-    monkeypatch.setenv(pdl.GEMM_ENV, "0")
     assert not pdl.shrink_pdl(DEVICE)
-    assert not pdl.gemm_pdl(DEVICE)
 
 
 def hopper() -> bool:
@@ -75,13 +72,12 @@ def test_lora_layer_matches_reference(kind: str, use_pdl: bool, monkeypatch: pyt
 @pytest.mark.parametrize("decodes", [16, 64, 65], ids=["triton-gemm-16", "triton-gemm-64", "cublas"])
 def test_lora_right_behind_its_projection(decodes: int, use_pdl: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's order, x from a norm, y = x·Wᵀ, then the LoRA into y, launched back to back for several inputs
-    before one sync: launched with PDL, the GEMM must not read x before the norm has written it, the shrink not
-    before the GEMM's wait, the expand not read y before the GEMM has written it (on the Triton GEMM of small
+    before one sync: launched with PDL, the shrink must not read x before the norm has written it nor let the
+    expand read y before the GEMM has written it (on the Triton GEMM of small
     steps, which lets the shrink start early, and on cuBLAS)."""
     if use_pdl and not hopper():
         pytest.skip("PDL needs compute capability 9 or later")
     monkeypatch.setenv(pdl.SHRINK_ENV, "1" if use_pdl else "0")
-    monkeypatch.setenv(pdl.GEMM_ENV, "1" if use_pdl else "0")
     shape = FULL_SHAPES[2]
     step = [(i % 4, 1) for i in range(decodes)]
     case = build_case(shape, torch.bfloat16, [(64,) * 7, (16,) * 7, (8,) * 7, (1,) * 7], step, seed=31)
@@ -103,5 +99,4 @@ def test_lora_right_behind_its_projection(decodes: int, use_pdl: bool, monkeypat
             lora_ref(expected, x, case.flat_layer, case.meta, modules, offsets, widths)
             assert_close(actual, expected, torch.bfloat16, float(expected.float().abs().max()))
     assert use_pdl in launched_with_pdl(lora_shrink._lora_shrink_gemv_kernel)
-    if decodes <= MAX_ROWS:
-        assert use_pdl in launched_with_pdl(lora_gemm._lora_gemm_kernel)
+    assert (decodes <= MAX_ROWS) == bool(projections._launches), "steps of up to MAX_ROWS rows on the Triton GEMM"
