@@ -25,8 +25,9 @@ the other, tickets in program order) no program ever waits.
 Columns: the call's modules side by side from column 0, each column block inside one module (block_n divides every
 width). Each adapter's Aᵀ and Bᵀ rows are read once per tile (Bᵀ: per tile and column block).
 
-Where it stands (H200, perf.bench_lora_gemm, perf/RESULTS.md session 15): the GEMM alone (gemm_launch) reads the
-7B projections 2-8% faster than cuBLAS at up to 16 rows and serves those steps (kernels/projection.py). The LoRA
+Where it stands (H200, perf.bench_lora_gemm, perf/RESULTS.md sessions 15-16): the GEMM alone (gemm_launch) reads
+the 7B projections 2-8% faster than cuBLAS at up to 16 rows, as fast at 64, and serves steps of up to 64 rows
+(kernels/projection.py), where it also lets the LoRA shrink behind it start early (kernels/pdl.py). The LoRA
 in one launch (lora_gemm_launch) was slower than cuBLAS + the separate LoRA launches on decode steps of few adapters
 (64 decodes of 4 rank-64 adapters: 0.102 against 0.062 ms of LoRA a layer): each GEMM program walks its tiles one
 after another, and the shrink programs take GEMM slots. The engine does not use it.
