@@ -5,9 +5,9 @@ At up to 64 rows a projection reads its weight once and does little arithmetic, 
 over the bandwidth it reaches. On the H200 the Triton GEMM, with the config lora_gemm.gemm_config picks, read the 7B
 projections 2-8% faster than cuBLAS at up to 16 rows and even with it at 24-64 (perf.bench_lora_gemm); at 128 it was
 15-32% behind. It also lets the LoRA shrink behind it start before it ends (kernels/pdl.py), which cuBLAS does not:
-whole 7B decode steps at 32 and 64 rows ran 1-2% faster than on cuBLAS without adapters, 4.5-5.5% with S1 adapters
-(perf.bench_decode_step, perf/RESULTS.md session 16). Weights narrower than MIN_FEATURES were not measured and stay on cuBLAS.
-SLORA_TRITON_GEMM=0 turns the Triton GEMM off.
+whole 7B decode steps at 32 and 64 rows with S1 adapters ran 4.5-5.9% faster than on cuBLAS, 0.2-1.4% without
+adapters (perf.bench_decode_step, perf/RESULTS.md session 16). Weights narrower than MIN_FEATURES were not measured
+and stay on cuBLAS. SLORA_TRITON_GEMM=0 turns the Triton GEMM off.
 """
 
 from __future__ import annotations
