@@ -63,14 +63,18 @@ class LoraTablesCache:
 
     def __init__(self) -> None:
         self._adapters: list[ResidentAdapter] = []
+        self._device: torch.device | None = None
         self._tables: LoraTables | None = None
         self.hits = 0
 
     def get(self, adapters: list[ResidentAdapter], device: torch.device) -> LoraTables:
+        # The device as asked for, not the tables' own: a tensor on torch.device("cuda") reports "cuda:0", which
+        # never equals the unindexed device the engine passes.
         same = len(adapters) == len(self._adapters) and all(a is b for a, b in zip(adapters, self._adapters))
-        if same and self._tables is not None and self._tables.ranks.device == device:
+        if same and self._tables is not None and self._device == device:
             self.hits += 1
             return self._tables
         self._adapters = list(adapters)
+        self._device = device
         self._tables = build_tables(adapters, device)
         return self._tables

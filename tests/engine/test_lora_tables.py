@@ -45,6 +45,17 @@ def test_same_adapters_reuse_the_tables_other_lists_rebuild() -> None:
     assert fewer is not reordered and fewer.ranks_host == [list(RANKS[2]), list(RANKS[1])]
 
 
+@pytest.mark.parametrize("index", [None, 0], ids=["unindexed", "indexed"])
+def test_the_device_as_given_hits(index: int | None) -> None:
+    """The engine passes torch.device("cuda"), whose tensors report "cuda:0" (on CPU: "cpu:0" given, "cpu"
+    reported): the cache compares the device it was asked for, so the next step with the same adapters hits."""
+    residents = _residents(seed=4)
+    device = torch.device(DEVICE.type, index)
+    cache = LoraTablesCache()
+    first = cache.get(residents, device)
+    assert cache.get(residents, device) is first and cache.hits == 1
+
+
 def test_an_adapter_copied_elsewhere_is_not_mistaken_for_the_old_copy() -> None:
     """Same names, new ResidentAdapter objects (as after an eviction and a reload): rebuilt, with their rows."""
     cache = LoraTablesCache()
