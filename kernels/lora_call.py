@@ -56,9 +56,11 @@ def lora_calls(
     modules: tuple[int, ...],
     out_offsets: tuple[int, ...],
     out_widths: tuple[int, ...],
+    pdl_shrink: bool = False,
 ) -> list[LoraCall]:
     """The launches of one call site, in order: one shrink and one expand per run of consecutive modules and per
-    launch group of the step (meta.groups)."""
+    launch group of the step (meta.groups). pdl_shrink: y was just written by the Triton projection GEMM, so the
+    shrinks may be launched with PDL behind it (kernels/pdl.py)."""
     calls = []
     # By default one launch pair for decodes and prompts together (SegmentGroup.tile_len picks decode-shaped tiles
     # when a step has both): each launch costs host time on an eager step. SLORA_LORA_SPLIT=1 splits them.
@@ -67,7 +69,7 @@ def lora_calls(
         if meta.fused_rank(first, len(widths)) == 0:
             continue  # no adapter of the step targets these modules
         for group in groups:
-            v, shrink = shrink_launch(x, flat_layer, meta, first, len(widths), group)
+            v, shrink = shrink_launch(x, flat_layer, meta, first, len(widths), group, pdl=pdl_shrink)
             expand = expand_launch(y, v, flat_layer, meta, first, offsets, widths, group)
             if shrink is not None and expand is not None:
                 calls.append(LoraCall(shrink, expand))

@@ -247,6 +247,7 @@ def shrink_launch(
     first_module: int,
     num_slices: int,
     group: SegmentGroup | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, Relaunch | None]:
     """v [splits, num_tokens, R] (allocated here) and the launch that writes into it the partial sums of x·Aᵀ for
     modules first_module .. + num_slices - 1 (see top), called as launch(x, flat_layer) for any x and pool layer
@@ -254,7 +255,8 @@ def shrink_launch(
     v's splits are the K splits for the GEMV kernel, one (their sum) for the tensor-core kernel.
 
     Every segment of `group` (default: the whole step) in one launch (kernel and tile shape: shrink_config); rows of
-    other tokens are left unwritten.
+    other tokens are left unwritten. pdl: launched with PDL (where kernels/pdl.py allows it), for a shrink right
+    behind the Triton projection GEMM that wrote the y its expand adds into.
     """
     _check(x, flat_layer, meta, first_module, num_slices)
     group = meta.whole() if group is None else group
@@ -283,7 +285,7 @@ def shrink_launch(
         args.update(arrivals_ptr=arrivals, DOT_PRECISION=dot_precision(x.dtype))
         v_out = v[:1]  # the expand reads the sums in split 0 only
     options: dict[str, object] = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if shrink_pdl(x.device):
+    if pdl and shrink_pdl(x.device):
         options.update(launch_pdl=True)
     grid = (num_tiles, rank_programs, split_k)
     return v_out, Relaunch(kernel, grid, args, options, changing=("x_ptr", "pool_ptr"))

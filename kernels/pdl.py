@@ -7,16 +7,17 @@ kernel's end and the next one's start. Launched with PDL (Hopper and later), a k
 kernel in front of it has ended, as soon as that kernel's programs have all started and called
 griddepcontrol.launch_dependents (or have ended), and wait for its end with griddepcontrol.wait:
 
-- the shrink, behind the base projection that shares its input x: it reads x and the adapters' A rows and writes
-  its own v, none of which the projection writes, so it needs no wait before its work. It waits at its end, so
-  that its end implies the projection's: the expand behind it adds into the projection's output. The Triton GEMM
-  of small steps (kernels/projection.py) lets it start as soon as all of its programs run; behind cuBLAS it starts
-  when cuBLAS's programs have ended, saving the launch gap only;
+- the shrink, right behind the Triton GEMM of small steps (kernels/projection.py) that computed the projection of
+  its input x: it reads x and the adapters' A rows and writes its own v, none of which the GEMM writes, so it needs
+  no wait before its work. It waits at its end, so that its end implies the GEMM's: the expand behind it adds into
+  the GEMM's output. The GEMM lets it start as soon as all of the GEMM's programs run. Behind cuBLAS, whose
+  launches we do not control, the shrink is launched without PDL (there it gained nothing measurable anyway,
+  perf/RESULTS.md session 16): TritonOps asks Projections.wrote_last whether the Triton GEMM wrote the y at hand;
 - the expand, behind the shrink: it reads its first rank chunk of Bᵀ, then waits, then reads v and y.
 
-So nothing a LoRA kernel reads before its wait may be written by a kernel that is still running: x must have been
-written before the kernel in front of the shrink started (the projection, launched without PDL, started after
-its own predecessors had ended). Both instructions are no-ops on a launch without PDL, so the kernels stay correct
+So nothing a LoRA kernel reads before its wait may be written by a kernel that is still running: x was written
+before the GEMM in front of the shrink started (the GEMM, launched without PDL, started after its own predecessors
+had ended). Both instructions are no-ops on a launch without PDL, so the kernels stay correct
 when it is off (SLORA_LORA_PDL=0 for all of it, SLORA_SHRINK_PDL=0 for the shrink's launch alone, an older GPU or
 Triton, the CPU interpreter).
 """

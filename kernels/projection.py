@@ -13,6 +13,7 @@ and stay on cuBLAS. SLORA_TRITON_GEMM=0 turns the Triton GEMM off.
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -36,11 +37,22 @@ class Projections:
     def __init__(self, triton_gemm: bool | None = None) -> None:
         self.triton_gemm = triton_gemm_enabled() if triton_gemm is None else triton_gemm
         self._launches: dict[tuple[object, ...], Relaunch] = {}
+        self._last: weakref.ref[torch.Tensor] | None = None  # the last output, when the Triton GEMM wrote it
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x·Wᵀ + bias, into `out` (a contiguous [rows, N] tensor of x's dtype) when given, else a new tensor."""
+        y = out
+        if y is not None and (y.shape != (x.shape[0], weight.shape[0]) or not y.is_contiguous() or y.dtype != x.dtype):
+            raise ValueError(f"out must be a contiguous {x.dtype} [{x.shape[0]}, {weight.shape[0]}] tensor")
         if not self.takes_triton(x, weight, bias):
-            return F.linear(x, weight, bias)
-        y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+            self._last = None
+            if y is None:
+                return F.linear(x, weight, bias)
+            return torch.mm(x, weight.t(), out=y) if bias is None else torch.addmm(bias, x, weight.t(), out=y)
+        if y is None:
+            y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
         key = (x.shape, x.stride(0), weight.shape, weight.stride(0), bias is None, x.dtype, x.device)
         launch = self._launches.get(key)
         if launch is None:
@@ -49,7 +61,13 @@ class Projections:
             launch(x, weight, y)
         else:
             launch(x, weight, y, bias)
+        self._last = weakref.ref(y)
         return y
+
+    def wrote_last(self, y: torch.Tensor) -> bool:
+        """Whether y is the last projection's output and the Triton GEMM wrote it: then a LoRA shrink launched right
+        behind it may be launched with PDL (kernels/pdl.py), which relies on how this GEMM starts its dependents."""
+        return self._last is not None and self._last() is y
 
     def takes_triton(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether x·Wᵀ goes to the Triton GEMM: few rows on CUDA, a measured weight shape, 16-bit, unit strides."""

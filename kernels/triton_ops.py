@@ -30,10 +30,10 @@ class TritonOps:
     name = "triton"
 
     def __init__(self) -> None:
-        self._projections = Projections()
+        self.projections = Projections()  # the base projections (the Triton GEMM of small steps, else cuBLAS)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self._projections(x, weight, bias)
+        return self.projections(x, weight, bias)
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -79,10 +79,14 @@ class TritonOps:
         out_offsets: tuple[int, ...],
         out_widths: tuple[int, ...],
     ) -> None:
-        key = (modules, out_offsets, out_widths, x.shape, x.stride(0), y.shape, y.stride(0), x.dtype, lora_call.SPLIT)
+        behind_gemm = self.projections.wrote_last(y)  # the shrink may then be launched with PDL (kernels/pdl.py)
+        key = (modules, out_offsets, out_widths, x.shape, x.stride(0), y.shape, y.stride(0), x.dtype, lora_call.SPLIT,
+               behind_gemm)  # fmt: skip
         calls = meta.launches.get(key)
         if calls is None:
-            calls = meta.launches[key] = lora_calls(y, x, flat_layer, meta, modules, out_offsets, out_widths)
+            calls = meta.launches[key] = lora_calls(
+                y, x, flat_layer, meta, modules, out_offsets, out_widths, pdl_shrink=behind_gemm
+            )
         for call in calls:
             call(y, x, flat_layer)
 

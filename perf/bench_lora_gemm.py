@@ -6,10 +6,10 @@ against the Triton kernel in a few configs; time and the fraction of copy bandwi
 
 Part 2, one decoder layer of a decode step (the four projections and their LoRA):
   cublas        torch.mm only (no adapter)
-  cublas+lora   torch.mm, then the LoRA's shrink and expand launches (TritonOps.lora: the engine's path above 16
+  cublas+lora   torch.mm, then the LoRA's shrink and expand launches (TritonOps.lora: the engine's path above 64
                 rows)
-  triton        the Triton GEMM only
-  triton+lora   the Triton GEMM, then the LoRA's launches (the engine's path at up to 16 rows)
+  triton        the engine's projections only (TritonOps.projections: the Triton GEMM at up to 64 rows)
+  triton+lora   the same, then the LoRA's launches (the engine's path at up to 64 rows)
   fused         one launch: the Triton GEMM with the LoRA's shrink in programs of its own and the expand in the
                 GEMM's epilogue (kernels/lora_gemm.py)
 The LoRA's time is a path's time minus its base GEMM's (triton+lora: the triton row; the others: the cublas row);
@@ -155,13 +155,13 @@ def layer_paths(
             torch.mm(x, weight.t(), out=y)
             ops.lora(y, x, case.flat_layer, case.meta, modules, offsets, widths)
 
-    def triton_only() -> None:
-        for x, y, weight, *_, plain, _ in calls:
-            plain(x, weight, y)
+    def triton_only() -> None:  # the engine's projections (TritonOps.projections: the Triton GEMM up to 64 rows)
+        for x, y, weight, *_ in calls:
+            ops.projections(x, weight, out=y)
 
-    def triton_lora() -> None:
-        for x, y, weight, modules, offsets, widths, plain, _ in calls:
-            plain(x, weight, y)
+    def triton_lora() -> None:  # and its LoRA, the shrink launched with PDL behind the Triton GEMM (kernels/pdl.py)
+        for x, y, weight, modules, offsets, widths, *_ in calls:
+            ops.projections(x, weight, out=y)
             ops.lora(y, x, case.flat_layer, case.meta, modules, offsets, widths)
 
     def fused_path() -> None:

@@ -103,8 +103,8 @@ def test_graphs_launch_the_lora_of_targeted_modules_only(
     engine.runner.graphs = graphs
     launched: list[int] = []
     shrink = lora_call.shrink_launch
-    monkeypatch.setattr(lora_call, "shrink_launch", lambda x, flat, meta, first, *rest: launched.append(first)
-                        or shrink(x, flat, meta, first, *rest))  # fmt: skip
+    monkeypatch.setattr(lora_call, "shrink_launch", lambda x, flat, meta, first, *rest, **kw: launched.append(first)
+                        or shrink(x, flat, meta, first, *rest, **kw))  # fmt: skip
     graph_tokens, _ = _run(engine, jobs)
     assert graph_tokens == eager_tokens
     keys = set(graphs._static)  # noqa: SLF001 - which graphs the steps used

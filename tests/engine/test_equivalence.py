@@ -116,7 +116,7 @@ def test_small_steps_on_the_triton_gemm(llama: ModelWithAdapters, dtype: str, mo
     monkeypatch.setattr(projection, "MIN_FEATURES", 16)
     target = {"device": "cuda", "kernel_backend": "triton", "dtype": dtype}
     engine = _check_half_precision_logits(llama, _config(llama, target, dtype=dtype, page_size=8), dtype)
-    assert engine.model.ops._projections._launches, "no projection took the Triton GEMM"  # type: ignore[attr-defined]
+    assert engine.model.ops.projections._launches, "no projection took the Triton GEMM"  # type: ignore[attr-defined]
 
 
 @pytest.mark.gpu
@@ -132,7 +132,7 @@ def test_decode_graphs_replay_the_triton_gemm(llama: ModelWithAdapters, monkeypa
         engine = LLMEngine(_config(llama, target, page_size=8, cuda_graphs=graphs))
         prompts = _prompts(engine.spec.vocab_size, [5, 17, 9], seed=5)
         runs.append([r.token_ids for r in engine.generate(prompts, adapters, GREEDY)])
-        assert engine.model.ops._projections._launches  # type: ignore[attr-defined]
+        assert engine.model.ops.projections._launches  # type: ignore[attr-defined]
     assert runs[0] == runs[1]
 
 

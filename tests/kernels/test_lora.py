@@ -303,7 +303,9 @@ def test_lora_launches_decodes_and_prompts_together(monkeypatch: pytest.MonkeyPa
     a step with any decode gets decode-shaped tiles, a step of prompts only prefill-shaped ones."""
     built: list[int] = []
     shrink = lora_call.shrink_launch
-    monkeypatch.setattr(lora_call, "shrink_launch", lambda *a: built.append(a[2].whole().tile_len) or shrink(*a))
+    monkeypatch.setattr(
+        lora_call, "shrink_launch", lambda *a, **kw: built.append(a[2].whole().tile_len) or shrink(*a, **kw)
+    )
     long_prompts = [(4, 70), (None, 5), (0, 20)]
     cases = {"mixed": (TINY_STEPS["mixed"], 16), "decode": (TINY_STEPS["decode"], 3), "prompts": (long_prompts, 70)}
     for name, (step, tile_len) in cases.items():  # decode: one adapter has three tokens
@@ -326,10 +328,10 @@ def test_split_steps_launch_decodes_apart_from_prompts(monkeypatch: pytest.Monke
     shrink = lora_call.shrink_launch
 
     def recording(
-        x: torch.Tensor, flat: torch.Tensor, meta: LoraMeta, first: int, slices: int, group: SegmentGroup
+        x: torch.Tensor, flat: torch.Tensor, meta: LoraMeta, first: int, slices: int, group: SegmentGroup, pdl: bool
     ) -> tuple[torch.Tensor, Relaunch | None]:
         configs.append((lora_shrink.shrink_config(group, slices), group.max_segment_len))
-        return shrink(x, flat, meta, first, slices, group)
+        return shrink(x, flat, meta, first, slices, group, pdl=pdl)
 
     monkeypatch.setattr(lora_call, "shrink_launch", recording)
     check_layer(build_case(TINY, dtype, list(TINY_ADAPTERS), TINY_STEPS["mixed"], seed=3), "triton", seed=4)

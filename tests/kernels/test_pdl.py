@@ -10,11 +10,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from slora.kernels import jit_stats, lora_expand, lora_shrink, pdl  # noqa: E402
+from slora.kernels import jit_stats, lora_expand, lora_shrink, pdl, triton_ops  # noqa: E402
 from slora.kernels.lora_ref import lora_ref  # noqa: E402
 from slora.kernels.projection import MAX_ROWS, Projections  # noqa: E402
 from slora.kernels.triton_ops import TritonOps  # noqa: E402
-from tests.kernels.builders import DEVICE, FULL_SHAPES, assert_close, gpu_only  # noqa: E402
+from tests.kernels.builders import DEVICE, FULL_SHAPES, TINY, assert_close, gpu_only  # noqa: E402
 from tests.kernels.test_lora import build_case, check_layer, gpu_adapters, gpu_step, layer_calls  # noqa: E402
 
 
@@ -74,15 +74,16 @@ def test_lora_right_behind_its_projection(decodes: int, use_pdl: bool, monkeypat
     """The engine's order, x from a norm, y = x·Wᵀ, then the LoRA into y, launched back to back for several inputs
     before one sync: launched with PDL, the shrink must not read x before the norm has written it nor let the
     expand read y before the GEMM has written it (on the Triton GEMM of small
-    steps, which lets the shrink start early, and on cuBLAS)."""
+    steps, which lets the shrink start early; behind cuBLAS the shrink is launched without PDL)."""
     if use_pdl and not hopper():
         pytest.skip("PDL needs compute capability 9 or later")
     monkeypatch.setenv(pdl.SHRINK_ENV, "1" if use_pdl else "0")
     shape = FULL_SHAPES[2]
-    step = [(i % 4, 1) for i in range(decodes)]
+    step: list[tuple[int | None, int]] = [(i % 4, 1) for i in range(decodes)]
     case = build_case(shape, torch.bfloat16, [(64,) * 7, (16,) * 7, (8,) * 7, (1,) * 7], step, seed=31)
     gen = torch.Generator(device=DEVICE).manual_seed(32)
-    ops, projections = TritonOps(), Projections(triton_gemm=True)
+    ops = TritonOps()
+    ops.projections.triton_gemm = True
     for modules, offsets, widths, in_features in layer_calls(shape):
         weight = torch.randn((sum(widths), in_features), generator=gen, device=DEVICE).to(torch.bfloat16) / 64
         norm_weight = torch.rand(in_features, generator=gen, device=DEVICE).to(torch.bfloat16) + 0.5
@@ -90,7 +91,7 @@ def test_lora_right_behind_its_projection(decodes: int, use_pdl: bool, monkeypat
         outs = []
         for h in states:  # no sync in between: norm, GEMM, shrink and expand follow one another directly
             x, _ = ops.rms_norm(h, norm_weight, 1e-5)
-            y = projections(x, weight)
+            y = ops.linear(x, weight)
             ops.lora(y, x, case.flat_layer, case.meta, modules, offsets, widths)
             outs.append((x, y))
         for h, (x, actual) in zip(states, outs):
@@ -98,5 +99,33 @@ def test_lora_right_behind_its_projection(decodes: int, use_pdl: bool, monkeypat
             expected = torch.nn.functional.linear(x.float(), weight.float()).to(torch.bfloat16)
             lora_ref(expected, x, case.flat_layer, case.meta, modules, offsets, widths)
             assert_close(actual, expected, torch.bfloat16, float(expected.float().abs().max()))
-    assert use_pdl in launched_with_pdl(lora_shrink._lora_shrink_gemv_kernel)
-    assert (decodes <= MAX_ROWS) == bool(projections._launches), "steps of up to MAX_ROWS rows on the Triton GEMM"
+    behind_triton = decodes <= MAX_ROWS
+    assert behind_triton == bool(ops.projections._launches), "steps of up to MAX_ROWS rows on the Triton GEMM"
+    assert (use_pdl and behind_triton) in launched_with_pdl(lora_shrink._lora_shrink_gemv_kernel)
+
+
+def test_only_a_shrink_behind_the_triton_gemm_asks_for_pdl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TritonOps builds a call site's launches with pdl_shrink only when the Triton GEMM wrote the y at hand (on CPU:
+    the interpreter, Projections' size checks bypassed); behind cuBLAS, or behind another projection, it does not."""
+    asked: list[bool] = []
+
+    def recording(*args: object, pdl_shrink: bool = False) -> list[object]:
+        asked.append(pdl_shrink)
+        return real(*args, pdl_shrink=pdl_shrink)
+
+    real = triton_ops.lora_calls
+    monkeypatch.setattr(triton_ops, "lora_calls", recording)
+    case = build_case(TINY, torch.float32, [(8,) * 7, (4,) * 7], [(0, 1), (1, 1), (None, 1)], seed=41)
+    modules, offsets, widths, in_features = layer_calls(TINY)[0]
+    gen = torch.Generator().manual_seed(42)
+    x = torch.randn((case.num_tokens, in_features), generator=gen)
+    weight = torch.randn((sum(widths), in_features), generator=gen)
+    ops = TritonOps()
+    on_cublas = ops.linear(x, weight)
+    ops.lora(on_cublas, x, case.flat_layer, case.meta, modules, offsets, widths)
+    monkeypatch.setattr(Projections, "takes_triton", lambda self, x, weight, bias: True)
+    first = ops.linear(x, weight)
+    ops.lora(first, x, case.flat_layer, case.meta, modules, offsets, widths)
+    ops.linear(x, weight)
+    ops.lora(first, x, case.flat_layer, case.meta, modules, offsets, widths)  # not the last projection's output
+    assert asked == [False, True], "one build per (y's origin, shape); the third call reused the first's launches"
