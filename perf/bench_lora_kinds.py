@@ -4,9 +4,10 @@ A step of decodes only goes to the GEMV LoRA kernels (lora_shrink.DECODE), which
 token (from cache after the first), on tiles of one token; with tiles of 4 a program runs its tokens one after the
 other. When a few adapters serve the whole batch (S-LoRA's small-n and skewed-α workloads), the tensor-core kernels
 read them once per tile of 16 tokens instead. This times one decoder layer's four LoRA calls each way, on the same
-steps, to decide which kernels such steps should use.
+steps, to decide which kernels such steps should use. --behind-gemm times them behind their base projections, as
+the engine runs them (the shrink launched with PDL behind the Triton GEMM), less the projections' own time.
 
-    python -m perf.bench_lora_kinds --out lora_kinds.json
+    python -m perf.bench_lora_kinds --out lora_kinds.json [--behind-gemm]
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import dataclasses
 import json
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from perf.bench_kernels import (
     LLAMA_7B,
     S1,
     LoraCase,
+    Model,
     adapters,
     call_outputs,
     lora_calls,
@@ -68,8 +70,20 @@ def decode_kernels(kind: str) -> Iterator[None]:
             setattr(module, name, value)
 
 
-def layer_ms(case: LoraCase) -> float:
-    """Device time of the layer's four LoRA calls (graph replay), launches built afresh."""
+@dataclasses.dataclass
+class LayerFns:
+    """The layer's LoRA calls (layer), its base projections alone (base), and each call's (y, x, modules,
+    offsets, widths)."""
+
+    layer: Callable[[], None]
+    base: Callable[[], None]
+    calls: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+
+
+def layer_fns(case: LoraCase, weights: dict[tuple[int, ...], torch.Tensor] | None = None) -> LayerFns:
+    """The layer's four LoRA calls as one function, launches built afresh. With `weights` (by the call's modules),
+    each call runs behind its base projection on the engine's projections (TritonOps.projections: the Triton GEMM up
+    to 64 rows, whose LoRA shrink is launched with PDL, kernels/pdl.py), and `base` runs the projections alone."""
     ops = TritonOps()
     calls = []
     for _, modules, in_features in lora_calls(case.model):
@@ -78,12 +92,35 @@ def layer_ms(case: LoraCase) -> float:
         y = torch.zeros((case.num_tokens, sum(widths)), device=bench_kernels.DEVICE).to(torch.bfloat16)
         calls.append((y, x, modules, offsets, widths))
 
+    def base() -> None:
+        for y, x, modules, *_ in calls:
+            if weights is not None:
+                ops.projections(x, weights[modules], out=y)
+
     def layer() -> None:
         for y, x, modules, offsets, widths in calls:
+            if weights is not None:
+                ops.projections(x, weights[modules], out=y)
             ops.lora(y, x, case.flat_layer, case.meta, modules, offsets, widths)
 
     case.meta.launches.clear()
-    return timed(layer)[0]
+    return LayerFns(layer, base, calls)
+
+
+def layer_ms(case: LoraCase, weights: dict[tuple[int, ...], torch.Tensor] | None = None) -> float:
+    """Device time of the layer's four LoRA calls (graph replay); with `weights`, behind their projections, less
+    the projections' own time (layer_fns)."""
+    fns = layer_fns(case, weights)
+    return timed(fns.layer)[0] - (timed(fns.base)[0] if weights is not None else 0.0)
+
+
+def projection_weights(model: Model) -> dict[tuple[int, ...], torch.Tensor]:
+    """Random base weights of the layer's four projections, by the LoRA call's modules."""
+    weights = {}
+    for _, modules, in_features in lora_calls(model):
+        width = sum(call_outputs(model, modules)[1])
+        weights[modules] = (torch.randn((width, in_features), device=bench_kernels.DEVICE) / 64).to(torch.bfloat16)
+    return weights
 
 
 def cases(tokens: int) -> list[tuple[str, list[tuple[int, ...]]]]:
@@ -102,15 +139,16 @@ def cases(tokens: int) -> list[tuple[str, list[tuple[int, ...]]]]:
     return [(name, ranks) for name, ranks in named if -(-tokens // len(ranks)) <= SHORT_SEGMENT]
 
 
-def run(tokens: list[int]) -> list[dict[str, Any]]:
+def run(tokens: list[int], behind_gemm: bool = False) -> list[dict[str, Any]]:
     rows = []
+    weights = projection_weights(LLAMA_7B) if behind_gemm else None
     for n in tokens:
         for name, ranks in cases(n):
             case = lora_case(name, LLAMA_7B, ranks, [(i % len(ranks), 1) for i in range(n)])
-            row: dict[str, Any] = {"case": name}
+            row: dict[str, Any] = {"case": name, "behind_gemm": behind_gemm}
             for kind in KINDS:
                 with decode_kernels(kind):
-                    row[f"{kind}_ms"] = layer_ms(case)
+                    row[f"{kind}_ms"] = layer_ms(case, weights)
             logger.info("%-44s %s", name, "  ".join(f"{kind} {row[f'{kind}_ms']:.4f}" for kind in KINDS))
             rows.append(row)
             del case
@@ -122,12 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 64])
+    parser.add_argument(
+        "--behind-gemm", action="store_true",
+        help="time the LoRA behind its base projections (the engine's), less theirs: the shrink's PDL overlap",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if not torch.cuda.is_available():
         logger.error("bench_lora_kinds needs a CUDA GPU")
         return 2
-    rows = run(args.tokens)
+    rows = run(args.tokens, args.behind_gemm)
     args.out.write_text(json.dumps(rows, indent=1) + "\n")
     return 0
 

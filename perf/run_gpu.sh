@@ -30,8 +30,10 @@
 #               decoder layer's LoRA in one launch against separate launches), then perf.bench_decode_step at batch
 #               1/8/16 with the Triton GEMM for small steps (SLORA_TRITON_GEMM=1) and with cuBLAS (0)   [~6 min]
 #   pdl         the LoRA shrink launched with PDL behind the base projection (kernels/pdl.py): a decoder layer's
-#               LoRA (perf.bench_lora_gemm, no sweep), then perf.bench_decode_step at batch 1/16/32/64 (S1 adapters)
-#               with it (pdl), without it (SLORA_SHRINK_PDL=0: no-pdl) and on cuBLAS (SLORA_TRITON_GEMM=0)  [~4 min]
+#               LoRA (perf.bench_lora_gemm, no sweep), the decode LoRA kernels' kinds behind the projections
+#               (perf.bench_lora_kinds --behind-gemm, 16 and 64 decodes), then perf.bench_decode_step at batch
+#               1/16/32/64 (S1 adapters) with it (pdl), without it (SLORA_SHRINK_PDL=0: no-pdl) and on cuBLAS
+#               (SLORA_TRITON_GEMM=0)                                                                  [~5 min]
 #   checks      kernel and engine tests on the GPU, then perf.bench_decode_step (CUDA graphs, batch 1/8/64),
 #               perf.bench_host_step (host time of a 256-sequence decode step) and perf.bench_host_forward
 #               (host time of eager steps, kernels stubbed: this host's Python against the CPU machine's) [~8 min]
@@ -390,6 +392,7 @@ suite() {
       local s1_root tag
       s1_root=$(adapters S1)
       step -m perf.bench_lora_gemm --out "$OUT/lora_layer.json"
+      step -m perf.bench_lora_kinds --tokens 16 64 --behind-gemm --out "$OUT/lora_kinds_gemm.json"
       for tag in pdl no-pdl cublas; do
         # shellcheck disable=SC2046
         (export $(pdl_settings "$tag"); step -m perf.bench_decode_step --model "$MODEL" --load-format dummy \

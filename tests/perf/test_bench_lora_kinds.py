@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn.functional as F
 
-from perf.bench_lora_kinds import cases, decode_kernels
+from perf import bench_kernels
+from perf.bench_kernels import TINY_MHA, adapters, lora_case
+from perf.bench_lora_kinds import cases, decode_kernels, layer_fns, projection_weights
 from slora.kernels import lora_expand, lora_shrink
+from slora.kernels.lora_ref import lora_ref
 from slora.kernels.metadata import SegmentGroup
 
 
@@ -37,3 +42,22 @@ def test_decode_kernels_sets_shrink_and_expand_tiles_apart() -> None:
     with decode_kernels("shrink1_expand4"):
         assert lora_shrink.shrink_config(group, 1).block_m == 1
         assert lora_expand.expand_config(group, 1).block_m == lora_expand.expand_config(group, 3).block_m == 4
+
+
+def test_behind_gemm_layer_adds_the_lora_to_the_projection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--behind-gemm's layer: each call's y is x·Wᵀ from the engine's projections plus the LoRA delta (CPU: cuBLAS's
+    stand-in and the interpreter), and its base runs the projections alone."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(bench_kernels, "DEVICE", torch.device("cpu"))
+    case = lora_case("tiny", TINY_MHA, adapters([8, 16]), [(0, 1), (1, 1), (None, 1)])
+    weights = projection_weights(TINY_MHA)
+    fns = layer_fns(case, weights)
+    fns.base()
+    for y, x, modules, *_ in fns.calls:
+        assert torch.equal(y, F.linear(x, weights[modules])), "base: the projection alone"
+    fns.layer()
+    for y, x, modules, offsets, widths in fns.calls:
+        expected = F.linear(x, weights[modules])
+        lora_ref(expected, x, case.flat_layer, case.meta, modules, offsets, widths)
+        assert not torch.equal(expected, F.linear(x, weights[modules])), "the case adds no LoRA delta"
+        assert torch.allclose(y.float(), expected.float(), atol=2e-2, rtol=2e-2)
