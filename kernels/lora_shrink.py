@@ -141,6 +141,10 @@ def _lora_shrink_kernel(
         acc = split_dot(x_rows, tok_mask, pool_ptr, rows, j_mask, k_lo, k_per_split, in_features, BLOCK_M, BLOCK_R,
                         BLOCK_K, DOT_PRECISION)  # fmt: skip
         tl.store(v_base + j[None, :], acc, mask=tok_mask[:, None] & j_mask[None, :])
+    if USE_PDL:
+        # Launched with PDL: wait for the kernel in front before touching the arrival counters (on a step's first
+        # layer that kernel zeroed them, kernels/pdl.py), and so end after it.
+        gdc_wait()
     if tl.num_programs(2) > 1:  # K is split: the last split to finish sums the partials into split 0 (see top)
         group = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         tl.debug_barrier()  # every thread's partial stored before the arrival is counted (released by the atomic)
@@ -151,8 +155,6 @@ def _lora_shrink_kernel(
                 tl.num_programs(1) * BLOCK_R, BLOCK_R,
             )  # fmt: skip
             tl.atomic_xchg(arrivals_ptr + group, 0)  # ready for the next layer's launch
-    if USE_PDL:
-        gdc_wait()  # launched with PDL behind the base projection: end after it (kernels/pdl.py)
 
 
 @triton.jit

@@ -17,9 +17,12 @@ griddepcontrol.launch_dependents (or have ended), and wait for its end with grid
 
 So nothing a LoRA kernel reads before its wait may be written by a kernel that is still running: x was written
 before the GEMM in front of the shrink started (the GEMM, launched without PDL, started after its own predecessors
-had ended). Both instructions are no-ops on a launch without PDL, so the kernels stay correct
-when it is off (SLORA_LORA_PDL=0 for all of it, SLORA_SHRINK_PDL=0 for the shrink's launch alone, an older GPU or
-Triton, the CPU interpreter).
+had ended). Building a call site's launches (a step's first layer) puts kernels between the GEMM and the shrink:
+they zero the tensor-core shrink's arrival counters, and that shrink waits before it touches them; nothing else a
+shrink reads before its wait comes from a kernel (tiles come from the host by copies, which PDL does not
+overlap). Both instructions are no-ops
+on a launch without PDL, so the kernels stay correct when it is off (SLORA_LORA_PDL=0 for all of it,
+SLORA_SHRINK_PDL=0 for the shrink's launch alone, an older GPU or Triton, the CPU interpreter).
 """
 
 from __future__ import annotations
