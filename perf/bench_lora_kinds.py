@@ -37,6 +37,7 @@ from perf.bench_kernels import (
     s2_adapters,
     timed,
 )
+from perf.bench_lora_gemm import few, projections, weights
 from slora.kernels import lora_expand, lora_shrink, metadata
 from slora.kernels.metadata import SHORT_SEGMENT
 from slora.kernels.triton_ops import TritonOps
@@ -115,12 +116,9 @@ def layer_ms(case: LoraCase, weights: dict[tuple[int, ...], torch.Tensor] | None
 
 
 def projection_weights(model: Model) -> dict[tuple[int, ...], torch.Tensor]:
-    """Random base weights of the layer's four projections, by the LoRA call's modules."""
-    weights = {}
-    for _, modules, in_features in lora_calls(model):
-        width = sum(call_outputs(model, modules)[1])
-        weights[modules] = (torch.randn((width, in_features), device=bench_kernels.DEVICE) / 64).to(torch.bfloat16)
-    return weights
+    """Random base weights of the layer's four projections (bench_lora_gemm.weights), by the LoRA call's modules."""
+    by_name = weights(model, torch.Generator(device=bench_kernels.DEVICE).manual_seed(0))
+    return {modules: by_name[name] for name, modules, _, _ in projections(model)}
 
 
 def cases(tokens: int) -> list[tuple[str, list[tuple[int, ...]]]]:
@@ -144,7 +142,7 @@ def run(tokens: list[int], behind_gemm: bool = False) -> list[dict[str, Any]]:
     weights = projection_weights(LLAMA_7B) if behind_gemm else None
     for n in tokens:
         for name, ranks in cases(n):
-            case = lora_case(name, LLAMA_7B, ranks, [(i % len(ranks), 1) for i in range(n)])
+            case = lora_case(name, LLAMA_7B, ranks, few(n, len(ranks)))
             row: dict[str, Any] = {"case": name, "behind_gemm": behind_gemm}
             for kind in KINDS:
                 with decode_kernels(kind):

@@ -16,6 +16,7 @@ from slora.kernels.projection import MAX_ROWS, Projections  # noqa: E402
 from slora.kernels.triton_ops import TritonOps  # noqa: E402
 from tests.kernels.builders import DEVICE, FULL_SHAPES, TINY, assert_close, gpu_only  # noqa: E402
 from tests.kernels.test_lora import build_case, check_layer, gpu_adapters, gpu_step, layer_calls  # noqa: E402
+from tests.kernels.test_projection import always_triton  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -123,7 +124,7 @@ def test_only_a_shrink_behind_the_triton_gemm_asks_for_pdl(monkeypatch: pytest.M
     ops = TritonOps()
     on_cublas = ops.linear(x, weight)
     ops.lora(on_cublas, x, case.flat_layer, case.meta, modules, offsets, widths)
-    monkeypatch.setattr(Projections, "takes_triton", lambda self, x, weight, bias: True)
+    monkeypatch.setattr(Projections, "takes_triton", always_triton)
     first = ops.linear(x, weight)
     ops.lora(first, x, case.flat_layer, case.meta, modules, offsets, widths)
     ops.linear(x, weight)
