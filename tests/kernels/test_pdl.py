@@ -118,9 +118,9 @@ def test_only_a_shrink_behind_the_triton_gemm_asks_for_pdl(monkeypatch: pytest.M
     monkeypatch.setattr(triton_ops, "lora_calls", recording)
     case = build_case(TINY, torch.float32, [(8,) * 7, (4,) * 7], [(0, 1), (1, 1), (None, 1)], seed=41)
     modules, offsets, widths, in_features = layer_calls(TINY)[0]
-    gen = torch.Generator().manual_seed(42)
-    x = torch.randn((case.num_tokens, in_features), generator=gen)
-    weight = torch.randn((sum(widths), in_features), generator=gen)
+    gen = torch.Generator(device=DEVICE).manual_seed(42)
+    x = torch.randn((case.num_tokens, in_features), generator=gen, device=DEVICE)
+    weight = torch.randn((sum(widths), in_features), generator=gen, device=DEVICE)
     ops = TritonOps()
     on_cublas = ops.linear(x, weight)
     ops.lora(on_cublas, x, case.flat_layer, case.meta, modules, offsets, widths)

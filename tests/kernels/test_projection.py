@@ -25,22 +25,22 @@ def always_triton(self: Projections, x: torch.Tensor, weight: torch.Tensor, bias
 def test_the_last_triton_output_is_known(monkeypatch: pytest.MonkeyPatch) -> None:
     """wrote_last(y): y is the last projection's output and the Triton GEMM wrote it (on CPU: the interpreter, the
     size checks bypassed), so that TritonOps may launch the LoRA shrink behind it with PDL; out= writes in place."""
-    gen = torch.Generator().manual_seed(5)
-    x, w = torch.randn(3, 32, generator=gen), torch.randn(48, 32, generator=gen)
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    x, w = torch.randn(3, 32, generator=gen, device=DEVICE), torch.randn(48, 32, generator=gen, device=DEVICE)
     proj = Projections(triton_gemm=True)
     on_cublas = proj(x, w)
     assert not proj.wrote_last(on_cublas), "F.linear's output"
     monkeypatch.setattr(Projections, "takes_triton", always_triton)
     first = proj(x, w)
     assert proj.wrote_last(first)
-    out = torch.empty(3, 48)
+    out = torch.empty(3, 48, device=DEVICE)
     assert proj(x, w, out=out) is out and proj.wrote_last(out) and not proj.wrote_last(first)
     assert_close(out, F.linear(x, w), torch.float32, float(out.abs().max()))
     monkeypatch.undo()
     assert proj(x, w, out=out) is out and not proj.wrote_last(out), "cuBLAS into out"
     assert torch.allclose(out, F.linear(x, w))
     with pytest.raises(ValueError, match="out must be"):
-        proj(x, w, out=torch.empty(3, 47))
+        proj(x, w, out=torch.empty(3, 47, device=DEVICE))
 
 
 def test_environment_turns_the_triton_gemm_off(monkeypatch: pytest.MonkeyPatch) -> None:
