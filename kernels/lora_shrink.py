@@ -31,7 +31,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from slora.kernels.launch import cdiv, dot_precision
-from slora.kernels.metadata import LoraMeta, SegmentGroup
+from slora.kernels.metadata import LoraMeta, SegmentGroup, to_device
 from slora.kernels.pdl import pdl_enabled, shrink_pdl
 from slora.kernels.relaunch import Relaunch
 
@@ -141,10 +141,6 @@ def _lora_shrink_kernel(
         acc = split_dot(x_rows, tok_mask, pool_ptr, rows, j_mask, k_lo, k_per_split, in_features, BLOCK_M, BLOCK_R,
                         BLOCK_K, DOT_PRECISION)  # fmt: skip
         tl.store(v_base + j[None, :], acc, mask=tok_mask[:, None] & j_mask[None, :])
-    if USE_PDL:
-        # Launched with PDL: wait for the kernel in front before touching the arrival counters (on a step's first
-        # layer that kernel zeroed them, kernels/pdl.py), and so end after it.
-        gdc_wait()
     if tl.num_programs(2) > 1:  # K is split: the last split to finish sums the partials into split 0 (see top)
         group = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         tl.debug_barrier()  # every thread's partial stored before the arrival is counted (released by the atomic)
@@ -155,6 +151,8 @@ def _lora_shrink_kernel(
                 tl.num_programs(1) * BLOCK_R, BLOCK_R,
             )  # fmt: skip
             tl.atomic_xchg(arrivals_ptr + group, 0)  # ready for the next layer's launch
+    if USE_PDL:
+        gdc_wait()  # launched with PDL behind the base projection: end after it (kernels/pdl.py)
 
 
 @triton.jit
@@ -283,7 +281,8 @@ def shrink_launch(
     v_out = v
     if not cfg.gemv:
         kernel = _lora_shrink_kernel
-        arrivals = torch.zeros(num_tiles * rank_programs, dtype=torch.int32, device=x.device)
+        # Zeroed by a copy, not a kernel: a shrink launched with PDL may start before a kernel in front has ended.
+        arrivals = to_device(torch.zeros(num_tiles * rank_programs, dtype=torch.int32), x.device)
         args.update(arrivals_ptr=arrivals, DOT_PRECISION=dot_precision(x.dtype))
         v_out = v[:1]  # the expand reads the sums in split 0 only
     options: dict[str, object] = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -9,21 +9,20 @@ griddepcontrol.launch_dependents (or have ended), and wait for its end with grid
 
 - the shrink, right behind the Triton GEMM of small steps (kernels/projection.py) that computed the projection of
   its input x: it reads x and the adapters' A rows and writes its own v, none of which the GEMM writes, so it needs
-  no wait before that work. It waits after it (the tensor-core shrink: before its arrival counters), so that its
-  end implies the GEMM's: the expand behind it adds into the GEMM's output. The GEMM lets it start as soon as all
-  of the GEMM's programs run. Behind cuBLAS, whose launches we do not control, the shrink is launched without PDL
-  (there it gained nothing measurable anyway, perf/RESULTS.md session 16): TritonOps asks Projections.wrote_last
-  whether the Triton GEMM wrote the y at hand;
+  no wait before that work. It waits at its end, so that its end implies the GEMM's: the expand behind it adds
+  into the GEMM's output. The GEMM lets it start as soon as all of the GEMM's programs run. Behind cuBLAS, whose
+  launches we do not control, the shrink is launched without PDL (there it gained nothing measurable anyway,
+  perf/RESULTS.md session 16): TritonOps asks Projections.wrote_last whether the Triton GEMM wrote the y at hand;
 - the expand, behind the shrink: it reads its first rank chunk of Bᵀ, then waits, then reads v and y.
 
 So nothing a LoRA kernel reads before its wait may be written by a kernel that is still running: x was written
 before the GEMM in front of the shrink started (the GEMM, launched without PDL, started after its own predecessors
-had ended). Building a call site's launches (a step's first layer) puts kernels between the GEMM and the shrink:
-they zero the tensor-core shrink's arrival counters, and that shrink waits before it touches them; nothing else a
-shrink reads before its wait comes from a kernel (tiles come from the host by copies, which PDL does not
-overlap). Both instructions are no-ops on a launch without PDL, so the kernels stay correct when it is off
-(SLORA_LORA_PDL=0 for all of it, SLORA_SHRINK_PDL=0 for the shrink's launch alone, an older GPU or Triton, the CPU
-interpreter).
+had ended). Building a call site's launches (a step's first layer) puts only copies between the GEMM and the
+shrink, which PDL does not overlap: the tiles and the tensor-core shrink's zeroed arrival counters come from the
+host. (A kernel that zeroed the counters there could still be running when the shrink starts; ec3b68b had the
+shrink wait for it before its counters, which took most of the overlap away, perf/RESULTS.md session 17.) Both
+instructions are no-ops on a launch without PDL, so the kernels stay correct when it is off (SLORA_LORA_PDL=0 for
+all of it, SLORA_SHRINK_PDL=0 for the shrink's launch alone, an older GPU or Triton, the CPU interpreter).
 """
 
 from __future__ import annotations
