@@ -7,6 +7,7 @@ so that it needs no device-to-host synchronization.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,12 +60,28 @@ def alignment_of(offsets_or: int, cap: int = 16) -> int:
 SHORT_SEGMENT = 16  # segments of up to this many tokens (decodes) get decode-shaped tiles
 # A step whose adapter tokens are at least FEW_ADAPTERS_MIN_TOKENS over at most FEW_ADAPTERS_MAX adapters gets the
 # LoRA kernels' 16-token tensor-core tiles even when it is all decodes: they read an adapter's rows once per 16
-# tokens, where the GEMV kernels read them once per token (from cache after the first). H200, one layer's LoRA calls
-# (perf.bench_lora_kinds, perf/RESULTS.md #68): 64 decodes of 4 adapters r64 on all modules 0.0645 against 0.1101 ms,
-# 64 of 5 S2 adapters 0.0308 against 0.0370, 128 of 24 S2 adapters 0.0411 against 0.0559; S1's 64 of 5 even (0.0193
-# against 0.0186); GEMV ahead at 16 decodes (1 to 5 adapters) and at 64 of 24 adapters or more.
-FEW_ADAPTERS_MIN_TOKENS = 64
-FEW_ADAPTERS_MAX = 8
+# tokens, where the GEMV kernels read them once per token (from cache after the first). H200, one 7B layer's LoRA
+# calls behind the engine's projections (perf.bench_lora_kinds --behind-gemm, perf/RESULTS.md #88), tensor-core
+# tiles against GEMV, µs: 16 decodes of 4 adapters r64 29.5 / 35.6, of 5 S2 adapters 12.5 / 16.2, of 24 S2 adapters
+# 16.0 / 21.0; 64 decodes of 5 S2 adapters 24.5 / 34.1, of 24 S2 adapters 27.9 / 35.9; GEMV ahead at 64 of 64 S2
+# adapters (58.9 / 49.3) and at 16 of 5 S1 adapters (4.7 / 2.9). Behind the Triton GEMM of up to 64 rows the
+# tensor-core shrink overlaps the GEMM (kernels/pdl.py), which is what moved the floor from 64 tokens (#68, behind
+# cuBLAS) to 16. SLORA_FEW_ADAPTERS="MIN_TOKENS,MAX_ADAPTERS" sets another rule (to compare: perf/run_gpu.sh few).
+FEW_ADAPTERS_ENV = "SLORA_FEW_ADAPTERS"
+
+
+def few_adapters_rule(value: str | None) -> tuple[int, int]:
+    """(FEW_ADAPTERS_MIN_TOKENS, FEW_ADAPTERS_MAX) from the value of SLORA_FEW_ADAPTERS (None: the default)."""
+    if value is None:
+        return 16, 24
+    try:
+        tokens, adapters = (int(part) for part in value.split(","))
+    except ValueError:
+        raise ValueError(f"{FEW_ADAPTERS_ENV}={value!r}: expected MIN_TOKENS,MAX_ADAPTERS such as 16,24") from None
+    return tokens, adapters
+
+
+FEW_ADAPTERS_MIN_TOKENS, FEW_ADAPTERS_MAX = few_adapters_rule(os.environ.get(FEW_ADAPTERS_ENV))
 
 
 def few_adapters(num_tokens: int, num_adapters: int) -> bool:

@@ -145,10 +145,17 @@ def kv_bytes(engine: LLMEngine, batch: int, context: int) -> int:
     return batch * context * per_token
 
 
+def graph_modes(device: str, graphs_only: bool) -> tuple[bool, ...]:
+    """Whether each engine runs with CUDA graphs: eager then graphs on a GPU (graphs alone if asked), eager on CPU."""
+    if device == "cpu":
+        return (False,)
+    return (True,) if graphs_only else (False, True)
+
+
 def run(args: argparse.Namespace) -> list[StepTiming]:
     timings: list[StepTiming] = []
     adapter_names = adapter_dirs(args.adapter_root, max(args.batch)) if args.adapter_root else []
-    for graphs in (False, True) if args.device != "cpu" else (False,):
+    for graphs in graph_modes(args.device, args.graphs_only):
         config = EngineConfig(model=args.model, load_format=args.load_format, device=args.device,
                               adapter_root=args.adapter_root, cuda_graphs=graphs, max_num_seqs=max(args.batch),
                               kernel_backend=args.kernel_backend, pool_bytes=args.pool_bytes)  # fmt: skip
@@ -191,6 +198,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=PROMPT_TOKENS)
     parser.add_argument("--adapter-counts", type=int, nargs="+", default=[0, -1],
                         help="adapters per batch: 0 none, -1 one per request, k: k shared round robin")  # fmt: skip
+    parser.add_argument("--graphs-only", action="store_true", help="time the engine with CUDA graphs only")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--profile", type=Path, help="append torch.profiler and cProfile tables of a few steps here")
     parser.add_argument("--profile-steps", type=int, default=2)

@@ -34,6 +34,9 @@
 #               (perf.bench_lora_kinds --behind-gemm, 16 and 64 decodes), then perf.bench_decode_step at batch
 #               1/16/32/64 (S1 adapters) with it (pdl), without it (SLORA_SHRINK_PDL=0: no-pdl) and on cuBLAS
 #               (SLORA_TRITON_GEMM=0)                                                                  [~5 min]
+#   few         the rule that sends decodes of few adapters to the tensor-core LoRA tiles (kernels/metadata.py):
+#               perf.bench_decode_step with CUDA graphs, S2 adapters at batch 16/32/64 (4, 24, one per request) and
+#               S1 at 16/64 (5, one per request), under the rule (SLORA_FEW_ADAPTERS=16,24) and #68's (64,8) [~3 min]
 #   checks      kernel and engine tests on the GPU, then perf.bench_decode_step (CUDA graphs, batch 1/8/64),
 #               perf.bench_host_step (host time of a 256-sequence decode step) and perf.bench_host_forward
 #               (host time of eager steps, kernels stubbed: this host's Python against the CPU machine's) [~8 min]
@@ -398,6 +401,17 @@ suite() {
         (export $(pdl_settings "$tag"); step -m perf.bench_decode_step --model "$MODEL" --load-format dummy \
           --adapter-root "$s1_root" --batch 1 16 32 64 --steps 30 --out "$OUT/decode_step_$tag.json")
       done ;;
+    few)  # the few-adapters rule (kernels/metadata.py): decode steps of few adapters under it and under #68's
+      local s1_root s2_root rule
+      s1_root=$(adapters S1)
+      s2_root=$(adapters S2)
+      for rule in 16,24 64,8; do
+        (export SLORA_FEW_ADAPTERS=$rule
+          step -m perf.bench_decode_step --model "$MODEL" --load-format dummy --adapter-root "$s2_root" \
+            --batch 16 32 64 --adapter-counts 4 24 -1 --graphs-only --steps 30 --out "$OUT/few_s2_${rule/,/-}.json"
+          step -m perf.bench_decode_step --model "$MODEL" --load-format dummy --adapter-root "$s1_root" \
+            --batch 16 64 --adapter-counts 5 -1 --graphs-only --steps 30 --out "$OUT/few_s1_${rule/,/-}.json")
+      done ;;
     s2-floor)  # whole decode steps at the S2 runs' batch: does a LoRA step pay more than its adapters' bytes?
       # shellcheck disable=SC2086
       step -m perf.bench_decode_step --model "$MODEL" --load-format dummy \
@@ -412,7 +426,7 @@ suite() {
       s1_100=$(trace s1 100)
       peft "$s1_5" "$s1_100" ;;
     *)
-      log "unknown suite $1 (all, headline, lora-vs-base, engine-s1, engine-s2, s2-ratio, engine-sall, bmm, serving-s1, served, served-both, genai, s2-floor, projections, pdl, checks, peft, peft-only)"; return 2 ;;
+      log "unknown suite $1 (all, headline, lora-vs-base, engine-s1, engine-s2, s2-ratio, engine-sall, bmm, serving-s1, served, served-both, genai, s2-floor, projections, pdl, few, checks, peft, peft-only)"; return 2 ;;
   esac
 }
 

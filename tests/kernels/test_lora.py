@@ -26,6 +26,7 @@ from slora.kernels import (
     lora_call,  # noqa: E402
     lora_expand,  # noqa: E402
     lora_shrink,  # noqa: E402
+    metadata,  # noqa: E402
 )
 from slora.kernels.lora_call import consecutive_runs  # noqa: E402
 from slora.kernels.lora_padded import lora_padded_bmm  # noqa: E402
@@ -247,19 +248,33 @@ def test_lora_kernel_kind_follows_the_step() -> None:
 
 
 def test_decodes_of_few_adapters_get_tensor_core_tiles() -> None:
-    """64 decodes over at most 8 adapters (with base-model tokens between them) run on the 16-token tensor-core
-    tiles and match the reference; over 9 adapters they stay on the GEMV kernels."""
-    few: list[tuple[int | None, int]] = [(i % 4 + 2 if i % 9 else None, 1) for i in range(72)]
+    """Decodes over at most FEW_ADAPTERS_MAX adapters (with base-model tokens between them) run on the 16-token
+    tensor-core tiles and match the reference; over one adapter more they stay on the GEMV kernels, and so do
+    fewer than FEW_ADAPTERS_MIN_TOKENS tokens."""
+    tokens = metadata.FEW_ADAPTERS_MIN_TOKENS
+    few: list[tuple[int | None, int]] = []
+    for i in range(tokens):
+        if i % 8 == 0:
+            few.append((None, 1))
+        few.append((i % 4 + 2, 1))
     group = build_case(TINY, torch.float32, list(TINY_ADAPTERS), few, seed=41).meta.whole()
-    assert sum(end - start for _, start, end, _ in group.segments) == 64 and len(group.segments) == 4
+    assert sum(end - start for _, start, end, _ in group.segments) == tokens and len(group.segments) == 4
     assert (lora_shrink.shrink_config(group, 3), lora_expand.expand_config(group, 3)) == (
         lora_shrink.MIXED,
         lora_expand.MIXED,
     )
-    many: list[tuple[int | None, int]] = [(None, 1)] + [(i % 9, 1) for i in range(64)]
-    adapters = list(TINY_ADAPTERS) + [(2, 2, 2, 2, 2, 2, 2)] * 3
+    assert build_case(TINY, torch.float32, list(TINY_ADAPTERS), few[:-1], seed=41).meta.whole().kind == "decode"
+    count = metadata.FEW_ADAPTERS_MAX + 1
+    many: list[tuple[int | None, int]] = [(None, 1)] + [(i % count, 1) for i in range(max(tokens, count))]
+    adapters = list(TINY_ADAPTERS) + [(2, 2, 2, 2, 2, 2, 2)] * (count - len(TINY_ADAPTERS))
     assert build_case(TINY, torch.float32, adapters, many, seed=41).meta.whole().kind == "decode"
     check_layer(build_case(TINY, torch.bfloat16, list(TINY_ADAPTERS), few, seed=43), "triton", seed=44)
+
+
+def test_the_few_adapters_rule_can_be_set() -> None:
+    assert metadata.few_adapters_rule("64,8") == (64, 8)
+    with pytest.raises(ValueError, match="SLORA_FEW_ADAPTERS='64': expected MIN_TOKENS,MAX_ADAPTERS"):
+        metadata.few_adapters_rule("64")
 
 
 @pytest.mark.parametrize("step", sorted(TINY_STEPS))

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from perf.bench_decode_step import adapter_dirs, run
+from perf.bench_decode_step import adapter_dirs, graph_modes, run
 
 
 def test_times_every_batch_and_adapter_mix(tiny_model: Path, tiny_adapters: Path, tmp_path: Path) -> None:
     args = argparse.Namespace(
         model=str(tiny_model), load_format="dummy", adapter_root=str(tiny_adapters), device="cpu",
         kernel_backend="torch", pool_bytes=64 << 20, batch=[1, 3], steps=2, prompt_len=8, adapter_counts=[0, -1, 2],
-        profile=tmp_path / "profile.txt", profile_steps=1,
+        profile=tmp_path / "profile.txt", profile_steps=1, graphs_only=False,
     )  # fmt: skip
     timings = run(args)
     counts = [(t.batch, t.adapters) for t in timings]
@@ -27,3 +27,9 @@ def test_times_every_batch_and_adapter_mix(tiny_model: Path, tiny_adapters: Path
     assert "batch 3 graphs False adapters 2" in profile
     assert len(adapter_dirs(str(tiny_adapters), 3)) == 3
     assert not any(name.startswith(".") for name in adapter_dirs(str(tiny_adapters), 100))
+
+
+def test_graph_modes() -> None:
+    assert graph_modes("cuda", graphs_only=False) == (False, True)
+    assert graph_modes("cuda", graphs_only=True) == (True,)
+    assert graph_modes("cpu", graphs_only=True) == (False,), "no CUDA graphs on the CPU"
