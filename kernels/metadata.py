@@ -62,22 +62,24 @@ SHORT_SEGMENT = 16  # segments of up to this many tokens (decodes) get decode-sh
 # LoRA kernels' 16-token tensor-core tiles even when it is all decodes: they read an adapter's rows once per 16
 # tokens, where the GEMV kernels read them once per token (from cache after the first). H200, one 7B layer's LoRA
 # calls behind the engine's projections (perf.bench_lora_kinds --behind-gemm, perf/RESULTS.md #88), tensor-core
-# tiles against GEMV, µs: 16 decodes of 4 adapters r64 29.5 / 35.6, of 5 S2 adapters 12.5 / 16.2, of 24 S2 adapters
-# 16.0 / 21.0; 64 decodes of 5 S2 adapters 24.5 / 34.1, of 24 S2 adapters 27.9 / 35.9; GEMV ahead at 64 of 64 S2
-# adapters (58.9 / 49.3) and at 16 of 5 S1 adapters (4.7 / 2.9). Behind the Triton GEMM of up to 64 rows the
-# tensor-core shrink overlaps the GEMM (kernels/pdl.py), which is what moved the floor from 64 tokens (#68, behind
-# cuBLAS) to 16. SLORA_FEW_ADAPTERS="MIN_TOKENS,MAX_ADAPTERS" sets another rule (to compare: perf/run_gpu.sh few).
+# tiles against GEMV, µs: 16 decodes of 4 adapters r64 29.5 / 35.6, of 24 S2 adapters 16.0 / 21.0; 64 decodes of
+# 5 S2 adapters 24.5 / 34.1, of 24 S2 adapters 27.9 / 35.9; GEMV ahead at 16 of 5 S1 adapters (2.9 / 4.7) and at
+# 64 of 64 S2 adapters. Behind the Triton GEMM of up to 64 rows the tensor-core shrink overlaps the GEMM
+# (kernels/pdl.py). Whole decode steps in CUDA graphs (perf/run_gpu.sh few, #90) decide the rule, since a graph
+# sizes its tile grid for FEW_ADAPTERS_MAX partial tiles (backend/static_lora.py): 16 tokens and 24 adapters gained
+# 3.7-4.1% on S2 steps of 32, nothing at 16 (S2) or 64, and lost 1.2% at 64 of 4 adapters and 2.3-2.7% on S1 steps
+# of 16 (#90). SLORA_FEW_ADAPTERS="MIN_TOKENS,MAX_ADAPTERS" sets another rule (to compare: perf/run_gpu.sh few).
 FEW_ADAPTERS_ENV = "SLORA_FEW_ADAPTERS"
 
 
 def few_adapters_rule(value: str | None) -> tuple[int, int]:
     """(FEW_ADAPTERS_MIN_TOKENS, FEW_ADAPTERS_MAX) from the value of SLORA_FEW_ADAPTERS (None: the default)."""
     if value is None:
-        return 16, 24
+        return 32, 8
     try:
         tokens, adapters = (int(part) for part in value.split(","))
     except ValueError:
-        raise ValueError(f"{FEW_ADAPTERS_ENV}={value!r}: expected MIN_TOKENS,MAX_ADAPTERS such as 16,24") from None
+        raise ValueError(f"{FEW_ADAPTERS_ENV}={value!r}: expected MIN_TOKENS,MAX_ADAPTERS such as 32,8") from None
     return tokens, adapters
 
 

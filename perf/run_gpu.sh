@@ -35,8 +35,9 @@
 #               1/16/32/64 (S1 adapters) with it (pdl), without it (SLORA_SHRINK_PDL=0: no-pdl) and on cuBLAS
 #               (SLORA_TRITON_GEMM=0)                                                                  [~5 min]
 #   few         the rule that sends decodes of few adapters to the tensor-core LoRA tiles (kernels/metadata.py):
-#               perf.bench_decode_step with CUDA graphs, S2 adapters at batch 16/32/64 (4, 24, one per request) and
-#               S1 at 16/64 (5, one per request), under the rule (SLORA_FEW_ADAPTERS=16,24) and #68's (64,8) [~3 min]
+#               perf.bench_decode_step with CUDA graphs at batch FEW_BATCHES ("16 32 64"), S2 adapters (4, 24,
+#               one per request) and S1 (5, one per request), under each of FEW_RULES (SLORA_FEW_ADAPTERS values,
+#               "32,8 64,8": the rule and #68's)                                                      [~2 min a rule]
 #   checks      kernel and engine tests on the GPU, then perf.bench_decode_step (CUDA graphs, batch 1/8/64),
 #               perf.bench_host_step (host time of a 256-sequence decode step) and perf.bench_host_forward
 #               (host time of eager steps, kernels stubbed: this host's Python against the CPU machine's) [~8 min]
@@ -101,6 +102,8 @@ CHECK_PATHS=${CHECK_PATHS:-tests/kernels tests/engine}
 CHECK_K=${CHECK_K:-not cpu}
 DECODE_STEP=${DECODE_STEP:-1}
 FLOOR_COUNTS=${FLOOR_COUNTS:-0 5 -1}
+FEW_RULES=${FEW_RULES:-32,8 64,8}
+FEW_BATCHES=${FEW_BATCHES:-16 32 64}
 FLOOR_PROFILE=${FLOOR_PROFILE:-}
 FLOOR_TAG=${FLOOR_TAG:-}
 FLOOR_SETTING=${FLOOR_SETTING:-S2}
@@ -405,12 +408,13 @@ suite() {
       local s1_root s2_root rule
       s1_root=$(adapters S1)
       s2_root=$(adapters S2)
-      for rule in 16,24 64,8; do
+      for rule in $FEW_RULES; do
+        # shellcheck disable=SC2086
         (export SLORA_FEW_ADAPTERS=$rule
           step -m perf.bench_decode_step --model "$MODEL" --load-format dummy --adapter-root "$s2_root" \
-            --batch 16 32 64 --adapter-counts 4 24 -1 --graphs-only --steps 30 --out "$OUT/few_s2_${rule/,/-}.json"
+            --batch $FEW_BATCHES --adapter-counts 4 24 -1 --graphs-only --steps 30 --out "$OUT/few_s2_${rule/,/-}.json"
           step -m perf.bench_decode_step --model "$MODEL" --load-format dummy --adapter-root "$s1_root" \
-            --batch 16 64 --adapter-counts 5 -1 --graphs-only --steps 30 --out "$OUT/few_s1_${rule/,/-}.json")
+            --batch $FEW_BATCHES --adapter-counts 5 -1 --graphs-only --steps 30 --out "$OUT/few_s1_${rule/,/-}.json")
       done ;;
     s2-floor)  # whole decode steps at the S2 runs' batch: does a LoRA step pay more than its adapters' bytes?
       # shellcheck disable=SC2086
