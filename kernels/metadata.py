@@ -65,10 +65,12 @@ SHORT_SEGMENT = 16  # segments of up to this many tokens (decodes) get decode-sh
 # tiles against GEMV, µs: 16 decodes of 4 adapters r64 29.5 / 35.6, of 24 S2 adapters 16.0 / 21.0; 64 decodes of
 # 5 S2 adapters 24.5 / 34.1, of 24 S2 adapters 27.9 / 35.9; GEMV ahead at 16 of 5 S1 adapters (2.9 / 4.7) and at
 # 64 of 64 S2 adapters. Behind the Triton GEMM of up to 64 rows the tensor-core shrink overlaps the GEMM
-# (kernels/pdl.py). Whole decode steps in CUDA graphs (perf/run_gpu.sh few, #90) decide the rule, since a graph
-# sizes its tile grid for FEW_ADAPTERS_MAX partial tiles (backend/static_lora.py): 16 tokens and 24 adapters gained
-# 3.7-4.1% on S2 steps of 32, nothing at 16 (S2) or 64, and lost 1.2% at 64 of 4 adapters and 2.3-2.7% on S1 steps
-# of 16 (#90). SLORA_FEW_ADAPTERS="MIN_TOKENS,MAX_ADAPTERS" sets another rule (to compare: perf/run_gpu.sh few).
+# (kernels/pdl.py). Whole decode steps in CUDA graphs decide the rule (perf/run_gpu.sh few, #90-#91), since a graph
+# sizes its tile grid for FEW_ADAPTERS_MAX partial tiles (backend/static_lora.py). Against #68's rule (64 tokens, 8
+# adapters): this one (32, 8) took 3.8% off S2 steps of 32 decodes of 4 adapters (5.683 against 5.911 ms) and added
+# 1.0% to S1 steps of 32 of 5 (5.489 against 5.436), the rest within 0.5%; 16 tokens changed nothing on S2 and lost
+# 2.3-2.7% on S1 at 16; 24 adapters also took 3.9% off 32 of 24 S2 adapters but added 0.6% at 64 of 4.
+# SLORA_FEW_ADAPTERS="MIN_TOKENS,MAX_ADAPTERS" sets another rule (to compare: perf/run_gpu.sh few).
 FEW_ADAPTERS_ENV = "SLORA_FEW_ADAPTERS"
 
 
