@@ -20,7 +20,7 @@ KERNELS = (  # (module, kernel)
     ("slora.kernels.kv_write", "_kv_write_kernel"),
     ("slora.kernels.lora_expand", "_lora_expand_kernel"),
     ("slora.kernels.lora_expand", "_lora_expand_gemv_kernel"),
-    ("slora.kernels.lora_gemm", "_lora_gemm_kernel"),
+    ("slora.kernels.gemm", "_gemm_kernel"),
     ("slora.kernels.lora_shrink", "_lora_shrink_kernel"),
     ("slora.kernels.lora_shrink", "_lora_shrink_gemv_kernel"),
     ("slora.kernels.norm", "_rms_norm_kernel"),

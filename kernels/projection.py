@@ -1,8 +1,8 @@
-"""The model's projections (x·Wᵀ + bias): the Triton GEMM of kernels/lora_gemm.py for steps of up to 64 rows on
+"""The model's projections (x·Wᵀ + bias): the Triton GEMM of kernels/gemm.py for steps of up to 64 rows on
 CUDA, F.linear (cuBLAS) for the rest.
 
 At up to 64 rows a projection reads its weight once and does little arithmetic, so its time is the weight's bytes
-over the bandwidth it reaches. On the H200 the Triton GEMM, with the config lora_gemm.gemm_config picks, read the 7B
+over the bandwidth it reaches. On the H200 the Triton GEMM, with the config gemm.gemm_config picks, read the 7B
 projections 2-8% faster than cuBLAS at up to 16 rows and even with it at 24-64 (perf.bench_lora_gemm); at 128 it was
 15-32% behind. It also lets the LoRA shrink behind it start before it ends (kernels/pdl.py), which cuBLAS does not:
 whole 7B decode steps at 32 and 64 rows with S1 adapters ran 4.5-5.9% faster than on cuBLAS, 0.2-1.4% without
@@ -18,7 +18,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from slora.kernels.lora_gemm import gemm_launch
+from slora.kernels.gemm import gemm_launch
 from slora.kernels.relaunch import Relaunch
 
 ENV = "SLORA_TRITON_GEMM"

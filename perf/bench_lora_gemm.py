@@ -1,5 +1,5 @@
-"""Decode steps' projections with the LoRA expand in the GEMM's epilogue (kernels/lora_gemm.py), against cuBLAS and
-the separate LoRA launches that the engine runs today.
+"""Decode steps' projections on the Triton GEMM (kernels/gemm.py) against cuBLAS, and a decoder layer's LoRA behind
+each.
 
 Part 1, the base GEMM alone: each 7B projection (q/k/v, o, gate/up, down) at M = 1 to 128 rows, cuBLAS (torch.mm)
 against the Triton kernel in a few configs; time and the fraction of copy bandwidth on the weight bytes.
@@ -9,9 +9,8 @@ Part 2, one decoder layer of a decode step (the four projections and their LoRA)
   cublas+lora   torch.mm, then the LoRA's shrink and expand launches (TritonOps.lora: the engine's path above 64
                 rows)
   triton        the engine's projections only (TritonOps.projections: the Triton GEMM at up to 64 rows)
-  triton+lora   the same, then the LoRA's launches (the engine's path at up to 64 rows)
-  fused         one launch: the Triton GEMM with the LoRA's shrink in programs of its own and the expand in the
-                GEMM's epilogue (kernels/lora_gemm.py)
+  triton+lora   the same, then the LoRA's launches (the engine's path at up to 64 rows, the shrink launched with
+                PDL: kernels/pdl.py)
 The LoRA's time is a path's time minus its base GEMM's (triton+lora: the triton row; the others: the cublas row);
 its fraction of copy bandwidth is on the LoRA's minimum bytes (perf.bench_kernels.lora_minimum), as issue 4's decode
 LoRA target counts it. GPU time from CUDA-graph replay with the L2 flushed before each layer
@@ -50,8 +49,8 @@ from perf.bench_kernels import (
     measure_device,
     s2_adapters,
 )
-from slora.kernels import lora_gemm, pdl
-from slora.kernels.lora_gemm import GemmConfig, gemm_launch, lora_gemm_launch
+from slora.kernels import pdl
+from slora.kernels.gemm import GemmConfig, gemm_launch
 from slora.kernels.triton_ops import TritonOps
 
 logger = logging.getLogger("bench_lora_gemm")
@@ -126,32 +125,24 @@ def timed_ms(fn: Callable[[], object]) -> float | None:
 SMOKE_CONFIGS = [GemmConfig(16, 32, 32, 4, 2)]
 
 
-def layer_paths(
-    case: LoraCase, w: dict[str, torch.Tensor], configs: dict[str, GemmConfig], gen: torch.Generator
-) -> dict[str, Any]:
+def layer_paths(case: LoraCase, w: dict[str, torch.Tensor], gen: torch.Generator) -> dict[str, Any]:
     """Part 2's paths on one layer, as functions of no argument, and the calls they run (for
-    check_against_engine). The fused path is left out for a step of more tiles than it takes (lora_gemm.MAX_TILES)."""
+    check_against_engine)."""
     model, device = case.model, bench_kernels.DEVICE
     ops = TritonOps()
     calls = []
-    fusable = int(case.meta.whole().tiles(lora_gemm.TILE_M).shape[0]) <= lora_gemm.MAX_TILES
     for name, modules, k, n in projections(model):
         offsets, widths = call_outputs(model, modules)
         x = torch.randn((case.num_tokens, k), generator=gen, device=device).to(torch.bfloat16)
         y = torch.empty((case.num_tokens, n), dtype=torch.bfloat16, device=device)
-        weight, cfg = w[name], configs[name]
-        plain = gemm_launch(x, weight, y, cfg=cfg, widths=widths)
-        fused = None
-        if fusable and case.meta.fused_rank(modules[0], len(modules)):
-            fused = lora_gemm_launch(x, weight, y, case.flat_layer, case.meta, modules[0], widths, cfg=cfg)
-        calls.append((x, y, weight, modules, offsets, widths, plain, fused))
+        calls.append((x, y, w[name], modules, offsets, widths))
 
     def cublas() -> None:
         for x, y, weight, *_ in calls:
             torch.mm(x, weight.t(), out=y)
 
     def cublas_lora() -> None:
-        for x, y, weight, modules, offsets, widths, *_ in calls:
+        for x, y, weight, modules, offsets, widths in calls:
             torch.mm(x, weight.t(), out=y)
             ops.lora(y, x, case.flat_layer, case.meta, modules, offsets, widths)
 
@@ -160,23 +151,12 @@ def layer_paths(
             ops.projections(x, weight, out=y)
 
     def triton_lora() -> None:  # and its LoRA, the shrink launched with PDL behind the Triton GEMM (kernels/pdl.py)
-        for x, y, weight, modules, offsets, widths, *_ in calls:
+        for x, y, weight, modules, offsets, widths in calls:
             ops.projections(x, weight, out=y)
             ops.lora(y, x, case.flat_layer, case.meta, modules, offsets, widths)
 
-    def fused_path() -> None:
-        for x, y, weight, *_, plain, fused in calls:
-            if fused is None:  # no adapter of the step targets these modules: the plain GEMM
-                plain(x, weight, y)
-            else:
-                fused(x, weight, y, case.flat_layer)
-
-    paths: dict[str, Any] = {
-        "cublas": cublas, "cublas+lora": cublas_lora, "triton": triton_only, "triton+lora": triton_lora,
-    }  # fmt: skip
-    if fusable:
-        paths["fused"] = fused_path
-    return {**paths, "calls": calls}
+    return {"cublas": cublas, "cublas+lora": cublas_lora, "triton": triton_only, "triton+lora": triton_lora,
+            "calls": calls}  # fmt: skip
 
 
 def check_against_engine(paths: dict[str, Any], names: list[str]) -> float | None:
@@ -201,7 +181,7 @@ def few(n: int, count: int) -> list[tuple[int | None, int]]:
 
 
 def layer_cases(model: Model, n: int = 64) -> list[Callable[[], LoraCase]]:
-    """Decode steps of few adapters (the fused path's aim) and, to compare, of one adapter per request."""
+    """Decode steps of few adapters and, to compare, of one adapter per request."""
     if n < 64:  # --smoke
         return [lambda: lora_case(f"decode {n} req, 2 adapters", model, adapters([8, 16]), few(n, 2))]
     return [
@@ -215,35 +195,26 @@ def layer_cases(model: Model, n: int = 64) -> list[Callable[[], LoraCase]]:
     ]
 
 
-def layer_bench(
-    model: Model, copy_gbps: float, gen: torch.Generator, n: int = 64, smoke: bool = False
-) -> list[dict[str, Any]]:
+def layer_bench(model: Model, copy_gbps: float, gen: torch.Generator, n: int = 64) -> list[dict[str, Any]]:
     """Part 2: each case's four paths, the LoRA's time over cuBLAS and its fraction of copy bandwidth."""
     w = weights(model, gen)
     results = []
     for make in layer_cases(model, n):
         case = make()
         nbytes = sum(lora_minimum(case, modules, k)[0] for _, modules, k, _ in projections(model))
-        configs = {
-            name: lora_gemm.gemm_config(case.num_tokens, n, k) if not smoke else SMOKE_CONFIGS[0]
-            for name, _, k, n in projections(model)
-        }
-        paths = layer_paths(case, w, configs, gen)
-        err = check_against_engine(paths, [name for name in paths if name.startswith("fused")])
+        paths = layer_paths(case, w, gen)
         triton_err = check_against_engine(paths, ["triton+lora"])
         times = {name: timed_ms(fn) for name, fn in paths.items() if name != "calls"}
-        entry: dict[str, Any] = {
-            "case": case.name, "lora_min_bytes": nbytes, "fused_rel_err": err, "triton_lora_rel_err": triton_err,
-            "ms": times, "configs": {name: repr(cfg) for name, cfg in configs.items()},
-        }  # fmt: skip
-        for path in [name for name in times if name.endswith("+lora") or name.startswith("fused")]:
+        entry: dict[str, Any] = {"case": case.name, "lora_min_bytes": nbytes, "triton_lora_rel_err": triton_err,
+                                 "ms": times}  # fmt: skip
+        for path in ("cublas+lora", "triton+lora"):
             ms, base = times[path], times["triton" if path == "triton+lora" else "cublas"]
             if ms is not None and base is not None:
                 lora_ms = ms - base
                 entry[f"{path} lora_ms"] = lora_ms
                 entry[f"{path} lora_frac_copy"] = nbytes / (lora_ms / 1e3) / 1e9 / copy_gbps if lora_ms > 0 else None
-        logger.info("%s: %s (fused err %s)", case.name, {k: None if v is None else round(v, 4) for k, v in
-                    times.items()}, err)  # fmt: skip
+        logger.info("%s: %s (triton+lora err %s)", case.name, {k: None if v is None else round(v, 4) for k, v in
+                    times.items()}, triton_err)  # fmt: skip
         results.append(entry)
     return results
 
@@ -278,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload["gemm"] = gemm_sweep(model, device.copy_gbps, gen) if args.sweep else []
     args.out.write_text(json.dumps(payload, indent=1))
-    payload["layer"] = [] if args.skip_layer else layer_bench(model, device.copy_gbps, gen, n, args.smoke)
+    payload["layer"] = [] if args.skip_layer else layer_bench(model, device.copy_gbps, gen, n)
     args.out.write_text(json.dumps(payload, indent=1))
     for entry in payload["layer"]:
         sys.stdout.write(json.dumps(entry) + "\n")

@@ -27,7 +27,7 @@
 #               (FLOOR_COUNTS: the adapter counts, "0 5 -1"; FLOOR_PROFILE=1: profile each; FLOOR_TAG: file suffix;
 #               FLOOR_SETTING: the adapters' setting, S2 or Sall)
 #   projections perf.bench_lora_gemm --sweep (the Triton projection GEMM's configs against cuBLAS at 1-128 rows, and a
-#               decoder layer's LoRA in one launch against separate launches), then perf.bench_decode_step at batch
+#               decoder layer's LoRA behind cuBLAS and behind the Triton GEMM), then perf.bench_decode_step at batch
 #               1/8/16 with the Triton GEMM for small steps (SLORA_TRITON_GEMM=1) and with cuBLAS (0)   [~6 min]
 #   pdl         the LoRA shrink launched with PDL behind the base projection (kernels/pdl.py): a decoder layer's
 #               LoRA (perf.bench_lora_gemm, no sweep), the decode LoRA kernels' kinds behind the projections

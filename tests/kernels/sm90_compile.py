@@ -26,9 +26,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from slora.kernels import lora_expand, lora_gemm, lora_shrink, rotary
+from slora.kernels import gemm, lora_expand, lora_shrink, rotary
+from slora.kernels.gemm import gemm_launch
 from slora.kernels.jit_stats import kernels_replaced
-from slora.kernels.lora_gemm import gemm_launch, lora_gemm_launch
 from slora.kernels.triton_ops import TritonOps
 from tests.kernels.builders import Shape, attention_step
 from tests.kernels.test_attention import Heads, make_pool
@@ -168,22 +168,8 @@ def projections(rows: int) -> Callable[[], None]:
     return run
 
 
-def lora_projections(step: list[tuple[int | None, int]]) -> Callable[[], None]:
-    """The 7B layer's projections with their LoRA in one launch each (kernels/lora_gemm.py)."""
-    case = build_case(LLAMA_7B, torch.bfloat16, [(64,) * 7, (16, 8, 8, 16, 0, 0, 0)], step, seed=1)
-
-    def run() -> None:
-        for modules, _, widths, in_features in layer_calls(LLAMA_7B):
-            x = torch.zeros((case.num_tokens, in_features), dtype=torch.bfloat16)
-            w = torch.zeros((sum(widths), in_features), dtype=torch.bfloat16)
-            y = torch.zeros((case.num_tokens, sum(widths)), dtype=torch.bfloat16)
-            lora_gemm_launch(x, w, y, case.flat_layer, case.meta, modules[0], widths)(x, w, y, case.flat_layer)
-
-    return run
-
-
 PDL_SWITCHES = [
-    (lora_shrink, "pdl_enabled"), (lora_shrink, "shrink_pdl"), (lora_expand, "pdl_enabled"), (lora_gemm, "shrink_pdl"),
+    (lora_shrink, "pdl_enabled"), (lora_shrink, "shrink_pdl"), (lora_expand, "pdl_enabled"), (gemm, "shrink_pdl"),
 ]  # fmt: skip
 
 
@@ -218,7 +204,6 @@ SCENARIOS = {
     "norm-silu-mul-bf16": norm_silu_mul,
     "projections-1-bf16": lambda: projections(1),
     "projections-64-bf16": lambda: projections(64),
-    "lora-projections-bf16": lambda: lora_projections([(i % 2, 1) for i in range(64)]),
 }
 
 

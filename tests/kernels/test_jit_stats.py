@@ -69,7 +69,7 @@ STEP_DEPENDENT = {
     "_lora_shrink_gemv_kernel": {"stride_v_split", "stride_v_tok"},
     "_lora_expand_kernel": {"stride_v_tok"},  # reads one split of v: the tensor-core shrink sums them
     "_lora_expand_gemv_kernel": {"split_k", "stride_v_split", "stride_v_tok"},
-    "_lora_gemm_kernel": {"M", "num_tiles", "splits", "k_per_split", "stride_v_split", "stride_v_tok"},
+    "_gemm_kernel": {"M"},
 }
 
 

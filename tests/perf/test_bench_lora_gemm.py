@@ -17,7 +17,6 @@ def test_smoke_run_agrees_with_the_engine_path(tmp_path: Path, monkeypatch: pyte
     payload = json.loads(out.read_text())
     assert payload["gemm"] == [], "part 1 runs with --sweep only"
     (layer,) = payload["layer"]
-    assert set(layer["ms"]) == {"cublas", "cublas+lora", "triton", "triton+lora", "fused"}
+    assert set(layer["ms"]) == {"cublas", "cublas+lora", "triton", "triton+lora"}
     assert layer["lora_min_bytes"] > 0
-    assert layer["fused_rel_err"] < 2e-2, "the fused path's y differs from cuBLAS + the LoRA launches'"
     assert layer["triton_lora_rel_err"] < 2e-2, "the Triton GEMM + LoRA launches' y differs from cuBLAS + the same"
