@@ -72,11 +72,6 @@ class Relaunch:
         self._aligned = aligned
 
     @property
-    def grid(self) -> tuple[int, ...]:
-        """The launch grid (three axes)."""
-        return self._grid
-
-    @property
     def compiled(self) -> bool:
         """Whether the next launch with equally aligned tensors goes straight to the compiled kernel."""
         return self._runner is not None

@@ -16,7 +16,9 @@ SMALL = GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def random_linear(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int):  # type: ignore[no-untyped-def]
+def random_linear(
+    m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     x = torch.randn((m, k), generator=gen, device=DEVICE).to(dtype)
     weight = torch.randn((n, k), generator=gen, device=DEVICE).to(dtype)
