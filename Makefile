@@ -28,7 +28,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml requirements/ci.txt
 install: $(VENV)/.installed
 
 demo-adapters: install
-	$(BIN)/python -m slora.backend.demo_adapters --model default --out $(DEMO_ADAPTERS)
+	$(BIN)/python -m slora.backend.adapters.demo --model default --out $(DEMO_ADAPTERS)
 
 serve: install demo-adapters
 	$(BIN)/slora-serve --model default --adapter-dir $(DEMO_ADAPTERS) --device $(DEVICE) \

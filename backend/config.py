@@ -49,7 +49,7 @@ class EngineConfig:
     kernel_backend: str = "auto"  # auto | torch | triton | bmm (S-LoRA's padded-rank baseline)
     cuda_graphs: bool = False  # replay decode steps as captured CUDA graphs (CUDA + triton kernels; cuda_graphs.py)
     # Launch each step before reading the previous step's tokens back, so that the host's work for a step overlaps
-    # the GPU's for the one before (backend/inflight.py). None (auto): on for CUDA devices, off on CPU, where the
+    # the GPU's for the one before (backend/engine/inflight.py). None (auto): on for CUDA devices, off on CPU, where the
     # host does the computing itself and outputs would only come a step later.
     overlap_steps: bool | None = None
     # A waiting request whose adapter copy into the pool the copier thread has not issued yet is passed over at

@@ -22,7 +22,7 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
     On CUDA the copy goes through page-locked memory (PyTorch's caching host allocator, which keeps the block until
     the copy is done): a copy from pageable memory may first wait for the stream to drain, which would hold the
-    host up while an earlier step still runs (overlapped steps, backend/engine.py). Elsewhere a plain copy.
+    host up while an earlier step still runs (overlapped steps, backend/engine/llm_engine.py). Elsewhere a plain copy.
     """
     if device.type != "cuda":
         return host.to(device)
@@ -65,8 +65,8 @@ SHORT_SEGMENT = 16  # segments of up to this many tokens (decodes) get decode-sh
 # tiles against GEMV, µs: 16 decodes of 4 adapters r64 29.5 / 35.6, of 24 S2 adapters 16.0 / 21.0; 64 decodes of
 # 5 S2 adapters 24.5 / 34.1, of 24 S2 adapters 27.9 / 35.9; GEMV ahead at 16 of 5 S1 adapters (2.9 / 4.7) and at
 # 64 of 64 S2 adapters. Behind the Triton GEMM of up to 64 rows the tensor-core shrink overlaps the GEMM
-# (kernels/pdl.py). Whole decode steps in CUDA graphs decide the rule (perf/run_gpu.sh few, #90-#91), since a graph
-# sizes its tile grid for FEW_ADAPTERS_MAX partial tiles (backend/static_lora.py). Against #68's rule (64 tokens, 8
+# (triton/pdl.py). Whole decode steps in CUDA graphs decide the rule (perf/run_gpu.sh few, #90-#91), since a graph
+# sizes its tile grid for FEW_ADAPTERS_MAX partial tiles (executor/static_lora.py). Against #68's rule (64 tokens, 8
 # adapters): this one (32, 8) took 3.8% off S2 steps of 32 decodes of 4 adapters (5.683 against 5.911 ms) and added
 # 1.0% to S1 steps of 32 of 5 (5.489 against 5.436), the rest within 0.5%; 16 tokens changed nothing on S2 and lost
 # 2.3-2.7% on S1 at 16; 24 adapters also took 3.9% off 32 of 24 S2 adapters but added 0.6% at 64 of 4.
@@ -182,7 +182,7 @@ class AttentionMeta:
     block_tables_host: list[list[int]]
 
     _groups: dict[bool, list[SegmentGroup]] = field(default_factory=dict, repr=False, compare=False)
-    # Kernel launches built by the first layer of the step, reused by the others (kernels/paged_attention.py).
+    # Kernel launches built by the first layer of the step, reused by the others (kernels/triton/paged_attention.py).
     launches: dict[object, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -208,7 +208,7 @@ class AttentionMeta:
 
 @dataclass(frozen=True)
 class StaticBounds:
-    """Fixed launch parameters for a captured CUDA graph (backend/cuda_graphs.py).
+    """Fixed launch parameters for a captured CUDA graph (backend/executor/cuda_graphs.py).
 
     A graph replays the grids and buffer shapes it was captured with, so the launchers must not derive them from
     the step: with these bounds, `fused_rank` is max_rank × the modules of the call in `modules` (0 for a call no
@@ -254,7 +254,7 @@ class LoraMeta:
     static: StaticBounds | None = None  # set for a CUDA-graph step: launch shapes come from here, not the step
     # Built on first use and kept for the step (every layer asks the same): no per-layer Python loops.
     _fused_rank: dict[tuple[int, int], int] = field(default_factory=dict, repr=False, compare=False)
-    # Kernel launches built by the first layer of the step, reused by the others (kernels/lora_call.py).
+    # Kernel launches built by the first layer of the step, reused by the others (kernels/triton/lora_call.py).
     launches: dict[object, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property

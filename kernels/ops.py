@@ -1,7 +1,8 @@
 """The attention, LoRA and fused elementwise operations the model calls, behind one interface.
 
 `TorchOps` is the plain-torch reference (any device). Triton-language kernels implement the same methods
-in kernels/triton_ops.py, and S-LoRA's padded-bmm LoRA baseline in kernels/lora_padded.py; `make_ops` picks one.
+in kernels/triton/ops.py, and S-LoRA's padded-bmm LoRA baseline in kernels/reference/lora_padded.py;
+`make_ops` picks one.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from slora.kernels.activation_ref import silu_mul_ref
-from slora.kernels.attention_ref import paged_attention_ref, write_kv_ref
-from slora.kernels.lora_padded import lora_padded_bmm
-from slora.kernels.lora_ref import lora_ref
 from slora.kernels.metadata import AttentionMeta, LoraMeta
-from slora.kernels.norm_ref import rms_norm_ref
-from slora.kernels.rotary_ref import apply_rotary_ref
+from slora.kernels.reference.activation import silu_mul_ref
+from slora.kernels.reference.attention import paged_attention_ref, write_kv_ref
+from slora.kernels.reference.lora import lora_ref
+from slora.kernels.reference.lora_padded import lora_padded_bmm
+from slora.kernels.reference.norm import rms_norm_ref
+from slora.kernels.reference.rotary import apply_rotary_ref
 
 
 class Ops(Protocol):
@@ -45,7 +46,8 @@ class Ops(Protocol):
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(RMSNorm(x + residual) · weight, x + residual): the residual add fused with the norm (kernels/norm.py)."""
+        """(RMSNorm(x + residual) · weight, x + residual): the residual add fused with the norm
+        (kernels/triton/norm.py)."""
         ...
 
     def rotary(
@@ -55,7 +57,7 @@ class Ops(Protocol):
         ...
 
     def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-        """SiLU(gate) · up of the fused gate/up output [gate | up] (kernels/activation.py)."""
+        """SiLU(gate) · up of the fused gate/up output [gate | up] (kernels/triton/activation.py)."""
         ...
 
     def rotary_write_kv(
@@ -128,7 +130,8 @@ class TorchOps:
 
 
 class PaddedLora:
-    """S-LoRA's padded-bmm LoRA baseline (kernels/lora_padded.py), mixed into an Ops class for everything else."""
+    """S-LoRA's padded-bmm LoRA baseline (kernels/reference/lora_padded.py), mixed into an Ops class for everything
+    else."""
 
     name = "bmm"
 
@@ -157,14 +160,14 @@ def make_ops(backend: str, device: torch.device) -> Ops:
         if device.type != "cuda":
             return PaddedBmmOps()
         try:
-            from slora.kernels.triton_ops import TritonPaddedBmmOps
+            from slora.kernels.triton.ops import TritonPaddedBmmOps
         except ImportError:
             return PaddedBmmOps()
         return TritonPaddedBmmOps()
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return TorchOps()
     try:
-        from slora.kernels.triton_ops import TritonOps
+        from slora.kernels.triton.ops import TritonOps
     except ImportError as exc:
         if backend == "triton":
             raise ValueError(f"kernel_backend='triton' needs the triton package ({exc})") from exc

@@ -23,8 +23,8 @@ import torch
 
 from perf.step_profiler import StepProfiler
 from slora.backend.config import EngineConfig, parse_size
-from slora.backend.engine import LLMEngine
-from slora.backend.sampling_params import SamplingParams
+from slora.backend.engine.llm_engine import LLMEngine
+from slora.backend.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -47,12 +47,12 @@ from perf.results import append_runs, headline, make_run, trace_info
 from perf.step_profiler import StepProfiler
 from perf.workload import Trace, TraceRequest, load_trace
 from slora.backend.config import EngineConfig, parse_size
-from slora.backend.engine import LLMEngine
+from slora.backend.engine.llm_engine import LLMEngine
+from slora.backend.engine.request import Request
 from slora.backend.errors import EngineOverloadedError, SloraError
-from slora.backend.gc_freeze import startup_objects_frozen
-from slora.backend.model_runner import PHASES, StepShape
-from slora.backend.request import Request
-from slora.kernels.jit_stats import keys_since, variant_keys
+from slora.backend.executor.model_runner import PHASES, StepShape
+from slora.backend.runtime.gc_freeze import startup_objects_frozen
+from slora.kernels.triton.jit_stats import keys_since, variant_keys
 
 logger = logging.getLogger(__name__)
 

@@ -29,11 +29,11 @@ from triton.compiler import CompiledKernel
 
 from perf.bench_decode_step import adapter_dirs, start_prefilled
 from slora.backend.config import EngineConfig
-from slora.backend.engine import LLMEngine
-from slora.backend.sampling_params import SamplingParams
-from slora.backend.warmup import synthetic_prompt
-from slora.kernels.jit_stats import kernels_replaced
-from slora.kernels.triton_ops import TritonOps
+from slora.backend.engine.llm_engine import LLMEngine
+from slora.backend.engine.sampling_params import SamplingParams
+from slora.backend.engine.warmup import synthetic_prompt
+from slora.kernels.triton.jit_stats import kernels_replaced
+from slora.kernels.triton.ops import TritonOps
 
 logger = logging.getLogger(__name__)
 

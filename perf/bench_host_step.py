@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 
 from perf.bench_decode_step import adapter_dirs, start_prefilled
-from slora.backend.batch import ForwardBatch
 from slora.backend.config import EngineConfig
-from slora.backend.engine import LLMEngine
-from slora.backend.page_pool import PagePool
-from slora.backend.sampling_params import SamplingParams
-from slora.backend.warmup import synthetic_prompt
+from slora.backend.engine.llm_engine import LLMEngine
+from slora.backend.engine.sampling_params import SamplingParams
+from slora.backend.engine.warmup import synthetic_prompt
+from slora.backend.executor.batch import ForwardBatch
+from slora.backend.memory.page_pool import PagePool
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ touched columns of y read once; each K/V row read once), and what fraction that 
 and bf16 matmul rate, both measured in the same process; "%sscp" compares each Triton kernel with a plain copy
 moving its minimum bytes, timed the same way: at a few MB a copy too stays far below the bandwidth of a 1 GB copy,
 so this shows how much of a shortfall is the op's own. Baselines in the same process: the plain-torch reference
-(kernels/*_ref.py) and, for LoRA, S-LoRA's padded-bmm ("bmm", kernels/lora_padded.py).
+(kernels/*_ref.py) and, for LoRA, S-LoRA's padded-bmm ("bmm", kernels/reference/lora_padded.py).
 
 Shapes: Llama-2-7B (hidden 4096, intermediate 11008, 32 heads of 128, MHA) and a GQA model of the same width
 (8 kv heads, intermediate 14336). Targets (issue 4): decode LoRA and decode attention >= 60% of copy bandwidth on
@@ -37,26 +37,26 @@ from typing import Any
 import torch
 import triton
 
-from slora.backend.adapter import HostAdapter
-from slora.backend.adapter_cache import AdapterCache, ResidentAdapter
-from slora.backend.batch import ScheduledSeq, build_batch, build_lora_meta, order_by_adapter
+from slora.backend.adapters.host_adapter import HostAdapter
 from slora.backend.config import EngineConfig
-from slora.backend.cuda_graphs import bucket_for, bucket_sizes, rank_bound
-from slora.backend.model_spec import LORA_MODULES
-from slora.backend.page_pool import PageKind, PagePool, PoolGeometry
-from slora.backend.request import Request
-from slora.backend.sampling_params import SamplingParams
-from slora.backend.static_lora import StaticLora
-from slora.kernels import lora_call, lora_expand, lora_shrink, paged_attention, paged_decode, pdl
-from slora.kernels.attention_ref import paged_attention_ref, write_kv_ref
-from slora.kernels.lora_expand import ExpandConfig
-from slora.kernels.lora_padded import lora_padded_bmm
-from slora.kernels.lora_ref import lora_ref
-from slora.kernels.lora_shrink import ShrinkConfig
+from slora.backend.engine.request import Request
+from slora.backend.engine.sampling_params import SamplingParams
+from slora.backend.executor.batch import ScheduledSeq, build_batch, build_lora_meta, order_by_adapter
+from slora.backend.executor.cuda_graphs import bucket_for, bucket_sizes, rank_bound
+from slora.backend.executor.static_lora import StaticLora
+from slora.backend.memory.adapter_cache import AdapterCache, ResidentAdapter
+from slora.backend.memory.page_pool import PageKind, PagePool, PoolGeometry
+from slora.backend.model.spec import LORA_MODULES
 from slora.kernels.metadata import AttentionMeta, LoraMeta
-from slora.kernels.paged_attention import AttentionConfig
-from slora.kernels.paged_decode import DecodeConfig
-from slora.kernels.triton_ops import TritonOps
+from slora.kernels.reference.attention import paged_attention_ref, write_kv_ref
+from slora.kernels.reference.lora import lora_ref
+from slora.kernels.reference.lora_padded import lora_padded_bmm
+from slora.kernels.triton import lora_call, lora_expand, lora_shrink, paged_attention, paged_decode, pdl
+from slora.kernels.triton.lora_expand import ExpandConfig
+from slora.kernels.triton.lora_shrink import ShrinkConfig
+from slora.kernels.triton.ops import TritonOps
+from slora.kernels.triton.paged_attention import AttentionConfig
+from slora.kernels.triton.paged_decode import DecodeConfig
 
 logger = logging.getLogger("bench_kernels")
 DEVICE = torch.device("cuda")  # --smoke on a machine without CUDA switches to the CPU (Triton's interpreter)
@@ -404,7 +404,7 @@ GRAPH_MAX_RANK = EngineConfig.max_lora_rank  # the default: the cap of a graph's
 
 
 def graph_meta(case: LoraCase) -> tuple[LoraMeta, int] | None:
-    """A decode step's metadata as a CUDA graph replays it (backend/static_lora.py): static buffers of the smallest
+    """A decode step's metadata as a CUDA graph replays it (executor/static_lora.py): static buffers of the smallest
     bucket that holds its tokens, launch grids of its power-of-two rank bound and tile kind, padding rows of no
     adapter; and that bucket's size. None for a step with prompts (eager in the engine)."""
     meta, n = case.meta, case.num_tokens

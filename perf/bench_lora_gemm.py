@@ -1,5 +1,5 @@
-"""Decode steps' projections on the Triton GEMM (kernels/gemm.py) against cuBLAS, and a decoder layer's LoRA behind
-each.
+"""Decode steps' projections on the Triton GEMM (kernels/triton/gemm.py) against cuBLAS, and a decoder layer's LoRA
+behind each.
 
 Part 1, the base GEMM alone: each 7B projection (q/k/v, o, gate/up, down) at M = 1 to 128 rows, cuBLAS (torch.mm)
 against the Triton kernel in a few configs; time and the fraction of copy bandwidth on the weight bytes.
@@ -10,7 +10,7 @@ Part 2, one decoder layer of a decode step (the four projections and their LoRA)
                 rows)
   triton        the engine's projections only (TritonOps.projections: the Triton GEMM at up to 64 rows)
   triton+lora   the same, then the LoRA's launches (the engine's path at up to 64 rows, the shrink launched with
-                PDL: kernels/pdl.py)
+                PDL: kernels/triton/pdl.py)
 The LoRA's time is a path's time minus its base GEMM's (triton+lora: the triton row; the others: the cublas row);
 its fraction of copy bandwidth is on the LoRA's minimum bytes (perf.bench_kernels.lora_minimum), as issue 4's decode
 LoRA target counts it. GPU time from CUDA-graph replay with the L2 flushed before each layer
@@ -49,9 +49,9 @@ from perf.bench_kernels import (
     measure_device,
     s2_adapters,
 )
-from slora.kernels import pdl
-from slora.kernels.gemm import GemmConfig, gemm_launch
-from slora.kernels.triton_ops import TritonOps
+from slora.kernels.triton import pdl
+from slora.kernels.triton.gemm import GemmConfig, gemm_launch
+from slora.kernels.triton.ops import TritonOps
 
 logger = logging.getLogger("bench_lora_gemm")
 
@@ -150,7 +150,9 @@ def layer_paths(case: LoraCase, w: dict[str, torch.Tensor], gen: torch.Generator
         for x, y, weight, *_ in calls:
             ops.projections(x, weight, out=y)
 
-    def triton_lora() -> None:  # and its LoRA, the shrink launched with PDL behind the Triton GEMM (kernels/pdl.py)
+    def triton_lora() -> (
+        None
+    ):  # and its LoRA, the shrink launched with PDL behind the Triton GEMM (kernels/triton/pdl.py)
         for x, y, weight, modules, offsets, widths in calls:
             ops.projections(x, weight, out=y)
             ops.lora(y, x, case.flat_layer, case.meta, modules, offsets, widths)

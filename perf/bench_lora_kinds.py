@@ -38,9 +38,10 @@ from perf.bench_kernels import (
     timed,
 )
 from perf.bench_lora_gemm import few, projections, weights
-from slora.kernels import lora_expand, lora_shrink, metadata
+from slora.kernels import metadata
 from slora.kernels.metadata import SHORT_SEGMENT
-from slora.kernels.triton_ops import TritonOps
+from slora.kernels.triton import lora_expand, lora_shrink
+from slora.kernels.triton.ops import TritonOps
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class LayerFns:
 def layer_fns(case: LoraCase, weights: dict[tuple[int, ...], torch.Tensor] | None = None) -> LayerFns:
     """The layer's four LoRA calls as one function, launches built afresh. With `weights` (by the call's modules),
     each call runs behind its base projection on the engine's projections (TritonOps.projections: the Triton GEMM up
-    to 64 rows, whose LoRA shrink is launched with PDL, kernels/pdl.py), and `base` runs the projections alone."""
+    to 64 rows, whose LoRA shrink is launched with PDL, triton/pdl.py), and `base` runs the projections alone."""
     ops = TritonOps()
     calls = []
     for _, modules, in_features in lora_calls(case.model):

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
-from slora.backend.engine import LLMEngine
-from slora.backend.engine_service import INTAKE_THREADS
-from slora.backend.fresh_threads import FreshThreadExecutor
-from slora.backend.request import Request
-from slora.backend.sampling_params import SamplingParams
+from slora.backend.engine.llm_engine import LLMEngine
+from slora.backend.engine.request import Request
+from slora.backend.engine.sampling_params import SamplingParams
+from slora.backend.runtime.engine_service import INTAKE_THREADS
+from slora.backend.runtime.fresh_threads import FreshThreadExecutor
 
 
 class ReplayIntake:

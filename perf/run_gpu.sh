@@ -29,7 +29,7 @@
 #   projections perf.bench_lora_gemm --sweep (the Triton projection GEMM's configs against cuBLAS at 1-128 rows, and a
 #               decoder layer's LoRA behind cuBLAS and behind the Triton GEMM), then perf.bench_decode_step at batch
 #               1/8/16 with the Triton GEMM for small steps (SLORA_TRITON_GEMM=1) and with cuBLAS (0)   [~6 min]
-#   pdl         the LoRA shrink launched with PDL behind the base projection (kernels/pdl.py): a decoder layer's
+#   pdl         the LoRA shrink launched with PDL behind the base projection (kernels/triton/pdl.py): a decoder layer's
 #               LoRA (perf.bench_lora_gemm, no sweep), the decode LoRA kernels' kinds behind the projections
 #               (perf.bench_lora_kinds --behind-gemm, 16 and 64 decodes), then perf.bench_decode_step at batch
 #               1/16/32/64 (S1 adapters) with it (pdl), without it (SLORA_SHRINK_PDL=0: no-pdl) and on cuBLAS
@@ -149,7 +149,7 @@ setup() {
   if [[ $DEVICE == cuda* ]]; then
     nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv >>"$LOG" 2>&1
   fi
-  "$PY" -c "import slora.backend.engine" 2>/dev/null \
+  "$PY" -c "import slora.backend.engine.llm_engine" 2>/dev/null \
     || "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 \
     || log "pip install -e . failed"
   # Triton 2.51's stub needs NumPy 1 (backend/stub_compat.py): perf/gpu_wheels.sh carries it in .whl/stub/, for the
@@ -217,7 +217,7 @@ start_server() {  # start_server SETTING: slora-serve in the background, its log
     opts+=(--engine-option "$opt")
   done
   log "starting slora-serve (adapters $root)"
-  "$PY" -m slora.backend.launcher --model "$MODEL" --adapter-dir "$root" --device "$DEVICE" \
+  "$PY" -m slora.backend.launcher.cli --model "$MODEL" --adapter-dir "$root" --device "$DEVICE" \
     --kernel-backend "$KERNEL" "${opts[@]}" --http-port "$PORT_BASE" --grpc-port $((PORT_BASE + 1)) \
     --metrics-port $((PORT_BASE + 2)) >>"$OUT/server.log" 2>&1 &
   SERVER_PID=$!

@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from slora.backend.default_model import resolve_model_path
+from slora.backend.model.default_model import resolve_model_path
 
 if not torch.cuda.is_available():
     # Triton-language kernels run on CPU only in Triton's interpreter, which must be chosen before triton loads.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest_plugins = ["tests.model_fixtures"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 

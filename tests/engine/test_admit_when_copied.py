@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-from slora.backend.batch import ScheduledSeq
 from slora.backend.config import EngineConfig, admit_when_copied
-from slora.backend.engine import LLMEngine
-from slora.backend.sampling_params import SamplingParams
-from slora.backend.scheduler import SchedulerOutput
-from tests.engine.conftest import ModelWithAdapters
+from slora.backend.engine.llm_engine import LLMEngine
+from slora.backend.engine.sampling_params import SamplingParams
+from slora.backend.engine.scheduler import SchedulerOutput
+from slora.backend.executor.batch import ScheduledSeq
+from tests.model_fixtures import ModelWithAdapters
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 17, 29, 41, 53], [7, 19, 31], [11, 23, 35, 47], [13, 25]]

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from slora.backend.detokenizer import IncrementalDetokenizer
+from slora.backend.engine.detokenizer import IncrementalDetokenizer
 
 SAMPLES = [
     "Hello, world! How are you today?",

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from slora.backend.config import EngineConfig
-from slora.backend.engine import LLMEngine
-from slora.backend.sampling_params import SamplingParams
-from slora.kernels import lora_call, projection
+from slora.backend.engine.llm_engine import LLMEngine
+from slora.backend.engine.sampling_params import SamplingParams
 from slora.kernels.metadata import LoraMeta, SegmentGroup
-from tests.engine.conftest import ModelWithAdapters
+from slora.kernels.triton import lora_call, projection
 from tests.factories import hf_reference
+from tests.model_fixtures import ModelWithAdapters
 from tests.reference import compare_greedy, hf_greedy
 
 MAX_NEW = 12
@@ -112,7 +112,7 @@ def test_half_precision_logits_close_to_hf(llama: ModelWithAdapters, dtype: str,
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_small_steps_on_the_triton_gemm(llama: ModelWithAdapters, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """With its width floor lowered to the test model's, a step of up to 16 rows runs its projections on the Triton
-    GEMM (kernels/projection.py), and the logits stay within the 16-bit tolerance of HF + PEFT."""
+    GEMM (kernels/triton/projection.py), and the logits stay within the 16-bit tolerance of HF + PEFT."""
     monkeypatch.setattr(projection, "MIN_FEATURES", 16)
     target = {"device": "cuda", "kernel_backend": "triton", "dtype": dtype}
     engine = _check_half_precision_logits(llama, _config(llama, target, dtype=dtype, page_size=8), dtype)

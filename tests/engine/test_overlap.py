@@ -1,4 +1,4 @@
-"""Overlapped steps (EngineConfig.overlap_steps, backend/inflight.py): each step is launched before the previous
+"""Overlapped steps (EngineConfig.overlap_steps, backend/engine/inflight.py): each step is launched before the previous
 step's tokens are read back, so the next step's inputs come from the device. The tokens, finish reasons and pool
 state must be exactly those of the engine that reads every step's tokens before it schedules the next."""
 
@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from slora.backend.config import EngineConfig
-from slora.backend.engine import LLMEngine
-from slora.backend.engine_loop import EngineLoop
-from slora.backend.inflight import InflightStep
-from slora.backend.outputs import Completion, RequestOutput
-from slora.backend.sampling_params import SamplingParams
+from slora.backend.engine.inflight import InflightStep
+from slora.backend.engine.llm_engine import LLMEngine
+from slora.backend.engine.outputs import Completion, RequestOutput
+from slora.backend.engine.sampling_params import SamplingParams
+from slora.backend.runtime.engine_loop import EngineLoop
 from tests.engine import test_scheduling as scheduling
-from tests.engine.conftest import ModelWithAdapters
+from tests.model_fixtures import ModelWithAdapters
 
 
 def _engine(model: ModelWithAdapters, overlap: bool) -> LLMEngine:

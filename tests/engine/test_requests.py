@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from slora.backend.config import EngineConfig
-from slora.backend.engine import LLMEngine
+from slora.backend.engine.llm_engine import LLMEngine
+from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.errors import AdapterError, AdapterNotFoundError, EngineOverloadedError, InvalidRequestError
-from slora.backend.sampling_params import SamplingParams
-from tests.engine.conftest import ModelWithAdapters
+from tests.model_fixtures import ModelWithAdapters
 
 
 @pytest.fixture()

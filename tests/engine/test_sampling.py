@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from slora.backend.config import EngineConfig
-from slora.backend.engine import LLMEngine
+from slora.backend.engine.llm_engine import LLMEngine
+from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.errors import InvalidRequestError
-from slora.backend.sampler import filtered_probs, sample
-from slora.backend.sampling_params import SamplingParams
+from slora.backend.executor.sampler import filtered_probs, sample
 
 
 @pytest.mark.parametrize(

@@ -8,11 +8,11 @@ import random
 import pytest
 
 from slora.backend.config import AUTO_ADMIT_INTERVAL, EngineConfig, effective_admit_interval
-from slora.backend.engine import LLMEngine
+from slora.backend.engine.llm_engine import LLMEngine
+from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.errors import CapacityError
-from slora.backend.page_pool import PageKind
-from slora.backend.sampling_params import SamplingParams
-from tests.engine.conftest import ModelWithAdapters
+from slora.backend.memory.page_pool import PageKind
+from tests.model_fixtures import ModelWithAdapters
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 

@@ -8,14 +8,14 @@ import logging
 import pytest
 import torch
 
-from slora.backend.batch import ForwardBatch, ScheduledSeq
 from slora.backend.config import EngineConfig
-from slora.backend.decode_batch import DecodeBatches
-from slora.backend.engine import LLMEngine
-from slora.backend.page_pool import PageKind
-from slora.backend.sampling_params import SamplingParams
-from slora.kernels import lora_expand, lora_shrink
-from tests.engine.conftest import ModelWithAdapters
+from slora.backend.engine.llm_engine import LLMEngine
+from slora.backend.engine.sampling_params import SamplingParams
+from slora.backend.executor.batch import ForwardBatch, ScheduledSeq
+from slora.backend.executor.decode_batch import DecodeBatches
+from slora.backend.memory.page_pool import PageKind
+from slora.kernels.triton import lora_expand, lora_shrink
+from tests.model_fixtures import ModelWithAdapters
 
 
 def _engine(
@@ -30,7 +30,7 @@ def _engine(
 def test_warm_engine_is_idle_and_generates_as_a_cold_one(
     llama: ModelWithAdapters, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="slora.backend.warmup"):
+    with caplog.at_level(logging.INFO, logger="slora.backend.engine.warmup"):
         warm = _engine(llama, warmup=True)
     assert "warm-up: 5 waves" in caplog.text
     assert warm.generated_tokens > 0 and warm.finished_requests == 1 + 8 + 8 + 12 + 12  # waves capped at max_num_seqs

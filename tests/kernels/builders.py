@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from slora.backend.adapter import HostAdapter
-from slora.backend.adapter_cache import AdapterCache, ResidentAdapter
-from slora.backend.batch import ForwardBatch, ScheduledSeq, build_batch, build_lora_meta, order_by_adapter
-from slora.backend.model_spec import LORA_MODULES, ModelSpec, RopeSpec
-from slora.backend.page_pool import PageKind, PagePool, PoolGeometry
-from slora.backend.request import Request
-from slora.backend.sampling_params import SamplingParams
+from slora.backend.adapters.host_adapter import HostAdapter
+from slora.backend.engine.request import Request
+from slora.backend.engine.sampling_params import SamplingParams
+from slora.backend.executor.batch import ForwardBatch, ScheduledSeq, build_batch, build_lora_meta, order_by_adapter
+from slora.backend.memory.adapter_cache import AdapterCache, ResidentAdapter
+from slora.backend.memory.page_pool import PageKind, PagePool, PoolGeometry
+from slora.backend.model.spec import LORA_MODULES, ModelSpec, RopeSpec
 from slora.kernels.metadata import LoraMeta
 
 HAS_CUDA = torch.cuda.is_available()

@@ -26,10 +26,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from slora.kernels import gemm, lora_expand, lora_shrink, rotary
-from slora.kernels.gemm import gemm_launch
-from slora.kernels.jit_stats import kernels_replaced
-from slora.kernels.triton_ops import TritonOps
+from slora.kernels.triton import gemm, lora_expand, lora_shrink, rotary
+from slora.kernels.triton.gemm import gemm_launch
+from slora.kernels.triton.jit_stats import kernels_replaced
+from slora.kernels.triton.ops import TritonOps
 from tests.kernels.builders import Shape, attention_step
 from tests.kernels.test_attention import Heads, make_pool
 from tests.kernels.test_lora import build_case, layer_calls
@@ -174,7 +174,7 @@ PDL_SWITCHES = [
 
 
 def with_pdl(run: Callable[[], None]) -> Callable[[], None]:
-    """`run` with the launches an sm_90 GPU makes: PDL on (kernels/pdl.py), which the CPU never turns on."""
+    """`run` with the launches an sm_90 GPU makes: PDL on (kernels/triton/pdl.py), which the CPU never turns on."""
 
     def run_with_pdl() -> None:
         def on(device: torch.device) -> bool:

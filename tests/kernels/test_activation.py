@@ -1,4 +1,4 @@
-"""Fused SiLU · up (kernels/activation.py) against the torch reference (activation_ref.py): within an ulp of the
+"""Fused SiLU · up (kernels/triton/activation.py) against the torch reference (activation_ref.py): within an ulp of the
 dtype (the kernel's sigmoid and torch's may round differently), mostly bit-equal, on a gate/up buffer with a
 row stride wider than its columns; the input is left as it was."""
 
@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from slora.kernels.activation import silu_mul  # noqa: E402
-from slora.kernels.activation_ref import silu_mul_ref  # noqa: E402
+from slora.kernels.reference.activation import silu_mul_ref  # noqa: E402
+from slora.kernels.triton.activation import silu_mul  # noqa: E402
 from tests.kernels.builders import DEVICE, gpu_only  # noqa: E402
 from tests.kernels.test_norm_rope import DTYPES, assert_within_ulps  # noqa: E402
 

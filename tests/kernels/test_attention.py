@@ -13,12 +13,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from slora.backend.page_pool import PagePool, PoolGeometry  # noqa: E402
-from slora.kernels.attention_ref import paged_attention_ref, write_kv_ref  # noqa: E402
-from slora.kernels.kv_write import write_kv  # noqa: E402
-from slora.kernels.paged_attention import AttentionConfig, paged_attention  # noqa: E402
-from slora.kernels.paged_decode import DecodeConfig, paged_decode_attention  # noqa: E402
-from slora.kernels.triton_ops import TritonOps  # noqa: E402
+from slora.backend.memory.page_pool import PagePool, PoolGeometry  # noqa: E402
+from slora.kernels.reference.attention import paged_attention_ref, write_kv_ref  # noqa: E402
+from slora.kernels.triton.kv_write import write_kv  # noqa: E402
+from slora.kernels.triton.ops import TritonOps  # noqa: E402
+from slora.kernels.triton.paged_attention import AttentionConfig, paged_attention  # noqa: E402
+from slora.kernels.triton.paged_decode import DecodeConfig, paged_decode_attention  # noqa: E402
 from tests.kernels.builders import (  # noqa: E402
     DEVICE,
     Heads,

@@ -1,4 +1,4 @@
-"""The Triton GEMM of decode projections (kernels/gemm.py) against F.linear."""
+"""The Triton GEMM of decode projections (kernels/triton/gemm.py) against F.linear."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from slora.kernels import gemm  # noqa: E402
-from slora.kernels.gemm import GemmConfig, column_block, gemm_launch  # noqa: E402
+from slora.kernels.triton import gemm  # noqa: E402
+from slora.kernels.triton.gemm import GemmConfig, column_block, gemm_launch  # noqa: E402
 from tests.kernels.builders import DEVICE, assert_close  # noqa: E402
 
 SMALL = GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2)

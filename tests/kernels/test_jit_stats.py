@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-import slora.kernels as kernels_package
-from slora.kernels import jit_stats
+import slora.kernels.triton as triton_kernels
+from slora.kernels.triton import jit_stats
 
 
 def test_counts_every_cached_variant_across_devices() -> None:
@@ -30,10 +30,10 @@ def test_every_project_kernel_is_listed() -> None:
 
 
 def test_no_project_kernel_is_left_out() -> None:
-    """Every Triton kernel of slora.kernels (a module-level `_..._kernel` jit function) is counted."""
+    """Every Triton kernel of slora.kernels.triton (a module-level `_..._kernel` jit function) is counted."""
     found = set()
-    for info in pkgutil.iter_modules(kernels_package.__path__):
-        module = importlib.import_module(f"slora.kernels.{info.name}")
+    for info in pkgutil.iter_modules(triton_kernels.__path__):
+        module = importlib.import_module(f"slora.kernels.triton.{info.name}")
         for name, value in vars(module).items():
             if name.startswith("_") and name.endswith("_kernel") and hasattr(value, "arg_names"):
                 found.add((module.__name__, name))

@@ -6,7 +6,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from slora.kernels.launch import cdiv, next_power_of_2  # noqa: E402
+from slora.kernels.triton.launch import cdiv, next_power_of_2  # noqa: E402
 
 
 def test_cdiv_and_next_power_of_2_match_triton() -> None:

@@ -19,21 +19,17 @@ import torch
 
 pytest.importorskip("triton")
 
-from slora.backend import static_lora  # noqa: E402
-from slora.backend.adapter import load_peft_adapter  # noqa: E402
-from slora.backend.page_pool import PoolGeometry  # noqa: E402
-from slora.kernels import (
-    lora_call,  # noqa: E402
-    lora_expand,  # noqa: E402
-    lora_shrink,  # noqa: E402
-    metadata,  # noqa: E402
-)
-from slora.kernels.lora_call import consecutive_runs  # noqa: E402
-from slora.kernels.lora_padded import lora_padded_bmm  # noqa: E402
-from slora.kernels.lora_ref import lora_ref  # noqa: E402
+from slora.backend.adapters.host_adapter import load_peft_adapter  # noqa: E402
+from slora.backend.executor import static_lora  # noqa: E402
+from slora.backend.memory.page_pool import PoolGeometry  # noqa: E402
+from slora.kernels import metadata  # noqa: E402
 from slora.kernels.metadata import LoraMeta, SegmentGroup, length_groups  # noqa: E402
-from slora.kernels.relaunch import Relaunch  # noqa: E402
-from slora.kernels.triton_ops import TritonOps  # noqa: E402
+from slora.kernels.reference.lora import lora_ref  # noqa: E402
+from slora.kernels.reference.lora_padded import lora_padded_bmm  # noqa: E402
+from slora.kernels.triton import lora_call, lora_expand, lora_shrink  # noqa: E402
+from slora.kernels.triton.lora_call import consecutive_runs  # noqa: E402
+from slora.kernels.triton.ops import TritonOps  # noqa: E402
+from slora.kernels.triton.relaunch import Relaunch  # noqa: E402
 from tests.kernels.builders import (  # noqa: E402
     DEVICE,
     DOWN,

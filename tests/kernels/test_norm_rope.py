@@ -15,14 +15,14 @@ import torch
 
 pytest.importorskip("triton")
 
-from slora.backend.model_spec import RopeSpec  # noqa: E402
-from slora.backend.rope import RotaryTable  # noqa: E402
-from slora.kernels.attention_ref import write_kv_ref  # noqa: E402
-from slora.kernels.kv_write import write_kv  # noqa: E402
-from slora.kernels.norm import rms_norm  # noqa: E402
-from slora.kernels.norm_ref import rms_norm_ref  # noqa: E402
-from slora.kernels.rotary import apply_rotary_, apply_rotary_write_kv_  # noqa: E402
-from slora.kernels.rotary_ref import apply_rotary_ref  # noqa: E402
+from slora.backend.model.rope import RotaryTable  # noqa: E402
+from slora.backend.model.spec import RopeSpec  # noqa: E402
+from slora.kernels.reference.attention import write_kv_ref  # noqa: E402
+from slora.kernels.reference.norm import rms_norm_ref  # noqa: E402
+from slora.kernels.reference.rotary import apply_rotary_ref  # noqa: E402
+from slora.kernels.triton.kv_write import write_kv  # noqa: E402
+from slora.kernels.triton.norm import rms_norm  # noqa: E402
+from slora.kernels.triton.rotary import apply_rotary_, apply_rotary_write_kv_  # noqa: E402
 from tests.kernels.builders import DEVICE, Heads, gpu_only  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

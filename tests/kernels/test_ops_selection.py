@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton")
 
 from slora.kernels.ops import PaddedBmmOps, PaddedLora, TorchOps, make_ops  # noqa: E402
-from slora.kernels.triton_ops import TritonOps, TritonPaddedBmmOps  # noqa: E402
+from slora.kernels.triton.ops import TritonOps, TritonPaddedBmmOps  # noqa: E402
 
 OTHER_OPS = ("rms_norm", "rotary", "write_kv", "attention")
 

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch of the LoRA kernels (kernels/pdl.py): when it is on, and that the LoRA calls
+"""Programmatic dependent launch of the LoRA kernels (kernels/triton/pdl.py): when it is on, and that the LoRA calls
 launched with it still match the torch reference on the GPU, also right behind the base projection they add into."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from slora.kernels import jit_stats, lora_expand, lora_shrink, pdl, triton_ops  # noqa: E402
-from slora.kernels.lora_ref import lora_ref  # noqa: E402
-from slora.kernels.projection import MAX_ROWS, Projections  # noqa: E402
-from slora.kernels.triton_ops import TritonOps  # noqa: E402
+from slora.kernels.reference.lora import lora_ref  # noqa: E402
+from slora.kernels.triton import jit_stats, lora_expand, lora_shrink, pdl  # noqa: E402
+from slora.kernels.triton import ops as triton_ops
+from slora.kernels.triton.ops import TritonOps  # noqa: E402
+from slora.kernels.triton.projection import MAX_ROWS, Projections  # noqa: E402
 from tests.kernels.builders import DEVICE, FULL_SHAPES, TINY, assert_close, gpu_only  # noqa: E402
 from tests.kernels.test_lora import build_case, check_layer, gpu_adapters, gpu_step, layer_calls  # noqa: E402
 from tests.kernels.test_projection import always_triton  # noqa: E402

@@ -1,4 +1,4 @@
-"""Which projections take the Triton GEMM (kernels/projection.py), and that they compute F.linear."""
+"""Which projections take the Triton GEMM (kernels/triton/projection.py), and that they compute F.linear."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slora.kernels import projection
-from slora.kernels.projection import MAX_ROWS, Projections
+from slora.kernels.triton import projection
+from slora.kernels.triton.projection import MAX_ROWS, Projections
 from tests.kernels.builders import DEVICE, assert_close, gpu_only
 
 

@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 from triton.compiler import CompiledKernel  # noqa: E402
 
-from slora.kernels.relaunch import LaunchCache, Relaunch  # noqa: E402
+from slora.kernels.triton.relaunch import LaunchCache, Relaunch  # noqa: E402
 
 
 class FakeCompiled(CompiledKernel):

@@ -13,9 +13,9 @@ import torch
 pytest.importorskip("triton")
 
 from perf import bench_host_forward  # noqa: E402
-from slora.kernels import norm  # noqa: E402
-from slora.kernels.jit_stats import KERNELS  # noqa: E402
-from slora.kernels.relaunch import Relaunch  # noqa: E402
+from slora.kernels.triton import norm  # noqa: E402
+from slora.kernels.triton.jit_stats import KERNELS  # noqa: E402
+from slora.kernels.triton.relaunch import Relaunch  # noqa: E402
 
 
 def test_eager_steps_are_timed_with_stubbed_kernels(tiny_model: Path, tiny_adapters: Path, tmp_path: Path) -> None:

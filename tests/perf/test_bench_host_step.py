@@ -9,7 +9,7 @@ from pathlib import Path
 from perf import bench_host_step
 from perf.bench_decode_step import adapter_dirs
 from slora.backend.config import EngineConfig
-from slora.backend.engine import LLMEngine
+from slora.backend.engine.llm_engine import LLMEngine
 
 
 def test_host_step_times_decode_steps_with_adapters(tiny_model: Path, tiny_adapters: Path, tmp_path: Path) -> None:

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from perf import bench_kernels
 from perf.bench_kernels import TINY_MHA, adapters, lora_case
 from perf.bench_lora_kinds import cases, decode_kernels, layer_fns, projection_weights
-from slora.kernels import lora_expand, lora_shrink
-from slora.kernels.lora_ref import lora_ref
 from slora.kernels.metadata import SegmentGroup
+from slora.kernels.reference.lora import lora_ref
+from slora.kernels.triton import lora_expand, lora_shrink
 
 
 def test_decode_kernels_switches_and_restores() -> None:

@@ -11,9 +11,9 @@ import torch
 
 from perf.make_adapters import SETTINGS, WEIGHTS_FILE
 from perf.make_model import ids_to_text
-from slora.backend.adapter import load_peft_adapter
-from slora.backend.model_spec import ModelSpec
-from slora.backend.page_pool import PoolGeometry
+from slora.backend.adapters.host_adapter import load_peft_adapter
+from slora.backend.memory.page_pool import PoolGeometry
+from slora.backend.model.spec import ModelSpec
 
 
 def test_llama2_7b_config_has_the_issue_shapes(tmp_path: Path) -> None:

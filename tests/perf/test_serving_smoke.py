@@ -34,7 +34,7 @@ def _server_available() -> str | None:
     if not (REPO / "model_repository" / "slora" / "config.pbtxt").is_file():
         return "model_repository/slora is missing"
     try:
-        from slora.backend.server_locator import locate_server  # noqa: F401
+        from slora.backend.launcher.server_locator import locate_server  # noqa: F401
     except ImportError as exc:
         return f"the launcher is not available ({exc})"
     return None
@@ -47,7 +47,7 @@ def server(tiny_model: Path, tiny_adapters: Path, tmp_path_factory: pytest.TempP
         pytest.skip(reason)
     http, grpc, metrics = _free_ports(3)
     log = tmp_path_factory.mktemp("server") / "server.log"
-    command = [sys.executable, "-m", "slora.backend.launcher", "--model", str(tiny_model), "--adapter-dir",
+    command = [sys.executable, "-m", "slora.backend.launcher.cli", "--model", str(tiny_model), "--adapter-dir",
                str(tiny_adapters), "--device", "cpu", "--engine-option", "load_format=dummy",
                "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
                "--ready-timeout", "120"]  # fmt: skip

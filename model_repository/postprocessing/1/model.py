@@ -17,4 +17,4 @@ for _dir in [d for d in os.environ.get("SLORA_SITE_DIRS", "").split(os.pathsep) 
 ]:
     site.addsitedir(_dir)
 
-from slora.backend.triton_text import PostprocessingModel as TritonPythonModel  # noqa: E402,F401
+from slora.backend.serving.triton.text_models import PostprocessingModel as TritonPythonModel  # noqa: E402,F401

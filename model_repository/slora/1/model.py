@@ -17,4 +17,4 @@ for _dir in [d for d in os.environ.get("SLORA_SITE_DIRS", "").split(os.pathsep) 
 ]:
     site.addsitedir(_dir)
 
-from slora.backend.triton_glue import TritonPythonModel  # noqa: E402,F401
+from slora.backend.serving.triton.slora_model import TritonPythonModel  # noqa: E402,F401

@@ -1,0 +1,345 @@
+"""LLMEngine: one base model, many LoRA adapters, continuous batching. Usable without any server.
+
+    engine = LLMEngine(EngineConfig(model="default", adapter_root="adapters/"))
+    rid = engine.add_request("Hello", adapter="customer-a", sampling=SamplingParams(max_tokens=32))
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+
+Single-threaded: add_request, abort and step must come from one thread (engine_loop.py runs it in a thread of
+its own for servers). `prepare` may be called from any thread: it checks the request and loads its adapter into
+host memory without touching the engine's state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from slora.backend.adapters.store import AdapterInfo
+from slora.backend.config import EngineConfig, admit_when_copied, effective_admit_interval, overlap_enabled
+from slora.backend.engine.detokenizer import IncrementalDetokenizer
+from slora.backend.engine.inflight import InflightStep
+from slora.backend.engine.outputs import Completion, EngineStats, RequestOutput
+from slora.backend.engine.request import FinishReason, Request
+from slora.backend.engine.sampling_params import SamplingParams
+from slora.backend.engine.scheduler import Scheduler, SchedulerLimits
+from slora.backend.engine.startup import build_components
+from slora.backend.engine.warmup import warm_up
+from slora.backend.errors import CapacityError, EngineOverloadedError, InvalidRequestError
+from slora.backend.executor.model_runner import ModelRunner
+from slora.backend.memory.page_pool import PageKind
+from slora.backend.model.spec import LORA_MODULES
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        parts = build_components(self.config)
+        self.spec = parts.spec
+        self.device = parts.device
+        self.dtype = parts.dtype
+        self.tokenizer = parts.tokenizer
+        self.eos_token_ids = parts.eos_token_ids
+        self.max_model_len = parts.max_model_len
+        self.pool = parts.pool
+        self.store = parts.store
+        self.cache = parts.cache
+        self.model = parts.model
+        c = self.config
+        admit = effective_admit_interval(c)
+        limits = SchedulerLimits(c.max_batch_tokens, c.max_num_seqs, c.prefetch_adapters, admit,
+                                 admit_when_copied(c, self.device))  # fmt: skip
+        self.scheduler = Scheduler(limits, self.pool, self.cache)
+        self.runner = ModelRunner(self.model, self.pool, parts.graphs)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._seeds = torch.Generator().manual_seed(self.config.seed)
+        self._seed_lock = threading.Lock()  # prepare() runs in callers' threads
+        self._buffered: list[RequestOutput] = []
+        self.overlap = overlap_enabled(self.config, self.device)
+        self._inflight: InflightStep | None = None  # the launched step whose tokens are not read yet (overlap)
+        self.generated_tokens = 0
+        self.finished_requests = 0
+        if self.config.preload_adapters:
+            self.store.preload()
+        self.capture_graphs_for_host_adapters()
+        if self.config.warmup:
+            warm_up(self)
+
+    # ---- requests -------------------------------------------------------------------------------------------
+
+    def prepare(
+        self,
+        prompt: str | Sequence[int],
+        adapter: str | None = None,
+        sampling: SamplingParams | dict[str, Any] | None = None,
+        request_id: str | None = None,
+        detokenize: bool = True,
+    ) -> Request:
+        """Check a request and load its adapter into host memory; raises InvalidRequestError/AdapterError.
+
+        With `detokenize=False` (and no stop strings) outputs carry token ids only: no text is decoded.
+        """
+        params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling or {})
+        prompt_ids = self._prompt_ids(prompt)
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+                f"model context of {self.max_model_len} tokens"
+            )
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer, and this model has none")
+        host = self.store.get(adapter) if adapter else None
+        need = self.scheduler.pages_for(total) + (host.num_pages if host else 0)
+        if need > self.pool.num_pages:
+            raise CapacityError(
+                f"request needs {need} pages (KV for {total} tokens + adapter), the pool has {self.pool.num_pages}"
+            )
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(params.seed if params.seed is not None else self._next_seed())
+        wants_text = self.tokenizer is not None and (detokenize or bool(params.stop))
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop) if wants_text else None
+        return Request(
+            request_id=request_id or f"req-{next(self._ids)}",  # itertools.count is atomic under the GIL
+            token_ids=prompt_ids,
+            num_prompt=len(prompt_ids),
+            sampling=params,
+            adapter=host,
+            generator=generator,
+            detokenizer=detok,
+        )
+
+    def submit(self, request: Request) -> str:
+        """Queue a prepared request; raises EngineOverloadedError when the waiting queue is full."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise EngineOverloadedError(
+                f"{len(self.scheduler.waiting)} requests are waiting (max_waiting={self.config.max_waiting}); "
+                "try again later"
+            )
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+        return request.request_id
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        adapter: str | None = None,
+        sampling: SamplingParams | dict[str, Any] | None = None,
+        request_id: str | None = None,
+        detokenize: bool = True,
+    ) -> str:
+        return self.submit(self.prepare(prompt, adapter, sampling, request_id, detokenize))
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its pages; returns its final output, or None if it is unknown/finished."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.release(request)
+        request.finish_reason = FinishReason.ABORT
+        self.finished_requests += 1
+        return self._output(request, [], "", None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the loop -------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, launch one forward and its sampling, and return what each touched request produced.
+
+        With overlapped steps (EngineConfig.overlap_steps) the tokens returned are the previous step's, read
+        back after this step is launched, so the host's work here runs while the GPU computes (inflight.py)."""
+        outputs, self._buffered = self._buffered, []
+        previous, self._inflight = self._inflight, None
+        launched = self._launch(previous) if self.scheduler.has_work() else None
+        if previous is not None:
+            outputs += self._take(previous)
+        if launched is not None and not self.overlap:
+            outputs += self._take(launched)
+        elif launched is not None:
+            self._inflight = launched
+        if not self.scheduler.running and self._inflight is None:
+            self.check_idle_integrity()
+        return outputs
+
+    def _launch(self, previous: InflightStep | None) -> InflightStep | None:
+        plan = self.scheduler.schedule()
+        if not plan.seqs:
+            if previous is None:
+                raise RuntimeError("scheduler made no progress with work pending (pool accounting bug)")
+            return None  # every running request's last token is in flight
+        launched = self.runner.launch(plan.seqs, previous)
+        for seq in plan.seqs:
+            seq.request.num_computed += seq.num_tokens
+        return launched
+
+    def _take(self, step: InflightStep) -> list[RequestOutput]:
+        """Read a launched step's tokens and append them; those of requests finished since it was launched (an
+        abort, or a stop found in the step before) are dropped."""
+        outputs = []
+        now = time.monotonic()
+        for request, token in self.runner.collect(step):
+            if not request.finished:
+                outputs.append(self._append_token(request, token, now))
+        return outputs
+
+    def capture_graphs_for_host_adapters(self) -> None:
+        """With CUDA graphs: capture decode graphs sized for the adapters now in host memory (their modules and
+        largest rank), so that steps of them need no capture while serving (see cuda_graphs.py)."""
+        graphs = self.runner.graphs
+        if graphs is None:
+            return
+        loaded = [info.ranks for info in self.store.list() if info.in_host and info.ranks]
+        if not loaded:
+            return
+        modules = frozenset(LORA_MODULES.index(m) for ranks in loaded for m, rank in ranks.items() if rank)
+        graphs.add_family(modules, max(rank for ranks in loaded for rank in ranks.values()))
+
+    def evict_adapters(self) -> None:
+        """Empty the pool of (unpinned) adapters, so that the next requests start cold on the GPU; the engine must
+        be idle."""
+        self.cache.evict(self.pool.num_pages)
+        self.check_idle_integrity()
+
+    def check_idle_integrity(self) -> None:
+        """With nothing running, every page is free or holds an unpinned adapter."""
+        self.pool.check_integrity()
+        if self.pool.count(PageKind.KV) != 0:
+            raise AssertionError(f"{self.pool.count(PageKind.KV)} KV pages are held with no request running")
+
+    def _append_token(self, request: Request, token: int, now: float) -> RequestOutput:
+        request.first_token_time = request.first_token_time or now
+        request.last_token_time = now
+        request.token_ids.append(token)
+        self.generated_tokens += 1
+        params = request.sampling
+        reason = None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            reason = FinishReason.STOP
+        elif request.detokenizer is not None:
+            request.detokenizer.update(request.token_ids)
+            if request.detokenizer.stopped:
+                reason = FinishReason.STOP
+        if reason is None and (request.num_output >= params.max_tokens or len(request.token_ids) >= self.max_model_len):
+            reason = FinishReason.LENGTH
+        text, span = request.detokenizer.take(final=reason is not None) if request.detokenizer else ("", None)
+        if reason is not None:
+            request.finish_reason = reason
+            self.scheduler.release(request)
+            del self.requests[request.request_id]
+            self.finished_requests += 1
+        return self._output(request, [token], text, span)
+
+    def _output(self, request: Request, tokens: list[int], text: str, span: Any) -> RequestOutput:
+        reason = request.finish_reason
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=tokens,
+            text=text,
+            span=span,
+            finished=reason is not None,
+            finish_reason=reason.value if reason is not None else None,
+            num_prompt_tokens=request.num_prompt,
+            num_output_tokens=request.num_output,
+        )
+
+    # ---- conveniences ---------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        adapters: Sequence[str | None] | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Run all prompts together (one batch, continuous batching) and return them in order."""
+        adapters = list(adapters) if adapters is not None else [None] * len(prompts)
+        params = list(sampling) if isinstance(sampling, Sequence) else [sampling or SamplingParams()] * len(prompts)
+        if not len(adapters) == len(params) == len(prompts):
+            raise InvalidRequestError("prompts, adapters and sampling must have the same length")
+        ids = [self.add_request(p, a, s) for p, a, s in zip(prompts, adapters, params)]
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        texts: dict[str, list[str]] = {i: [] for i in ids}
+        reasons: dict[str, str] = {}
+        while any(i not in reasons for i in ids):
+            for out in self.step():
+                tokens[out.request_id] += out.new_token_ids
+                texts[out.request_id].append(out.text)
+                if out.finished:
+                    reasons[out.request_id] = out.finish_reason or ""
+        return [Completion(i, tokens[i], "".join(texts[i]), reasons[i]) for i in ids]
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        adapter: str | None = None,
+        sampling: SamplingParams | dict[str, Any] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yield one request's outputs as they come, stepping the engine; other requests' outputs are kept
+        for the next `step()` call."""
+        request_id = self.add_request(prompt, adapter, sampling)
+        while True:
+            for out in self.step():
+                if out.request_id != request_id:
+                    self._buffered.append(out)
+                    continue
+                yield out
+                if out.finished:
+                    return
+
+    def stats(self) -> EngineStats:
+        running = self.scheduler.running
+        waiting = self.scheduler.waiting
+        adapters_host, adapters_known = self.store.counts()
+        return EngineStats(
+            pages_free=self.pool.count(PageKind.FREE),
+            pages_kv=self.pool.count(PageKind.KV),
+            pages_adapter=self.pool.count(PageKind.ADAPTER),
+            pages_total=self.pool.num_pages,
+            adapters_gpu=len(self.cache),
+            adapters_host=adapters_host,
+            adapters_known=adapters_known,
+            running=len(running),
+            waiting=len(waiting),
+            adapter_loads=self.cache.loads,
+            adapter_evictions=self.cache.evictions,
+            preemptions=self.scheduler.num_preemptions,
+            generated_tokens=self.generated_tokens,
+            finished_requests=self.finished_requests,
+            adapter_disk_reads=self.store.loads,
+            adapter_host_evictions=self.store.host_evictions,
+            running_adapters=sorted({r.adapter_name for r in running if r.adapter_name}),
+            waiting_adapters=sorted({r.adapter_name for r in waiting if r.adapter_name}),
+        )
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return self.store.list()
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: send the prompt as token ids")
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.spec.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids must be in [0, {self.spec.vocab_size}), got {bad[:5]}")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        return ids
+
+    def _next_seed(self) -> int:
+        with self._seed_lock:
+            return int(torch.randint(0, 2**62, (1,), generator=self._seeds))

@@ -1,0 +1,65 @@
+"""What the engine hands back: per-step request outputs, finished completions and engine statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from slora.backend.engine.detokenizer import TextSpan
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """New tokens (and text, when the engine has a tokenizer) of one request after one step. Not frozen: one is
+    made per running request per step, and a frozen dataclass takes five times as long to build."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str = ""
+    span: TextSpan | None = None  # lets a stateless detokenizer reproduce `text` (see detokenizer.py)
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None  # set with finish_reason "error" when the engine failed this request
+    exception: Exception | None = None  # the error itself, so that servers can map its kind to a status code
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    pages_free: int
+    pages_kv: int
+    pages_adapter: int
+    pages_total: int
+    adapters_gpu: int
+    adapters_host: int
+    adapters_known: int
+    running: int
+    waiting: int
+    adapter_loads: int
+    adapter_evictions: int
+    preemptions: int
+    generated_tokens: int
+    finished_requests: int
+    engine_restarts: int = 0  # engine processes started again after one exited unexpectedly (engine_process.py)
+    adapter_disk_reads: int = 0  # adapters read from disk into host memory
+    adapter_host_evictions: int = 0  # adapters dropped from host memory to stay within its budget
+    running_adapters: list[str] = field(default_factory=list)
+    waiting_adapters: list[str] = field(default_factory=list)
+
+
+def failed_output(request_id: str, exc: Exception, reason: str = "error") -> RequestOutput:
+    """The final output of a request that failed ("error") or was refused before it ran ("rejected")."""
+    return RequestOutput(request_id, [], finished=True, finish_reason=reason, error=str(exc), exception=exc)
+
+
+# EngineStats fields that only grow over the life of a server (an engine process started again continues them).
+STATS_COUNTERS = ("adapter_loads", "adapter_evictions", "preemptions", "generated_tokens", "finished_requests",
+                  "adapter_disk_reads", "adapter_host_evictions")  # fmt: skip

@@ -1,0 +1,160 @@
+"""Build the engine's parts from an EngineConfig: model, tokenizer, page pool, adapter store and cache."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slora.backend.adapters.host_adapter import HostAdapter, load_peft_adapter
+from slora.backend.adapters.store import AdapterStore
+from slora.backend.config import EngineConfig, MiB
+from slora.backend.executor.cuda_graphs import DecodeGraphs, GraphLimits
+from slora.backend.memory.adapter_cache import AdapterCache
+from slora.backend.memory.page_pool import PagePool, PoolGeometry
+from slora.backend.model.checkpoint import load_checkpoint, random_weights
+from slora.backend.model.decoder import DecoderModel
+from slora.backend.model.default_model import resolve_model_path
+from slora.backend.model.spec import LORA_MODULES, ModelSpec
+from slora.kernels.ops import make_ops
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_POOL_BYTES = 512 * MiB
+CUDA_DEFAULT_POOL_FRACTION = 0.85
+
+
+@dataclass
+class Components:
+    config: EngineConfig
+    device: torch.device
+    dtype: torch.dtype
+    model_path: Path
+    spec: ModelSpec
+    model: DecoderModel
+    tokenizer: Any | None
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    pool: PagePool
+    store: AdapterStore
+    cache: AdapterCache
+    graphs: DecodeGraphs | None
+
+
+def build_components(config: EngineConfig) -> Components:
+    device = config.torch_device()
+    if config.kernel_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("kernel_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 to interpret on CPU)")
+    if config.cuda_graphs and (device.type != "cuda" or config.kernel_backend not in ("auto", "triton")):
+        raise ValueError("cuda_graphs needs a CUDA device and the triton kernel backend")
+    dtype = config.torch_dtype(device)
+    model_path = resolve_model_path(config.model)
+    spec = ModelSpec.from_dir(model_path)
+    max_model_len = _max_model_len(config, spec)
+    logger.info("loading %s (%s, %d layers) on %s as %s", model_path, spec.architecture, spec.num_layers,
+                device, dtype)  # fmt: skip
+    if config.load_format == "dummy":
+        weights = random_weights(spec, dtype, device, seed=config.seed)
+    else:
+        weights = load_checkpoint(model_path, spec, dtype, device)
+    model = DecoderModel(spec, weights, make_ops(config.kernel_backend, device), max_model_len)
+    geometry = PoolGeometry(spec.num_layers, config.page_size, spec.num_kv_heads, spec.head_dim)
+    geometry.validate(max(spec.hidden_size, spec.intermediate_size, spec.q_size))
+    pool = PagePool(geometry, _num_pages(config, geometry, dtype, device), dtype, device)
+    logger.info("page pool: %d pages of %d tokens (%.1f MiB each across layers)", pool.num_pages,
+                geometry.block_size, geometry.page_bytes(dtype) / MiB)  # fmt: skip
+    tokenizer = _load_tokenizer(config.tokenizer or model_path)
+    graphs = None
+    if config.cuda_graphs:
+        limits = GraphLimits(config.max_num_seqs, max_model_len, config.max_lora_rank)
+        graphs = DecodeGraphs(model, pool, limits)
+        graphs.capture_all()
+    return Components(
+        config=config,
+        device=device,
+        dtype=dtype,
+        model_path=model_path,
+        spec=spec,
+        model=model,
+        tokenizer=tokenizer,
+        eos_token_ids=_eos_ids(model_path, spec, tokenizer),
+        max_model_len=max_model_len,
+        pool=pool,
+        store=_adapter_store(config, spec, geometry, dtype, device),
+        cache=AdapterCache(pool),
+        graphs=graphs,
+    )
+
+
+def _max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
+    limit = spec.max_position_embeddings
+    if spec.sliding_window and spec.sliding_window < limit:
+        # Attention here is full-context; within the window that equals sliding-window attention.
+        limit = spec.sliding_window
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context ({limit})")
+    return config.max_model_len or limit
+
+
+def _num_pages(config: EngineConfig, geometry: PoolGeometry, dtype: torch.dtype, device: torch.device) -> int:
+    page_bytes = geometry.page_bytes(dtype)
+    if config.pool_bytes is not None:
+        budget = config.pool_bytes
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * (config.pool_fraction or CUDA_DEFAULT_POOL_FRACTION))
+    elif config.pool_fraction is not None:
+        budget = int(_available_host_bytes() * config.pool_fraction)
+    else:
+        budget = CPU_DEFAULT_POOL_BYTES
+    if budget < page_bytes:
+        raise ValueError(f"the page pool ({budget} bytes) is smaller than one page ({page_bytes} bytes)")
+    return budget // page_bytes
+
+
+def _available_host_bytes() -> int:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _load_tokenizer(path: str | Path) -> Any | None:
+    path = Path(path)
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        logger.info("no tokenizer files in %s: prompts must be token ids", path)
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _eos_ids(model_path: Path, spec: ModelSpec, tokenizer: Any | None) -> frozenset[int]:
+    ids = set(spec.eos_token_ids)
+    generation_config = model_path / "generation_config.json"
+    if generation_config.is_file():
+        eos = json.loads(generation_config.read_text()).get("eos_token_id")
+        ids |= set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def _adapter_store(
+    config: EngineConfig, spec: ModelSpec, geometry: PoolGeometry, dtype: torch.dtype, device: torch.device
+) -> AdapterStore:
+    pin = device.type == "cuda" and config.pin_host_adapters
+
+    def load(name: str, path: Path, generation: int) -> HostAdapter:
+        adapter = load_peft_adapter(name, path, spec, geometry, dtype, pin, config.max_lora_rank, generation)
+        ranks = {m: r for m, r in zip(LORA_MODULES, adapter.ranks) if r}
+        logger.info("loaded adapter %r into host memory: ranks %s, %d pages", name, ranks, adapter.num_pages)
+        return adapter
+
+    return AdapterStore(load, config.host_budget_bytes, config.adapter_root, config.adapter_registry)

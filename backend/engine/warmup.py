@@ -1,0 +1,61 @@
+"""Warm the engine before it serves: run a few synthetic batches, then leave it idle and empty.
+
+On a GPU the first batch of each launch shape makes Triton compile its kernels (about 0.5-2 s each on the H200
+host), so without this the first users of a fresh server wait seconds for their first token. The waves cover a
+prompt split into chunks, prompts alone, prompts of several lengths together, decodes mixed with prompts, and a
+full decode batch, so that each of the LoRA kernels' tile shapes (decode, mixed, prompt: lora_shrink.shrink_config)
+is compiled; they use the base model and up to MAX_ADAPTERS adapters already in host memory (nothing is read from disk).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from slora.backend.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from slora.backend.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+MAX_ADAPTERS = 8
+WARMUP_TOKENS = 4
+
+
+def warm_up(engine: LLMEngine) -> float:
+    """Run the warm-up waves; returns the seconds it took. The engine is idle and holds no adapter afterwards."""
+    start = time.perf_counter()
+    adapters: list[str | None] = [None, *[a.name for a in engine.store.list() if a.in_host][:MAX_ADAPTERS]]
+    short, medium, chunked = prompt_lengths(engine)
+    greedy = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
+    vocab = engine.spec.vocab_size
+    full = engine.config.max_num_seqs
+    # (requests, prompt lengths cycled): a chunked prompt alone, prompts longer than a decode tile only (the LoRA
+    # kernels' prompt-shaped tiles), every length mixed, prompts with decodes, and a full batch of short prompts
+    # (its decodes run at the largest batch size). Request i of a wave uses adapters[(i + 1) % len]: the first
+    # request of each wave has an adapter when any is in host memory, so the first waves reach the LoRA kernels.
+    waves = [(1, [chunked]), (min(8, full), [medium]), (min(8, full), [short, medium, chunked])]
+    waves += [(min(64, full), [short, medium]), (full, [short])]
+    for size, lengths in waves:
+        prompts = [synthetic_prompt(i, lengths[i % len(lengths)], vocab) for i in range(size)]
+        engine.generate(prompts, [adapters[(i + 1) % len(adapters)] for i in range(size)], greedy)
+    engine.evict_adapters()
+    seconds = time.perf_counter() - start
+    logger.info("warm-up: %d waves, adapters %s, prompts of %d/%d/%d tokens in %.1fs", len(waves),
+                [a for a in adapters if a], short, medium, chunked, seconds)  # fmt: skip
+    return seconds
+
+
+def synthetic_prompt(i: int, length: int, vocab: int) -> list[int]:
+    """Token ids 1 .. vocab-1, different for each request."""
+    return [1 + (i * 7919 + j * 31) % (vocab - 1) for j in range(length)]
+
+
+def prompt_lengths(engine: LLMEngine) -> tuple[int, int, int]:
+    """(short, medium, chunked) prompt lengths that fit the model with WARMUP_TOKENS to generate; the chunked one
+    is longer than a step's token budget, so it is split into chunks."""
+    longest = engine.max_model_len - WARMUP_TOKENS
+    short, medium, chunked = (max(1, min(n, longest)) for n in (16, 300, engine.config.max_batch_tokens + 100))
+    return short, medium, chunked

@@ -1,0 +1,242 @@
+"""CUDA graphs of decode steps: one captured forward per batch-size bucket, replayed with each step's metadata.
+
+A decode step of a small batch is bound by the host: some ten launches per layer, plus Triton's argument handling
+for each. A graph replays all of them with one launch. Shapes inside a graph are fixed, so each bucket owns static
+buffers; before a replay the step's tensors are copied into them, padded to the bucket size:
+
+    rows 0 .. n-1        the step's sequences (one token each)
+    rows n .. size-1     padding: token 0, K/V slot -1 (not written), context of 1 token on page 0, no adapter
+
+and the launchers read fixed bounds instead of the step's values (kernels/metadata.StaticBounds): decode tiles
+(executor/static_lora.py) whose unused rows name a null adapter of rank 0, fused ranks of the graph's rank bound per
+module, and the context bound max_model_len for the split of decode attention. Every kernel skips what lies
+beyond the real ranks, tiles and lengths, so padding costs launches of idle programs, not wrong results.
+
+Graphs are keyed by bucket, by the LoRA modules the step's adapters target, by a power-of-two bound on their
+ranks and by whether the step's tokens belong to few adapters (metadata.few_adapters: its LoRA kernels then run on
+tensor-core tiles of 16 tokens). A graph launches the LoRA kernels of those modules only (an attention-only
+adapter set, S-LoRA's S1, skips the MLP calls) with grids sized for that bound, not for max_lora_rank (256 by
+default: rank-8 adapters would run in grids of idle rank programs and no K split). At start each bucket is
+captured without LoRA and with all seven modules at max_lora_rank, and for the adapters in host memory
+(`add_family`: their modules and largest rank, both tile kinds where a bucket can hold a step of few adapters); a
+step replays the cheapest of these that covers it, and a step that only the first covers gets a graph of its own
+keys, captured on first use (a one-time stall of that step). All graphs share one memory pool and are captured
+largest first, so smaller ones reuse its blocks. Only the Triton kernel backend can be captured (the torch
+reference reads host-side lists).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from slora.backend.executor.batch import ForwardBatch
+from slora.backend.executor.static_lora import StaticLora
+from slora.backend.memory.page_pool import PagePool
+from slora.backend.model.decoder import DecoderModel
+from slora.backend.model.spec import LORA_MODULES
+from slora.kernels.metadata import FEW_ADAPTERS_MIN_TOKENS, AttentionMeta, row_alignment
+
+logger = logging.getLogger(__name__)
+
+Modules = frozenset[int]  # LoRA modules (indices into LORA_MODULES) the adapters of a graph's steps may target
+ALL_MODULES: Modules = frozenset(range(len(LORA_MODULES)))
+NO_MODULES: Modules = frozenset()
+MIN_RANK_BOUND = 16  # the LoRA kernels' rank chunk: smaller bounds would not shrink any grid
+
+
+class GraphKey(NamedTuple):
+    size: int  # bucket: sequences in the step, padded up to it
+    modules: Modules  # LoRA modules some adapter of the step targets (empty: no adapter)
+    max_rank: int  # bound on the step's adapter ranks: launch grids and row buffers are sized by it
+    few: bool = (
+        False  # the step's tokens belong to few adapters: tensor-core LoRA tiles (backend/executor/static_lora.py)
+    )
+
+
+def rank_bound(max_rank: int, limit: int) -> int:
+    """The power of two (at least MIN_RANK_BOUND, at most `limit`) that bounds a step's largest rank."""
+    return min(limit, max(MIN_RANK_BOUND, 1 << (max(max_rank, 1) - 1).bit_length()))
+
+
+def bucket_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 16 up to 128, then of 32, ending at max_num_seqs."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    size = 16
+    while size < max_num_seqs:
+        sizes.append(size)
+        size += 16 if size < 128 else 32
+    return sizes + [max_num_seqs]
+
+
+def bucket_for(sizes: list[int], num_seqs: int) -> int:
+    """The smallest of the ascending bucket `sizes` that holds num_seqs sequences: the graph a step replays."""
+    return next(s for s in sizes if s >= num_seqs)
+
+
+@dataclass(frozen=True)
+class GraphLimits:
+    max_num_seqs: int
+    max_model_len: int
+    max_lora_rank: int
+
+
+class StaticDecode:
+    """The static buffers of one bucket and the ForwardBatch built on them."""
+
+    def __init__(self, key: GraphKey, limits: GraphLimits, pool: PagePool, row_align: int) -> None:
+        size = key.size
+        device = pool.storage.device
+        block_size = pool.geometry.block_size
+        max_blocks = -(-limits.max_model_len // block_size)
+
+        def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.size = size
+        self.input_ids = zeros(size, dtype=torch.int64)
+        self.positions = zeros(size, dtype=torch.int64)
+        self.slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
+        self.block_tables = zeros(size, max_blocks)
+        attn = AttentionMeta(
+            q_start=torch.arange(size + 1, dtype=torch.int32, device=device),
+            seq_lens=self.seq_lens,
+            block_tables=self.block_tables,
+            slot_mapping=self.slot_mapping,
+            block_size=block_size,
+            max_q_len=1,
+            max_seq_len=limits.max_model_len,
+            q_start_host=list(range(size + 1)),
+            seq_lens_host=[1] * size,
+            block_tables_host=[[] for _ in range(size)],
+        )
+        self._lora = StaticLora(size, key.modules, key.max_rank, row_align, device, key.few) if key.modules else None
+        self.lora = self._lora.meta if self._lora is not None else None
+        self.batch = ForwardBatch(
+            input_ids=self.input_ids,
+            positions=self.positions,
+            attn=attn,
+            lora=self.lora,
+            sample_index=torch.arange(size, dtype=torch.int64, device=device),
+            seqs=[],
+            sampled=[],
+        )
+
+    def fill(self, batch: ForwardBatch) -> None:
+        """Copy a decode step's tensors into the buffers; rows past the step become padding."""
+        n = batch.num_tokens
+        attn = batch.attn
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.input_ids[n:].zero_()
+        self.positions[:n].copy_(batch.positions)
+        self.positions[n:].zero_()
+        self.slot_mapping[:n].copy_(attn.slot_mapping)
+        self.slot_mapping[n:].fill_(-1)
+        self.seq_lens[:n].copy_(attn.seq_lens)
+        self.seq_lens[n:].fill_(1)
+        width = attn.block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(attn.block_tables)
+        self.block_tables[n:, 0].zero_()
+        if self._lora is not None:
+            assert batch.lora is not None  # graphs are keyed by the step's modules
+            self._lora.fill(batch.lora, n)
+
+
+class DecodeGraphs:
+    """Captured decode forwards by bucket; `forward` replays the smallest bucket that holds the step."""
+
+    def __init__(self, model: DecoderModel, pool: PagePool, limits: GraphLimits, capture: bool = True) -> None:
+        self.model = model
+        self.pool = pool
+        self.limits = limits
+        self.capture = capture  # False: run the static batches eagerly (tests the padding on any device)
+        spec = model.spec
+        widths = [pool.geometry.page_elems, spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size]
+        self.row_align = row_alignment(torch.tensor(widths, dtype=torch.int64))
+        self.sizes = bucket_sizes(limits.max_num_seqs)
+        self._static: dict[GraphKey, StaticDecode] = {}
+        self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[GraphKey, torch.Tensor] = {}
+        self._pool_handle: Any = None  # one memory pool for every graph
+        self.generic = (ALL_MODULES, limits.max_lora_rank)  # covers every step; captured at start
+        self._families: list[tuple[Modules, int]] = [self.generic]  # (modules, rank bound) captured for all buckets
+
+    def fits(self, batch: ForwardBatch) -> bool:
+        return batch.attn.decode_only and batch.num_tokens <= self.sizes[-1]
+
+    def capture_all(self) -> None:
+        """Capture every bucket, largest first, sharing one memory pool."""
+        if not self.capture:
+            return
+        for size in reversed(self.sizes):
+            self._capture(GraphKey(size, *self.generic))
+            self._capture(GraphKey(size, NO_MODULES, 0))
+        logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self._graphs), self.sizes)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [num_tokens, vocab] of a decode step, from the smallest bucket that holds it."""
+        key = self.key(batch)
+        static = self._buffers(key)
+        static.fill(batch)
+        if self.capture:
+            if key not in self._graphs:
+                logger.info("capturing the decode graph of %d sequences, LoRA modules %s, ranks up to %d", key.size,
+                            sorted(key.modules), key.max_rank)  # fmt: skip
+                self._capture(key)
+            self._graphs[key].replay()
+            logits = self._logits[key]
+        else:
+            logits = self.model.forward(static.batch, self.pool)
+        return logits[: batch.num_tokens]
+
+    def add_family(self, modules: Modules, max_rank: int) -> None:
+        """Capture every bucket for adapters of these modules and ranks up to max_rank (e.g. those in host
+        memory), so that their steps replay graphs sized for them without a capture while serving."""
+        family = (frozenset(modules), rank_bound(max_rank, self.limits.max_lora_rank))
+        if not family[0] or family in self._families:
+            return
+        self._families.append(family)
+        if self.capture:
+            for size in reversed(self.sizes):
+                self._capture(GraphKey(size, *family))
+                if size >= FEW_ADAPTERS_MIN_TOKENS:
+                    self._capture(GraphKey(size, *family, few=True))
+            logger.info("captured decode graphs for LoRA modules %s, ranks up to %d", sorted(family[0]), family[1])
+
+    def key(self, batch: ForwardBatch) -> GraphKey:
+        """The graph a decode step replays: its bucket, and the cheapest captured family (modules, rank bound)
+        that covers the step's adapters; the step's own family when only the generic one would."""
+        size = bucket_for(self.sizes, batch.num_tokens)
+        if batch.lora is None:
+            return GraphKey(size, NO_MODULES, 0)
+        modules, bound = batch.lora.targeted_modules(), rank_bound(batch.lora.max_rank, self.limits.max_lora_rank)
+        covering = [f for f in self._families if f[0] >= modules and f[1] >= bound]
+        best = min(covering, key=lambda f: (len(f[0]) * f[1], f[1]))
+        family_modules, family_bound = (modules, bound) if best == self.generic else best
+        return GraphKey(size, family_modules, family_bound, batch.lora.of_few_adapters())
+
+    def _buffers(self, key: GraphKey) -> StaticDecode:
+        if key not in self._static:
+            self._static[key] = StaticDecode(key, self.limits, self.pool, self.row_align)
+        return self._static[key]
+
+    def _capture(self, key: GraphKey) -> None:
+        if self._pool_handle is None:
+            self._pool_handle = torch.cuda.graph_pool_handle()
+        static = self._buffers(key)
+        # Warm-up outside the graph compiles the kernels; the padding writes nothing to the pool (slots -1).
+        stream = torch.cuda.Stream(self.pool.storage.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.model.forward(static.batch, self.pool)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: captures also happen while serving (keys first seen then), when the adapter copier's
+        # thread may be allocating pinned buffers or waiting on its events; only this thread's calls are checked.
+        with torch.cuda.graph(graph, pool=self._pool_handle, capture_error_mode="thread_local"):
+            self._logits[key] = self.model.forward(static.batch, self.pool)
+        self._graphs[key] = graph

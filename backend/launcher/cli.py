@@ -1,0 +1,430 @@
+"""`slora-serve`: start Triton with the slora model repository, wait until it is ready, stop it on Ctrl-C.
+
+    slora-serve --model default --adapter-dir adapters/ --device cpu
+    slora-serve --model /models/Llama-3.1-8B --adapter-dir /adapters --device cuda --max-num-seqs 128
+
+Steps: find the server and the Python stub for this interpreter (server_locator.py), resolve the model (the
+default one is converted once), check the engine options, render the model repository with them
+(model_repository.py), run tritonserver with its output shown here, poll readiness, stop it on Ctrl-C / SIGTERM.
+
+Stopping: the slora model first ends every request in flight (drain.py; Triton alone would wait out its exit timeout
+for a streamed ensemble request and hang), then tritonserver gets SIGTERM; a second Ctrl-C kills it at once. No
+process of the server (Python stubs, engine processes) outlives slora-serve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slora.backend.config import EngineConfig
+from slora.backend.launcher.model_repository import render_repository
+from slora.backend.launcher.server_locator import TritonInstall, locate_server
+from slora.backend.model.default_model import resolve_model_path
+from slora.backend.serving import drain
+from slora.backend.stub_compat import numpy_problem, stub_numpy_version
+
+logger = logging.getLogger("slora.serve")
+
+# Flags that map one-to-one onto EngineConfig fields (flag dest == field name).
+ENGINE_FLAGS = ("device", "dtype", "max_model_len", "max_num_seqs", "max_batch_tokens", "max_waiting",
+                "page_size", "pool_bytes", "pool_fraction", "kernel_backend", "max_lora_rank", "seed")  # fmt: skip
+DRAIN_TIMEOUT_S = 10.0  # how long the slora model may take to end its requests before tritonserver is stopped anyway
+STOP_TIMEOUT_S = 60.0  # how long tritonserver may take to exit after SIGTERM before it is killed
+LEFTOVER_GRACE_S = 5.0  # how long its stubs and engine processes may take to follow it before they are killed
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    model: str = "default"
+    tokenizer: str | None = None
+    adapter_dir: str | None = None
+    lora_registry: str | None = None
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    host: str = "0.0.0.0"
+    engine: dict[str, str] = field(default_factory=dict)  # EngineConfig fields as strings
+    chat_template: bool = False
+    default_max_tokens: int | None = None
+    lora_info_metric: bool = False
+    cancel_check_s: float | None = None
+    adapter_admin: bool = True
+    engine_process: bool = True
+    workspace: str | None = None
+    log_verbose: int = 0
+    ready_timeout_s: float = 900.0
+    server_args: tuple[str, ...] = ()
+    dry_run: bool = False
+
+    def __post_init__(self) -> None:
+        ports = {"http_port": self.http_port, "grpc_port": self.grpc_port, "metrics_port": self.metrics_port}
+        for name, port in ports.items():
+            if not 1 <= port <= 65535:
+                raise ValueError(f"{name} must be in 1..65535, got {port}")
+        if len(set(ports.values())) != 3:
+            raise ValueError(f"the HTTP, gRPC and metrics ports must differ, got {ports}")
+        for name in ("adapter_dir", "lora_registry"):
+            path = getattr(self, name)
+            if path and not Path(path).exists():
+                raise ValueError(f"{name}: {path} does not exist")
+        if self.ready_timeout_s <= 0:
+            raise ValueError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slora-serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default", help="checkpoint folder, or 'default' (SmolLM2-135M-Instruct)")
+    parser.add_argument("--tokenizer", help="tokenizer folder (default: the model's)")
+    parser.add_argument("--adapter-dir", help="adapter root: <dir>/<name>/adapter_config.json")
+    parser.add_argument("--lora-registry", help='multi_lora.json: {"name": "path", ...}')
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--host", default="0.0.0.0", help="address the three endpoints listen on")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
+    for flag in ENGINE_FLAGS[2:]:
+        parser.add_argument(f"--{flag.replace('_', '-')}", help=f"engine option {flag} (see EngineConfig)")
+    parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="any EngineConfig field, e.g. host_budget_bytes=4GiB (repeatable)")  # fmt: skip
+    parser.add_argument("--chat-template", action="store_true",
+                        help="apply the model's chat template to text_input by default (ensemble)")  # fmt: skip
+    parser.add_argument("--default-max-tokens", type=int, help="max_tokens of requests that give none")
+    parser.add_argument("--lora-info-metric", action="store_true",
+                        help="export vllm:lora_requests_info for the Gateway API Inference Extension")  # fmt: skip
+    parser.add_argument("--cancel-check-s", type=float,
+                        help="seconds between cancellation checks of each in-flight request (0.2)")  # fmt: skip
+    parser.add_argument("--no-adapter-admin", action="store_true", help="refuse adapter load/unload/list requests")
+    parser.add_argument("--engine-in-stub", action="store_true",
+                        help="run the engine on a thread of the Python stub, not in a process of its own")  # fmt: skip
+    parser.add_argument("--workspace", help="folder for the rendered repository (default: a temporary folder)")
+    parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the models")
+    parser.add_argument("--server-arg", action="append", default=[], help="extra tritonserver argument (repeatable)")
+    parser.add_argument("--dry-run", action="store_true", help="render the repository, show the command, stop")
+    return parser
+
+
+def parse_options(argv: Sequence[str] | None = None) -> LaunchOptions:
+    args = build_parser().parse_args(argv)
+    engine = {flag: str(getattr(args, flag)) for flag in ENGINE_FLAGS if getattr(args, flag) is not None}
+    for item in args.engine_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--engine-option expects KEY=VALUE, got {item!r}")
+        engine[key.strip()] = value.strip()
+    return LaunchOptions(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        adapter_dir=args.adapter_dir,
+        lora_registry=args.lora_registry,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        host=args.host,
+        engine=engine,
+        chat_template=args.chat_template,
+        default_max_tokens=args.default_max_tokens,
+        lora_info_metric=args.lora_info_metric,
+        cancel_check_s=args.cancel_check_s,
+        adapter_admin=not args.no_adapter_admin,
+        engine_process=not args.engine_in_stub,
+        workspace=args.workspace,
+        log_verbose=args.log_verbose,
+        ready_timeout_s=args.ready_timeout,
+        server_args=tuple(args.server_arg),
+        dry_run=args.dry_run,
+    )
+
+
+def repository_parameters(
+    options: LaunchOptions, model_path: Path, drain_file: Path | None = None
+) -> dict[str, dict[str, str]]:
+    """Each model's config.pbtxt parameters; the engine's are checked here, before the server starts."""
+    engine = dict(options.engine)
+    engine["model"] = str(model_path)
+    if options.tokenizer:
+        engine["tokenizer"] = str(Path(options.tokenizer).resolve())
+    if options.adapter_dir:
+        engine["adapter_root"] = str(Path(options.adapter_dir).resolve())
+    if options.lora_registry:
+        engine["adapter_registry"] = str(Path(options.lora_registry).resolve())
+    EngineConfig.from_dict(engine)  # refuses unknown keys and bad values, naming them
+    slora = {
+        **engine,
+        "adapter_admin": str(options.adapter_admin).lower(),
+        "lora_info_metric": str(options.lora_info_metric).lower(),
+        "engine_process": str(options.engine_process).lower(),
+    }
+    if options.default_max_tokens is not None:
+        slora["default_max_tokens"] = str(options.default_max_tokens)
+    if options.cancel_check_s is not None:
+        slora["cancel_check_s"] = str(options.cancel_check_s)
+    if drain_file is not None:
+        slora["drain_file"] = str(drain_file)
+    text = {"tokenizer": engine.get("tokenizer", str(model_path))}
+    return {
+        "slora": slora,
+        "preprocessing": {**text, "apply_chat_template": str(options.chat_template).lower()},
+        "postprocessing": text,
+    }
+
+
+def server_command(install: TritonInstall, repository: Path, options: LaunchOptions) -> list[str]:
+    command = [
+        str(install.binary),
+        f"--model-repository={repository}",
+        f"--backend-directory={install.backend_dir}",
+        f"--http-port={options.http_port}",
+        f"--grpc-port={options.grpc_port}",
+        f"--metrics-port={options.metrics_port}",
+        f"--http-address={options.host}",
+        f"--grpc-address={options.host}",
+        f"--metrics-address={options.host}",
+        "--allow-metrics=true",
+        "--disable-auto-complete-config",
+        "--exit-on-error=true",
+        "--strict-readiness=true",
+        f"--log-verbose={options.log_verbose}",
+    ]
+    if _cpu_only(options.engine.get("device", "auto")):
+        command += ["--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0"]
+    return command + list(options.server_args)
+
+
+def _cpu_only(device: str) -> bool:
+    if device == "auto":
+        import torch
+
+        return not torch.cuda.is_available()
+    return device == "cpu"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s slora-serve %(levelname)s %(message)s")
+    try:
+        options = parse_options(argv)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    workspace = Path(options.workspace) if options.workspace else Path(tempfile.mkdtemp(prefix="slora-serve-"))
+    workspace.mkdir(parents=True, exist_ok=True)
+    try:
+        return _serve(options, workspace.resolve())
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        logger.error("%s", exc)
+        return 1
+    except KeyboardInterrupt:
+        logger.info("interrupted before the server started")
+        return 130
+    finally:
+        if not options.workspace:
+            shutil.rmtree(workspace, ignore_errors=True)
+
+
+def _serve(options: LaunchOptions, workspace: Path) -> int:
+    install = locate_server(workspace)
+    env = {**os.environ, **install.env}
+    problem = numpy_problem(stub_numpy_version(env))
+    if problem:
+        raise RuntimeError(problem)
+    logger.info("model: %s", options.model)
+    model_path = resolve_model_path(options.model)  # the default model is converted here, once
+    drain_file = workspace / "drain"
+    drain.clear(drain_file)
+    parameters = repository_parameters(options, model_path, drain_file)
+    repository = render_repository(workspace / "model_repository", parameters)
+    command = server_command(install, repository, options)
+    if options.dry_run:
+        logger.info("repository: %s", repository)
+        for key, value in install.env.items():
+            logger.info("env %s=%s", key, value)
+        logger.info("command: %s", " ".join(command))
+        return 0
+    return run_server(command, env, options, drain_file)
+
+
+@dataclass
+class StopRequests:
+    """Ctrl-C / SIGTERM: the first asks for a clean stop, the second for an immediate one."""
+
+    stop: threading.Event = field(default_factory=threading.Event)
+    force: threading.Event = field(default_factory=threading.Event)
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        (self.force if self.stop.is_set() else self.stop).set()
+
+
+def run_server(command: list[str], env: dict[str, str], options: LaunchOptions, drain_file: Path | None = None) -> int:
+    """Run tritonserver until it exits or we are asked to stop; returns its exit status (0 after a clean stop, 130
+    after a second Ctrl-C). `drain_file`: the slora model's, to have it end its requests before SIGTERM."""
+    requests = StopRequests()
+    previous = {signum: signal.signal(signum, requests.on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = _run(command, env, options, drain_file, requests)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if requests.force.is_set():
+        return 130
+    return 0 if requests.stop.is_set() and code in (0, -signal.SIGTERM) else code
+
+
+def _run(
+    command: list[str], env: dict[str, str], options: LaunchOptions, drain_file: Path | None, requests: StopRequests
+) -> int:
+    logger.info("starting: %s", " ".join(command))
+    process = subprocess.Popen(command, env=env, preexec_fn=_child_setup)
+    ready = False
+    try:
+        ready = _wait_ready(process, options, requests.stop)
+        if ready and not requests.stop.is_set():
+            _announce(options)
+            while process.poll() is None and not requests.stop.wait(0.5):
+                pass
+    finally:
+        code = _shutdown(process, requests.force, drain_file if ready else None)
+    return code
+
+
+def _child_setup() -> None:
+    # Own session: a terminal's Ctrl-C reaches only us, and we stop the server once, cleanly. If we die, the
+    # server gets SIGTERM (PR_SET_PDEATHSIG) instead of lingering.
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def _wait_ready(process: subprocess.Popen, options: LaunchOptions, stop: threading.Event) -> bool:
+    """Whether the models are ready: True once they are, or if they were ready by the time we were asked to stop
+    (clients may have sent requests before we saw it)."""
+    url = f"http://127.0.0.1:{options.http_port}/v2/health/ready"
+    started = time.monotonic()
+    reported = started
+    while not stop.is_set():
+        if process.poll() is not None:
+            raise RuntimeError(f"tritonserver exited with status {process.returncode} before it was ready")
+        if _is_ready(url):
+            logger.info("ready after %.1f s", time.monotonic() - started)
+            return True
+        now = time.monotonic()
+        if now - started > options.ready_timeout_s:
+            raise RuntimeError(f"the models were not ready after {options.ready_timeout_s:.0f} s")
+        if now - reported >= 10.0:
+            logger.info("waiting for the models to load (%.0f s)", now - started)
+            reported = now
+        stop.wait(0.5)
+    return process.poll() is None and _is_ready(url)
+
+
+def _is_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _announce(options: LaunchOptions) -> None:
+    host = "localhost" if options.host in ("0.0.0.0", "::") else options.host
+    logger.info("serving: HTTP http://%s:%d  gRPC %s:%d  metrics http://%s:%d/metrics", host, options.http_port,
+                host, options.grpc_port, host, options.metrics_port)  # fmt: skip
+    logger.info("try: slora-client --url %s:%d generate 'Tell me a joke'  (Ctrl-C stops the server)",
+                host, options.grpc_port)  # fmt: skip
+
+
+def _shutdown(process: subprocess.Popen, force: threading.Event, drain_file: Path | None) -> int:
+    """Stop tritonserver: the slora model ends its requests, then SIGTERM; kill it if it hangs or on a second
+    Ctrl-C. Then make sure that none of its processes (Python stubs, engine processes) outlives it."""
+    if process.poll() is None and drain_file is not None:
+        _drain(process, drain_file, force)
+    if process.poll() is None:
+        _terminate(process, force)
+    _reap_group(process.pid, force)
+    logger.info("tritonserver exited with status %s", process.returncode)
+    return int(process.returncode)
+
+
+def _drain(process: subprocess.Popen, drain_file: Path, force: threading.Event) -> None:
+    """Ask the slora model to end every request in flight and wait until it has (drain.py)."""
+    logger.info("stopping: ending the requests in flight (Ctrl-C again to stop at once)")
+    drain_file.touch()
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    while not drain.done_file(drain_file).exists():
+        if process.poll() is not None or force.is_set():
+            return
+        if time.monotonic() > deadline:
+            logger.warning("the requests in flight did not end within %.0f s; stopping anyway", DRAIN_TIMEOUT_S)
+            return
+        force.wait(0.05)
+
+
+def _terminate(process: subprocess.Popen, force: threading.Event) -> None:
+    logger.info("stopping tritonserver")
+    process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while process.poll() is None and not force.is_set() and time.monotonic() < deadline:
+        force.wait(0.1)
+    if process.poll() is None:
+        reason = "interrupted again" if force.is_set() else f"tritonserver did not stop within {STOP_TIMEOUT_S:.0f} s"
+        logger.warning("%s: killing it", reason)
+        _kill_group(process.pid)
+        process.wait()
+
+
+def _reap_group(group: int, force: threading.Event) -> None:
+    """tritonserver runs in a session of its own, with its stubs and their engine processes: wait for those to
+    exit (they follow the server within a second), kill those still there after LEFTOVER_GRACE_S."""
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    left = _live_members(group)
+    while left and not force.is_set() and time.monotonic() < deadline:
+        force.wait(0.1)
+        left = _live_members(group)
+    if left:
+        logger.warning("killing %d processes tritonserver left behind: %s", len(left), " ".join(map(str, left)))
+        _kill_group(group)
+        deadline = time.monotonic() + LEFTOVER_GRACE_S  # SIGKILL takes effect asynchronously
+        while _live_members(group) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+def _live_members(group: int) -> list[int]:
+    """The processes of process group `group` that still run (a zombie has exited); none where /proc is absent."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command)": state, ppid, pgrp, ...
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == group:
+            members.append(int(stat.parent.name))
+    return members
+
+
+def _kill_group(group: int) -> None:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Run an LLMEngine in a thread of its own, for servers: thread-safe submit / abort, one callback per request.
+
+Requests are checked and their adapters loaded in the caller's thread (`LLMEngine.prepare`), so a bad request
+fails at once in its own thread and a slow adapter load never stalls the batch. Callbacks run on the engine
+thread after each step and must return quickly (hand the output to another thread or send it).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from slora.backend.engine.llm_engine import LLMEngine
+from slora.backend.engine.outputs import EngineStats, RequestOutput, failed_output
+from slora.backend.engine.request import Request
+from slora.backend.engine.sampling_params import SamplingParams
+from slora.backend.errors import EngineOverloadedError
+
+logger = logging.getLogger(__name__)
+
+OutputCallback = Callable[[RequestOutput], None]
+T = TypeVar("T")
+
+
+@dataclass
+class _Submit:
+    request: Request
+    callback: OutputCallback
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: Future
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self._inbox: queue.Queue[_Submit | _Abort | _Call | None] = queue.Queue()
+        self._callbacks: dict[str, OutputCallback] = {}
+        self._idle_wait_s = idle_wait_s
+        self._thread = threading.Thread(target=self._run, name="slora-engine", daemon=True)
+        self._stopping = threading.Event()
+        self._stats = engine.stats()
+        self.step_listeners: list[Callable[[LLMEngine, list[RequestOutput]], None]] = []
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort what is left, stop the thread and wait for it."""
+        self._stopping.set()
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    def submit(
+        self,
+        prompt: Any,
+        callback: OutputCallback,
+        adapter: str | None = None,
+        sampling: SamplingParams | dict[str, Any] | None = None,
+        request_id: str | None = None,
+        detokenize: bool = True,
+    ) -> str:
+        """Check and queue a request; raises its error here, in the caller's thread."""
+        if self._stopping.is_set():
+            raise EngineOverloadedError("the engine is shutting down")
+        request = self.engine.prepare(prompt, adapter, sampling, request_id, detokenize)
+        queued = self._stats.waiting + self._inbox.qsize()
+        if queued >= self.engine.config.max_waiting:
+            raise EngineOverloadedError(
+                f"{queued} requests are waiting (max_waiting={self.engine.config.max_waiting}); try again later"
+            )
+        self._inbox.put(_Submit(request, callback))
+        return request.request_id
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    def call(self, fn: Callable[[LLMEngine], T], timeout: float | None = 60.0) -> T:
+        """Run `fn(engine)` on the engine thread between steps and return its result."""
+        future: Future = Future()
+        self._inbox.put(_Call(fn, future))
+        return future.result(timeout)
+
+    def stats(self) -> EngineStats:
+        """The statistics as of the last step (no wait)."""
+        return self._stats
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._drain(block=not self.engine.has_unfinished())
+            if self._stopping.is_set():
+                break
+            self._step()
+        for request_id in list(self._callbacks):
+            self._handle(_Abort(request_id))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=self._idle_wait_s) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            self._handle(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item: _Submit | _Abort | _Call) -> None:
+        if isinstance(item, _Submit):
+            self._submit(item)
+        elif isinstance(item, _Abort):
+            output = self.engine.abort(item.request_id)
+            if output is not None:
+                self._deliver([output])
+        elif not item.future.set_running_or_notify_cancel():
+            return
+        else:
+            try:
+                item.future.set_result(item.fn(self.engine))
+            except Exception as exc:  # handed to the caller, who asked for it
+                item.future.set_exception(exc)
+
+    def _submit(self, item: _Submit) -> None:
+        try:
+            self.engine.submit(item.request)
+        except Exception as exc:  # refused by the engine (duplicate id, full queue): tell this request only
+            item.callback(failed_output(item.request.request_id, exc))
+            return
+        self._callbacks[item.request.request_id] = item.callback
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing the requests in flight")
+            failure = RuntimeError(f"engine failure: {exc}")
+            outputs = [
+                failed_output(rid, failure) for rid in list(self.engine.requests) if self.engine.abort(rid) is not None
+            ]
+        self._deliver(outputs)
+        self._stats = self.engine.stats()
+        for listener in self.step_listeners:
+            listener(self.engine, outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            callback = self._callbacks.get(output.request_id)
+            if callback is None:
+                continue
+            if output.finished:
+                del self._callbacks[output.request_id]
+            try:
+                callback(output)
+            except Exception:
+                logger.exception("output callback of request %s failed", output.request_id)

@@ -1,0 +1,257 @@
+"""`EngineProcess`: the engine in a process of its own, behind the same interface as `LocalEngine`.
+
+In Triton's Python stub, the engine loop (scheduling, batch building, sampling: Python between GPU launches) and
+the responder (one Triton response per request per step) would share one GIL, and each would wait for the
+other. Here the engine runs in a child process (engine_worker.py) started with `spawn` from this interpreter's
+sys.path; requests go down one pipe, each step's outputs come back as one message on the other, read by a
+receiver thread that calls each request's callback.
+
+If the child dies, every request in flight ends with an error naming the exit code, and later requests are
+refused (UNAVAILABLE) with that message: nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import sys
+import threading
+from concurrent.futures import Future
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from slora.backend.config import EngineConfig
+from slora.backend.engine.outputs import STATS_COUNTERS, EngineStats, RequestOutput, failed_output
+from slora.backend.errors import EngineOverloadedError
+from slora.backend.runtime.engine_loop import OutputCallback
+from slora.backend.runtime.engine_service import EngineInfo, StatsListener, Submission
+from slora.backend.runtime.engine_worker import worker_main
+from slora.backend.serving.request_inputs import AdapterCommand
+
+logger = logging.getLogger(__name__)
+
+PYTHON_ENV = "SLORA_PYTHON"  # the interpreter for the engine process (slora-serve sets it)
+MAX_RESTARTS = 3  # engine processes started again after one exits unexpectedly, in the life of the server
+
+
+def interpreter() -> str:
+    """The Python to start the engine process with: $SLORA_PYTHON, else this one (unless it is Triton's stub)."""
+    configured = os.environ.get(PYTHON_ENV)
+    if configured:
+        return configured
+    if sys.executable and Path(sys.executable).name.startswith("python"):
+        return sys.executable
+    found = shutil.which("python3")
+    if found is None:
+        raise RuntimeError(f"no Python interpreter found for the engine process: set {PYTHON_ENV}")
+    return found
+
+
+class EngineProcess:
+    def __init__(
+        self,
+        config: EngineConfig,
+        python: str | None = None,
+        command_timeout_s: float = 300.0,
+        max_restarts: int = MAX_RESTARTS,
+    ) -> None:
+        self._config = config
+        self._context = multiprocessing.get_context("spawn")
+        self._context.set_executable(python or interpreter())
+        self._command_timeout_s = command_timeout_s
+        self._restarts_left = max_restarts
+        self.restarts = 0
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._callbacks: dict[str, OutputCallback] = {}
+        self._calls: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+        self._listeners: list[StatsListener] = []
+        self._closed: str | None = None  # why requests are refused while no engine process serves them
+        self._stopping = False
+        self._counted_before = {key: 0 for key in STATS_COUNTERS}  # by engine processes that exited
+        self._start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def _start(self) -> None:
+        """Start an engine process and wait until it is ready (raises if it fails); then receive its outputs."""
+        requests_reader, requests = self._context.Pipe(duplex=False)
+        outputs, outputs_writer = self._context.Pipe(duplex=False)
+        process = self._context.Process(
+            target=worker_main, args=(self._config, requests_reader, outputs_writer), name="slora-engine", daemon=True
+        )
+        process.start()
+        requests_reader.close()
+        outputs_writer.close()
+        with self._send_lock:
+            self._process, self._requests, self._outputs = process, requests, outputs
+        self.info, stats = self._wait_ready()
+        self._stats = self._cumulative(stats)
+        self._receiver = threading.Thread(target=self._receive, name="slora-engine-receiver", daemon=True)
+        self._receiver.start()
+
+    def submit(self, job: Submission, callback: OutputCallback) -> None:
+        with self._lock:
+            closed = self._closed
+            if closed is None:
+                self._callbacks[job.request_id] = callback
+        if closed is not None:
+            callback(failed_output(job.request_id, EngineOverloadedError(closed), "rejected"))
+            return
+        self._send(("submit", job))
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def command(self, command: AdapterCommand) -> dict[str, Any]:
+        future: Future = Future()
+        with self._lock:
+            if self._closed is not None:
+                raise EngineOverloadedError(self._closed)
+            call_id = next(self._call_ids)
+            self._calls[call_id] = future
+        self._send(("command", call_id, command))
+        return future.result(self._command_timeout_s)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def on_stats(self, listener: StatsListener) -> None:
+        self._listeners.append(listener)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the engine (it aborts what is left; those outputs are delivered), then the process."""
+        self._stopping = True
+        self._send(("stop",))
+        self._receiver.join(timeout)
+        self._process.join(timeout)
+        if self._process.is_alive():
+            logger.warning("the engine process did not stop in %.0f s; killing it", timeout)
+            self._process.kill()
+            self._process.join(5)
+        self._requests.close()
+
+    # ---- the receiver thread -----------------------------------------------------------------------------------
+
+    def _wait_ready(self) -> tuple[EngineInfo, EngineStats]:
+        """Relay the start-up log until the engine is ready; raise with its reason if it fails or dies."""
+        while True:
+            if not self._outputs.poll(1.0):
+                if not self._process.is_alive():
+                    raise RuntimeError(
+                        f"the engine process exited with code {self._process.exitcode} while starting (see the log)"
+                    )
+                continue
+            message = self._outputs.recv()
+            if message[0] == "log":
+                _relay(message[1])
+            elif message[0] == "ready":
+                return message[1], message[2]
+            elif message[0] == "failed":
+                self._process.join(10)
+                raise RuntimeError(f"the engine failed to start: {message[1]}")
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                message = self._outputs.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "outputs":
+                self._deliver(message[1], message[2])
+            elif kind == "log":
+                _relay(message[1])
+            elif kind == "result":
+                self._resolve(message[1], message[2], message[3])
+            elif kind == "stopped":
+                break
+        self._process.join(5 if self._stopping else 1)
+        self._close()
+        if not self._stopping and self._restarts_left > 0:
+            self._restart()
+
+    def _deliver(self, outputs: list[RequestOutput], stats: EngineStats | None) -> None:
+        for output in outputs:
+            with self._lock:
+                callback = (self._callbacks.pop if output.finished else self._callbacks.get)(output.request_id, None)
+            if callback is None:
+                continue
+            try:
+                callback(output)
+            except Exception:
+                logger.exception("output callback of request %s failed", output.request_id)
+        if stats is not None:
+            self._stats = stats = self._cumulative(stats)
+            for listener in self._listeners:
+                listener(stats)
+
+    def _resolve(self, call_id: int, ok: bool, value: Any) -> None:
+        with self._lock:
+            future = self._calls.pop(call_id, None)
+        if future is None:
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    def _close(self) -> None:
+        """The process is gone: end every request and command still waiting on it."""
+        if self._stopping:
+            reason = "the engine has stopped"
+        else:
+            reason = f"the engine process exited unexpectedly (exit code {self._process.exitcode})"
+            reason += "; restarting it" if self._restarts_left else ""
+            logger.error("%s; failing the requests in flight", reason)
+        with self._lock:
+            self._closed = reason
+            callbacks, self._callbacks = self._callbacks, {}
+            calls, self._calls = self._calls, {}
+        failure = RuntimeError(reason)
+        for request_id, callback in callbacks.items():
+            callback(failed_output(request_id, failure))
+        for future in calls.values():
+            future.set_exception(failure)
+
+    def _restart(self) -> None:
+        """Start a new engine process (on this, the old receiver's, thread); requests wait for none meanwhile:
+        they are refused (UNAVAILABLE) until it is ready."""
+        self._restarts_left -= 1
+        self.restarts += 1
+        self._counted_before = {key: getattr(self._stats, key) for key in STATS_COUNTERS}
+        logger.warning("starting a new engine process (%d more restarts allowed)", self._restarts_left)
+        try:
+            self._start()
+        except Exception as exc:
+            logger.error("the engine could not be restarted: %s", exc)
+            with self._lock:
+                self._closed = f"the engine process exited and could not be restarted: {exc}"
+            return
+        with self._lock:
+            self._closed = None
+        logger.info("the engine process is serving again (restart %d)", self.restarts)
+
+    def _cumulative(self, stats: EngineStats) -> EngineStats:
+        """`stats` with the counters continued from engine processes that exited, and the restart count."""
+        counters = {key: getattr(stats, key) + self._counted_before[key] for key in STATS_COUNTERS}
+        return replace(stats, engine_restarts=self.restarts, **counters)
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        with self._send_lock:
+            try:
+                self._requests.send(message)
+            except (OSError, ValueError):  # the process is gone: the receiver thread fails what is in flight
+                logger.debug("engine process pipe closed; %s not sent", message[0])
+
+
+def _relay(records: list[tuple[int, str, str]]) -> None:
+    for level, name, message in records:
+        logging.getLogger(name).log(level, "%s", message)

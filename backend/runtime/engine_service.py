@@ -1,0 +1,118 @@
+"""What a server needs from an engine, and the engine in the server's own process (`LocalEngine`).
+
+A server hands the engine `Submission`s with one callback each, aborts them, asks adapter commands, and reads
+statistics. Two implementations: `LocalEngine` runs the `EngineLoop` on a thread of the calling process, and
+`EngineProcess` (engine_process.py) runs a `LocalEngine` in a process of its own, so that the engine's Python
+work and the server's response work do not share one GIL.
+
+Every refusal reaches the request's callback as a final output with finish_reason "rejected" (bad input, unknown
+adapter, full queue): callers never see an exception from `submit`, whichever implementation runs the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from slora.backend.adapters.admin import run_adapter_command
+from slora.backend.config import EngineConfig
+from slora.backend.engine.llm_engine import LLMEngine
+from slora.backend.engine.outputs import EngineStats, failed_output
+from slora.backend.engine.sampling_params import SamplingParams
+from slora.backend.errors import SloraError
+from slora.backend.runtime.engine_loop import EngineLoop, OutputCallback
+from slora.backend.runtime.fresh_threads import FreshThreadExecutor, run_in_fresh_thread
+from slora.backend.runtime.gc_freeze import freeze_startup_objects
+from slora.backend.serving.request_inputs import AdapterCommand
+
+logger = logging.getLogger(__name__)
+
+INTAKE_THREADS = 4  # requests whose adapter must first be read from disk are taken in off the caller's thread
+StatsListener = Callable[[EngineStats], None]
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One generation request, checked for shape by the server, to be checked for content by the engine."""
+
+    request_id: str
+    prompt_ids: list[int]
+    adapter: str | None = None
+    sampling: SamplingParams | None = None
+    detokenize: bool = True
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    num_pages: int
+    max_model_len: int
+    adapters_known: int
+
+
+class EngineService(Protocol):
+    info: EngineInfo
+
+    def submit(self, job: Submission, callback: OutputCallback) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def command(self, command: AdapterCommand) -> dict[str, Any]: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def on_stats(self, listener: StatsListener) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class LocalEngine:
+    """The engine loop on a thread of this process; cold adapters are read in a small intake pool."""
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> LocalEngine:
+        """A server's engine: built on a thread that ends afterwards (fresh_threads.py says why), then the
+        start-up objects frozen out of the garbage collector's reach (gc_freeze.py)."""
+        service = cls(run_in_fresh_thread(lambda: LLMEngine(config)))
+        freeze_startup_objects()
+        return service
+
+    def __init__(self, engine: LLMEngine, intake_threads: int = INTAKE_THREADS) -> None:
+        self.loop = EngineLoop(engine)
+        self.info = EngineInfo(engine.pool.num_pages, engine.max_model_len, len(engine.list_adapters()))
+        # Adapter reads run torch CPU ops: on threads that end with them (fresh_threads.py says why)
+        self._intake = FreshThreadExecutor(max_workers=intake_threads, thread_name_prefix="slora-intake")
+        self.loop.start()
+
+    def submit(self, job: Submission, callback: OutputCallback) -> None:
+        """Queue `job`; if its adapter must be read from disk, that happens in the intake pool so that the
+        requests after it are taken in meanwhile."""
+        if job.adapter and not self.loop.engine.store.in_host(job.adapter):
+            self._intake.submit(self._submit, job, callback)
+        else:
+            self._submit(job, callback)
+
+    def abort(self, request_id: str) -> None:
+        self.loop.abort(request_id)
+
+    def command(self, command: AdapterCommand) -> dict[str, Any]:
+        return run_adapter_command(self.loop, command)
+
+    def stats(self) -> EngineStats:
+        return self.loop.stats()
+
+    def on_stats(self, listener: StatsListener) -> None:
+        self.loop.step_listeners.append(lambda _engine, _outputs: listener(self.loop.stats()))
+
+    def stop(self) -> None:
+        self._intake.shutdown(wait=True)
+        self.loop.stop()
+
+    def _submit(self, job: Submission, callback: OutputCallback) -> None:
+        try:
+            self.loop.submit(job.prompt_ids, callback, job.adapter, job.sampling, job.request_id, job.detokenize)
+        except Exception as exc:  # this request only: its callback gets the message
+            if not isinstance(exc, (SloraError, ValueError)):
+                logger.error("unexpected error while taking in request %s", job.request_id, exc_info=exc)
+            callback(failed_output(job.request_id, exc, "rejected"))

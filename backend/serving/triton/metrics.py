@@ -1,0 +1,198 @@
+"""The `slora_*` metrics on Triton's metrics port (pb_utils.MetricFamily), fed by the engine loop and responder.
+
+    slora_pool_pages{kind="kv|adapter|free"}        gauge      pages of the unified pool by use
+    slora_kv_cache_usage_ratio                      gauge      KV pages / all pages
+    slora_adapters{tier="gpu|host|disk"}            gauge      adapters with a copy in the pool / in host memory /
+                                                               known (registered or under the adapter root)
+    slora_requests{state="running|waiting"}         gauge      requests in the batch / queued
+    slora_adapter_loads_total                       counter    adapter copies into the pool
+    slora_adapter_evictions_total                   counter    adapters evicted from the pool
+    slora_adapter_disk_reads_total                  counter    adapters read from disk into host memory
+    slora_adapter_host_evictions_total              counter    adapters dropped from host memory (its budget)
+    slora_preemptions_total                         counter    requests preempted (pool full) and recomputed
+    slora_generated_tokens_total                    counter    tokens sampled
+    slora_engine_restarts_total                     counter    engine processes started again after a crash
+    slora_requests_finished_total{reason=...}       counter    reason: length|stop|abort|error|rejected
+    slora_time_to_first_token_seconds               histogram  arrival at the model → first token
+    slora_inter_token_latency_seconds               histogram  between two tokens of one request
+    vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}   gauge (opt-in)
+        value: the Unix time of the update; read by the Gateway API Inference Extension for LoRA affinity.
+        Triton never drops a label set once created, so each distinct set of adapter names stays as a series
+        (with its last timestamp): enable it where the adapter sets are bounded.
+
+Every update is a message to the server process, so updates are queued and made by one thread; gauges follow
+the engine's statistics at most every `interval_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from slora.backend.engine.outputs import EngineStats
+
+logger = logging.getLogger(__name__)
+
+TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+FINISH_REASONS = ("length", "stop", "abort", "error", "rejected")
+LORA_INFO_METRIC = "vllm:lora_requests_info"
+
+
+class NullMetrics:
+    """Used when the server runs without metrics."""
+
+    def update_stats(self, stats: EngineStats) -> None:
+        pass
+
+    def observe(self, kind: str, seconds: float) -> None:
+        pass
+
+    def count_finished(self, reason: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TritonMetrics(NullMetrics):
+    def __init__(self, max_lora: int, lora_info: bool, interval_s: float = 0.1) -> None:
+        self._families: list[Any] = []
+        self._max_lora = max_lora
+        gauge, counter, histogram = (pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER,
+                                     pb_utils.MetricFamily.HISTOGRAM)  # fmt: skip
+        pages = self._family("slora_pool_pages", "Pages of the unified page pool by use", gauge)
+        self.pages = {kind: pages.Metric(labels={"kind": kind}) for kind in ("kv", "adapter", "free")}
+        self.kv_usage = self._family("slora_kv_cache_usage_ratio", "KV pages / all pool pages", gauge).Metric(labels={})
+        adapters = self._family("slora_adapters", "Adapters with a copy in each tier", gauge)
+        self.adapters = {tier: adapters.Metric(labels={"tier": tier}) for tier in ("gpu", "host", "disk")}
+        requests = self._family("slora_requests", "Requests running in the batch or waiting", gauge)
+        self.requests = {state: requests.Metric(labels={"state": state}) for state in ("running", "waiting")}
+        self.counters = {
+            "adapter_loads": self._family("slora_adapter_loads_total", "Adapter copies into the pool", counter),
+            "adapter_evictions": self._family(
+                "slora_adapter_evictions_total", "Adapters evicted from the pool", counter
+            ),
+            "adapter_disk_reads": self._family(
+                "slora_adapter_disk_reads_total", "Adapters read from disk into host memory", counter
+            ),
+            "adapter_host_evictions": self._family(
+                "slora_adapter_host_evictions_total", "Adapters dropped from host memory for its budget", counter
+            ),
+            "preemptions": self._family("slora_preemptions_total", "Requests preempted and recomputed", counter),
+            "generated_tokens": self._family("slora_generated_tokens_total", "Tokens generated", counter),
+            "engine_restarts": self._family(
+                "slora_engine_restarts_total", "Engine processes started again after one exited unexpectedly", counter
+            ),
+        }
+        self.counters = {key: family.Metric(labels={}) for key, family in self.counters.items()}
+        finished = self._family("slora_requests_finished_total", "Requests finished, by reason", counter)
+        self.finished = {reason: finished.Metric(labels={"reason": reason}) for reason in FINISH_REASONS}
+        self.ttft = self._family("slora_time_to_first_token_seconds", "Arrival to first token", histogram).Metric(
+            labels={}, buckets=TTFT_BUCKETS
+        )
+        self.itl = self._family("slora_inter_token_latency_seconds", "Time between two tokens", histogram).Metric(
+            labels={}, buckets=ITL_BUCKETS
+        )
+        self._lora_info = (
+            self._family(LORA_INFO_METRIC, "Running and waiting LoRA adapters", gauge) if lora_info else None
+        )
+        self._lora_labels: tuple[str, str] | None = None
+        self._lora_metric: Any = None
+        self._counted: dict[str, int] = {key: 0 for key in self.counters}
+        self._stats: EngineStats | None = None
+        self._published: EngineStats | None = None
+        self._events: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
+        self._interval_s = interval_s
+        self._thread = threading.Thread(target=self._run, name="slora-metrics", daemon=True)
+        self._thread.start()
+
+    def _family(self, name: str, description: str, kind: Any) -> Any:
+        family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+        self._families.append(family)
+        return family
+
+    # ---- called from other threads ----------------------------------------------------------------------------
+
+    def update_stats(self, stats: EngineStats) -> None:
+        self._stats = stats  # the newest wins; published by the metrics thread
+
+    def observe(self, kind: str, seconds: float) -> None:
+        self._events.put((kind, seconds))
+
+    def count_finished(self, reason: str) -> None:
+        self._events.put(("finished", reason))
+
+    def close(self) -> None:
+        self._events.put(None)
+        self._thread.join(5.0)
+        # Metrics must go before their families.
+        self.pages = self.adapters = self.requests = self.counters = self.finished = {}
+        self.kv_usage = self.ttft = self.itl = self._lora_metric = None
+        self._families.clear()
+
+    # ---- the metrics thread -----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            deadline = time.monotonic() + self._interval_s
+            while (timeout := deadline - time.monotonic()) > 0:
+                try:
+                    event = self._events.get(timeout=timeout)
+                except queue.Empty:
+                    break
+                if event is None:
+                    return
+                self._apply(*event)
+            stats = self._stats
+            if stats is not None and stats is not self._published:
+                try:
+                    self._publish(stats)
+                except Exception:
+                    logger.exception("publishing metrics failed")
+                self._published = stats
+
+    def _apply(self, kind: str, value: Any) -> None:
+        if kind == "ttft":
+            self.ttft.observe(value)
+        elif kind == "itl":
+            self.itl.observe(value)
+        elif kind == "finished" and value in self.finished:
+            self.finished[value].increment(1)
+
+    def _publish(self, stats: EngineStats) -> None:
+        self.pages["kv"].set(stats.pages_kv)
+        self.pages["adapter"].set(stats.pages_adapter)
+        self.pages["free"].set(stats.pages_free)
+        self.kv_usage.set(stats.pages_kv / max(stats.pages_total, 1))
+        self.adapters["gpu"].set(stats.adapters_gpu)
+        self.adapters["host"].set(stats.adapters_host)
+        self.adapters["disk"].set(stats.adapters_known)
+        self.requests["running"].set(stats.running)
+        self.requests["waiting"].set(stats.waiting)
+        for key, metric in self.counters.items():
+            total = getattr(stats, key)
+            if total > self._counted[key]:
+                metric.increment(total - self._counted[key])
+                self._counted[key] = total
+        if self._lora_info is not None:
+            self._publish_lora_info(stats)
+
+    def _publish_lora_info(self, stats: EngineStats) -> None:
+        assert self._lora_info is not None
+        labels = (",".join(stats.running_adapters), ",".join(stats.waiting_adapters))
+        if labels != self._lora_labels:
+            self._lora_metric = self._lora_info.Metric(
+                labels={
+                    "running_lora_adapters": labels[0],
+                    "waiting_lora_adapters": labels[1],
+                    "max_lora": str(self._max_lora),
+                }
+            )
+            self._lora_labels = labels
+        self._lora_metric.set(time.time())

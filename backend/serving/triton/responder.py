@@ -1,0 +1,204 @@
+"""The responder thread of the `slora` model: engine outputs → Triton responses, and client cancellation → abort.
+
+The engine thread only queues outputs here (its callbacks must be quick). This thread owns every in-flight
+request's response sender, so no sender is ever used by two threads. Each request ends with exactly one
+response flagged FINAL: its last tokens, or an error (engine failure, abort, cancellation). Outputs of one
+request that queued up while this thread was busy go out as one response: under load there are fewer sends
+(each costs a message to the server and holds the GIL the engine thread needs), and none is ever delayed.
+
+Cancellation: a client that cancels its gRPC stream or drops its HTTP SSE connection marks the request
+cancelled in the server. In-flight requests are checked every `check_s` (each check is a cheap message to the
+server); a cancelled one is aborted in the engine, which frees its pages at once. When the server is stopping
+(drain.py), every request in flight is aborted and ends with a FINAL response whose finish_reason is "abort".
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from slora.backend.engine.outputs import RequestOutput
+from slora.backend.runtime.engine_loop import OutputCallback
+from slora.backend.runtime.engine_service import EngineService
+from slora.backend.serving.response_stream import Reply, ResponseStream
+from slora.backend.serving.triton.errors import FINAL, error_code, send_error
+from slora.backend.serving.triton.metrics import NullMetrics
+
+logger = logging.getLogger(__name__)
+
+MAX_BATCH = 4096  # outputs taken from the queue at once
+
+
+@dataclass
+class _InFlight:
+    request_id: str
+    request: Any  # pb_utils.InferenceRequest, kept alive until the final response
+    sender: Any  # its response sender
+    stream: ResponseStream
+    checked_at: float = field(default_factory=time.monotonic)
+    cancelled: bool = False  # by the client
+    stopped: bool = False  # by the server, which is stopping (drain.py)
+
+
+class Responder:
+    def __init__(self, engine: EngineService, metrics: NullMetrics, check_s: float = 0.2) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._check_s = check_s
+        self._lock = threading.Lock()
+        self._in_flight: dict[str, _InFlight] = {}
+        self._inbox: queue.SimpleQueue[tuple[_InFlight, RequestOutput, float] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="slora-responder", daemon=True)
+        self._thread.start()
+
+    def track(self, request_id: str, request: Any, sender: Any, stream: ResponseStream) -> OutputCallback:
+        """Register a request before it is submitted; returns the callback to give the engine loop."""
+        entry = _InFlight(request_id, request, sender, stream)
+        with self._lock:
+            self._in_flight[request_id] = entry
+        return lambda output: self._inbox.put((entry, output, time.monotonic()))
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request whose submission failed (its error response is sent by the caller)."""
+        with self._lock:
+            self._in_flight.pop(request_id, None)
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._in_flight)
+
+    def abort_all(self) -> int:
+        """Abort every request in flight in the engine (the server is stopping); each then ends with a FINAL
+        response whose finish_reason is "abort". Returns how many were in flight; aborting one twice is harmless."""
+        with self._lock:
+            entries = list(self._in_flight.values())
+        for entry in entries:
+            entry.stopped = True
+            self._engine.abort(entry.request_id)
+        return len(entries)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Send what is queued, then stop (after the engine loop has stopped and aborted what was left)."""
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    # ---- the responder thread ---------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        swept_at = time.monotonic()
+        while True:
+            batch, stopping = self._next_batch()
+            self._deliver_batch(batch)
+            if stopping:
+                return
+            if time.monotonic() - swept_at >= self._check_s:
+                self._sweep()
+                swept_at = time.monotonic()
+
+    def _next_batch(self) -> tuple[list[tuple[_InFlight, RequestOutput, float]], bool]:
+        """What is queued now (waiting up to check_s for the first), and whether the stop marker came."""
+        batch: list[tuple[_InFlight, RequestOutput, float]] = []
+        try:
+            item = self._inbox.get(timeout=self._check_s)
+        except queue.Empty:
+            return batch, False  # no output for a while: time to sweep
+        while item is not None:
+            batch.append(item)
+            if len(batch) >= MAX_BATCH:
+                return batch, False
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return batch, False
+        return batch, True
+
+    def _deliver_batch(self, batch: list[tuple[_InFlight, RequestOutput, float]]) -> None:
+        """Outputs that queued up for one request go out as one response (fewer sends when the responder lags)."""
+        by_request: dict[str, tuple[_InFlight, list[tuple[RequestOutput, float]]]] = {}
+        for entry, output, at in batch:
+            by_request.setdefault(entry.request_id, (entry, []))[1].append((output, at))
+        for entry, outputs in by_request.values():
+            self._deliver(entry, outputs)
+
+    def _deliver(self, entry: _InFlight, outputs: list[tuple[RequestOutput, float]]) -> None:
+        last, at = outputs[-1]
+        try:
+            if _ends_in_error(entry, last):
+                if len(outputs) > 1:
+                    self._reply(entry, outputs[:-1])  # tokens produced before the failure still go out
+                self._send_failure(entry, last)
+            else:
+                self._reply(entry, outputs)
+        except Exception:
+            logger.exception("sending a response of request %s failed", entry.request_id)
+        if last.finished:
+            self._metrics.count_finished(last.finish_reason or "error")
+            self.forget(entry.request_id)
+        elif at - entry.checked_at >= self._check_s:
+            self._check(entry)
+
+    def _reply(self, entry: _InFlight, outputs: list[tuple[RequestOutput, float]]) -> None:
+        reply = entry.stream.add_many(outputs)
+        self._observe(entry.stream)
+        if reply is not None:
+            self._send(entry, reply)
+
+    def _send_failure(self, entry: _InFlight, output: RequestOutput) -> None:
+        code = error_code(output.exception) if output.exception else pb_utils.TritonError.INTERNAL
+        if output.finish_reason == "rejected":  # refused before it ran: the message names what is wrong
+            send_error(entry.sender, output.error or "request refused", code)
+        elif output.finish_reason == "error":
+            send_error(entry.sender, f"request failed: {output.error}", code)
+        else:
+            self._send_abort(entry)
+
+    def _send(self, entry: _InFlight, reply: Reply) -> None:
+        tensors = [pb_utils.Tensor(name, array) for name, array in reply.arrays.items()]
+        entry.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if reply.final else 0)
+
+    def _send_abort(self, entry: _InFlight) -> None:
+        if entry.cancelled:
+            send_error(entry.sender, "request cancelled by the client", pb_utils.TritonError.CANCELLED)
+        else:
+            send_error(entry.sender, "request aborted: the model is shutting down", pb_utils.TritonError.UNAVAILABLE)
+
+    def _observe(self, stream: ResponseStream) -> None:
+        for kind, seconds in stream.latencies:
+            self._metrics.observe(kind, seconds)
+        stream.latencies.clear()
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            stale = [e for e in self._in_flight.values() if now - e.checked_at >= self._check_s]
+        for entry in stale:
+            self._check(entry)
+
+    def _check(self, entry: _InFlight) -> None:
+        entry.checked_at = time.monotonic()
+        if entry.cancelled:
+            return
+        try:
+            cancelled = entry.sender.is_cancelled()
+        except Exception:
+            logger.exception("checking request %s for cancellation failed", entry.request_id)
+            return
+        if cancelled:
+            logger.info("request %s was cancelled by the client; aborting it", entry.request_id)
+            entry.cancelled = True
+            self._engine.abort(entry.request_id)
+
+
+def _ends_in_error(entry: _InFlight, last: RequestOutput) -> bool:
+    """Failures, refusals and aborts end with an error response, except a request aborted because the server is
+    stopping: that one ends with a regular FINAL response (finish_reason "abort"), since Triton 2.51's ensemble
+    never completes a request whose composing model fails while one of its later steps is still running."""
+    if last.finish_reason == "abort":
+        return not entry.stopped
+    return last.finish_reason in ("error", "rejected")

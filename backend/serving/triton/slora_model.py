@@ -1,0 +1,164 @@
+"""The `slora` Triton model: a decoupled Python-backend model that serves one engine.
+
+    execute(requests) ──► parse (request_inputs) ──► engine.submit ──► engine: step, step, ...
+          │ returns at once                                        │ one callback per request and step
+          └─ malformed request: one error response, FINAL          ▼
+                                              responder thread: responses (FINAL on the last; refusals by the
+                                              engine as errors), client cancellation → abort (pages freed)
+
+The engine runs in a process of its own by default (`engine_process=true`, engine_process.py), so that its
+Python work and the responder's do not share one GIL; `engine_process=false` runs it on a thread of the stub.
+Control requests (`adapter_command` input: list | load | unload) are answered from a worker thread with one
+response holding `adapter_result` (JSON). This module and the other `triton_*` modules are the only code that
+imports triton_python_backend_utils; the engine knows nothing of Triton. Before slora-serve stops the server, the
+model drains (drain.py): it refuses new requests and ends every one in flight.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from slora.backend.errors import EngineOverloadedError
+from slora.backend.runtime.engine_process import EngineProcess
+from slora.backend.runtime.engine_service import EngineService, LocalEngine, Submission
+from slora.backend.runtime.fresh_threads import FreshThreadExecutor
+from slora.backend.serving.drain import DrainWatcher
+from slora.backend.serving.options import ServingOptions, model_config_parameters
+from slora.backend.serving.request_inputs import (
+    RawRequest,
+    is_adapter_command,
+    parse_adapter_command,
+    parse_generate,
+)
+from slora.backend.serving.response_stream import OUTPUT_NAMES, ResponseStream
+from slora.backend.serving.triton.errors import FINAL, error_code, send_error
+from slora.backend.serving.triton.log_bridge import route_logging
+from slora.backend.serving.triton.metrics import NullMetrics, TritonMetrics
+from slora.backend.serving.triton.responder import Responder
+from slora.backend.stub_compat import prepare_stub
+
+logger = logging.getLogger(__name__)
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, Any]) -> None:
+        route_logging()
+        try:
+            prepare_stub()
+        except RuntimeError as exc:
+            raise pb_utils.TritonModelException(str(exc)) from exc
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise ValueError("the slora model must be decoupled (model_transaction_policy { decoupled: true })")
+        version_dir = Path(args["model_repository"]) / str(args["model_version"])
+        self.options = ServingOptions.from_parameters(model_config_parameters(model_config), version_dir)
+        where = "in a process of its own" if self.options.engine_process else "in the stub process"
+        logger.info("starting the engine %s: %s", where, self.options.engine)
+        started = time.monotonic()
+        self.engine = _start_engine(self.options)
+        self.metrics = _metrics(self.options)
+        self.engine.on_stats(self.metrics.update_stats)
+        self.responder = Responder(self.engine, self.metrics, self.options.cancel_check_s)
+        self.drain = DrainWatcher(Path(self.options.drain_file), self.responder) if self.options.drain_file else None
+        self.admin = FreshThreadExecutor(max_workers=1, thread_name_prefix="slora-admin")  # adapter reads: see there
+        self._ids = itertools.count()
+        info = self.engine.info
+        logger.info("engine ready in %.1f s: %d pool pages, context %d tokens, %d adapters known",
+                    time.monotonic() - started, info.num_pages, info.max_model_len, info.adapters_known)  # fmt: skip
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            self._accept(request)
+        return None
+
+    def finalize(self) -> None:
+        logger.info("stopping the engine (%d requests in flight)", self.responder.in_flight())
+        if self.drain is not None:
+            self.drain.close()
+        self.admin.shutdown(wait=True)
+        self.engine.stop()
+        self.responder.stop()
+        self.metrics.close()
+
+    # ---- intake -----------------------------------------------------------------------------------------------
+
+    def _accept(self, request: Any) -> None:
+        arrival = time.monotonic()
+        sender = request.get_response_sender()
+        try:
+            raw = _raw_request(request)
+            if is_adapter_command(raw):
+                command = parse_adapter_command(raw)  # errors answered at once
+                self.admin.submit(self._run_command, request, sender, command)
+                return
+            self._submit(request, sender, raw, arrival)
+        except Exception as exc:
+            _send_error(sender, exc)
+
+    def _submit(self, request: Any, sender: Any, raw: RawRequest, arrival: float) -> None:
+        """Hand a well-formed request to the engine; what the engine refuses comes back through the responder."""
+        if self.drain is not None and self.drain.draining:
+            raise EngineOverloadedError("the server is shutting down")
+        inputs = parse_generate(raw, self.options.default_max_tokens)
+        request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
+        stream = ResponseStream(inputs.stream, arrival, inputs.prefix_text, requested_outputs(request))
+        callback = self.responder.track(request_id, request, sender, stream)
+        job = Submission(request_id, inputs.prompt_ids, inputs.adapter, inputs.sampling, inputs.wants_text)
+        self.engine.submit(job, callback)
+
+    def _run_command(self, request: Any, sender: Any, command: Any) -> None:
+        try:
+            if not self.options.adapter_admin:
+                raise PermissionError("adapter commands are disabled on this server (adapter_admin=false)")
+            result = self.engine.command(command)
+            tensor = pb_utils.Tensor("adapter_result", np.asarray([json.dumps(result).encode()], dtype=np.object_))
+            sender.send(pb_utils.InferenceResponse(output_tensors=[tensor]), flags=FINAL)
+        except Exception as exc:
+            _send_error(sender, exc)
+
+
+def _start_engine(options: ServingOptions) -> EngineService:
+    if options.engine_process:
+        return EngineProcess(options.engine)
+    return LocalEngine.start(options.engine)
+
+
+def _metrics(options: ServingOptions) -> NullMetrics:
+    try:
+        return TritonMetrics(max_lora=options.engine.max_num_seqs, lora_info=options.lora_info_metric)
+    except pb_utils.TritonModelException as exc:  # the server runs with --allow-metrics=false
+        logger.info("metrics are off: %s", exc)
+        return NullMetrics()
+
+
+def _raw_request(request: Any) -> RawRequest:
+    tensors = {}
+    for name in ("input_ids", "max_tokens", "adapter_id", "sampling_parameters", "stream", "prefix_text",
+                 "adapter_command", "adapter_path"):  # fmt: skip
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            tensors[name] = tensor.as_numpy()
+    text = request.parameters()
+    parameters = json.loads(text) if text else {}
+    return RawRequest(tensors, parameters)
+
+
+def _send_error(sender: Any, exc: Exception) -> None:
+    code = error_code(exc)
+    if code == pb_utils.TritonError.INTERNAL:
+        logger.error("unexpected error while accepting a request", exc_info=exc)
+    send_error(sender, str(exc), code)
+
+
+def requested_outputs(request: Any) -> frozenset[str]:
+    """The generation outputs the client asked for; all of them when it named none (or only unknown ones)."""
+    names = frozenset(request.requested_output_names() or ()) & frozenset(OUTPUT_NAMES)
+    return names or frozenset(OUTPUT_NAMES)

@@ -1,0 +1,88 @@
+"""The LoRA launches of one call site (q/k/v, o, gate/up or down) for one step, built once and reused by every layer.
+
+Every layer of a step calls the same LoRA modules with the same metadata and tensor shapes; only x, y and the pool
+layer change. A LoraCall holds the shrink and expand launches of one run of fused modules, for every segment of
+the step, together with their partial-sum buffer v, so that a layer's call costs two direct
+kernel launches (kernels/triton/relaunch.py) instead of re-deriving tiles, grids and buffers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import torch
+
+from slora.kernels.metadata import LoraMeta
+from slora.kernels.triton.lora_expand import expand_launch
+from slora.kernels.triton.lora_shrink import shrink_launch
+from slora.kernels.triton.relaunch import Relaunch
+
+MAX_FUSED = 3  # modules the expand kernel adds in one launch
+# "1": an eager step's decodes (GEMV kernels) apart from its prompts (prompt tiles), one launch pair each, instead of
+# one pair on 16-token tensor-core tiles for both. In the S2 n = 2000 replay's profile (H200, perf/RESULTS.md,
+# session 10) those tiles cost 73.7 + 35.9 us a call in mixed steps against 24.1 + 25.2 for the decode steps' GEMV
+# kernels on a similar batch. Measured in session 11, it gained nothing (S2 n = 2000: 25.85 against 25.70 req/s in one
+# call; the mixed steps' decodes alone took 3.9 ms a step on the GEMV kernels), so it is off. Read once (each layer's
+# call would pay for an environment lookup); benchmarks set SPLIT itself to compare both ways in one process.
+SPLIT_ENV = "SLORA_LORA_SPLIT"
+
+
+def split_steps() -> bool:
+    """Whether SLORA_LORA_SPLIT=1 asks LoRA launches to split a step of decodes and prompts in two."""
+    return os.environ.get(SPLIT_ENV, "0") == "1"
+
+
+SPLIT = split_steps()
+
+
+class LoraCall:
+    """Shrink into v, then expand v into y, for x, y and a pool layer shaped like the ones it was built for."""
+
+    def __init__(self, shrink: Relaunch, expand: Relaunch) -> None:
+        self._shrink = shrink
+        self._expand = expand
+
+    def __call__(self, y: torch.Tensor, x: torch.Tensor, flat_layer: torch.Tensor) -> None:
+        self._shrink(x, flat_layer)
+        self._expand(flat_layer, y)
+
+
+def lora_calls(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    flat_layer: torch.Tensor,
+    meta: LoraMeta,
+    modules: tuple[int, ...],
+    out_offsets: tuple[int, ...],
+    out_widths: tuple[int, ...],
+    pdl_shrink: bool = False,
+) -> list[LoraCall]:
+    """The launches of one call site, in order: one shrink and one expand per run of consecutive modules and per
+    launch group of the step (meta.groups). pdl_shrink: y was just written by the Triton projection GEMM, so the
+    shrinks may be launched with PDL behind it (kernels/triton/pdl.py)."""
+    calls = []
+    # By default one launch pair for decodes and prompts together (SegmentGroup.tile_len picks decode-shaped tiles
+    # when a step has both): each launch costs host time on an eager step. SLORA_LORA_SPLIT=1 splits them.
+    groups = meta.groups(SPLIT)
+    for first, offsets, widths in consecutive_runs(modules, out_offsets, out_widths):
+        if meta.fused_rank(first, len(widths)) == 0:
+            continue  # no adapter of the step targets these modules
+        for group in groups:
+            v, shrink = shrink_launch(x, flat_layer, meta, first, len(widths), group, pdl=pdl_shrink)
+            expand = expand_launch(y, v, flat_layer, meta, first, offsets, widths, group)
+            if shrink is not None and expand is not None:
+                calls.append(LoraCall(shrink, expand))
+    return calls
+
+
+def consecutive_runs(
+    modules: tuple[int, ...], out_offsets: tuple[int, ...], out_widths: tuple[int, ...]
+) -> Iterator[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """(first module, offsets, widths) of each run of up to MAX_FUSED consecutive modules, in order."""
+    start = 0
+    for i in range(1, len(modules) + 1):
+        run_ends = i == len(modules) or modules[i] != modules[i - 1] + 1 or i - start == MAX_FUSED
+        if run_ends:
+            yield modules[start], tuple(out_offsets[start:i]), tuple(out_widths[start:i])
+            start = i

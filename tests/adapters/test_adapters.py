@@ -1,0 +1,382 @@
+"""PEFT adapter loading: accepted variants, refused ones with clear errors, the host store and name checks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from slora.backend.adapters.host_adapter import load_peft_adapter, peft_scale
+from slora.backend.adapters.store import MAX_PRELOAD_WORKERS, AdapterStore, preload_workers, validate_adapter_name
+from slora.backend.errors import AdapterError, AdapterNotFoundError
+from slora.backend.memory.page_pool import PoolGeometry
+from slora.backend.model.spec import LORA_MODULES, ModelSpec
+from tests.model_fixtures import ModelWithAdapters
+
+
+@pytest.fixture(scope="module")
+def spec(llama: ModelWithAdapters) -> ModelSpec:
+    return ModelSpec.from_dir(llama.base)
+
+
+@pytest.fixture(scope="module")
+def geometry(spec: ModelSpec) -> PoolGeometry:
+    return PoolGeometry(spec.num_layers, 8, spec.num_kv_heads, spec.head_dim)
+
+
+def _load(path: Path, spec: ModelSpec, geometry: PoolGeometry, name: str = "x"):  # type: ignore[no-untyped-def]
+    return load_peft_adapter(name, path, spec, geometry, torch.float32)
+
+
+def _copy(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / src.name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_config(path: Path, **changes: object) -> None:
+    config_file = path / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config.update(changes)
+    config_file.write_text(json.dumps(config))
+
+
+def test_rows_in_pages_hold_peft_weights_scaled(
+    llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry
+) -> None:
+    """Every A row and Bᵀ row sits where the adapter's row table says; ranks and scales follow PEFT."""
+    path = llama.adapter_root / "r2-down"  # rank 2, down_proj rank 7 (rank_pattern), q_proj alpha 9
+    adapter = _load(path, spec, geometry)
+    weights = load_file(str(path / "adapter_model.safetensors"))
+    ranks = dict(zip(LORA_MODULES, adapter.ranks))
+    assert ranks["q_proj"] == 2 and ranks["down_proj"] == 7 and ranks["k_proj"] == 0
+    assert adapter.scales[LORA_MODULES.index("q_proj")] == pytest.approx(9 / 2)
+    assert adapter.scales[LORA_MODULES.index("down_proj")] == pytest.approx(3 / 7)
+    first = 0
+    for m, module in enumerate(LORA_MODULES):
+        rank = adapter.ranks[m]
+        if not rank:
+            continue
+        in_f, out_f = spec.module_shape(module)
+        parent = "self_attn" if m < 4 else "mlp"
+        for layer in range(spec.num_layers):
+            key = f"base_model.model.model.layers.{layer}.{parent}.{module}.lora_"
+            flat = adapter.image[layer].reshape(-1)
+            for j in range(rank):
+                a_off = int(adapter.a_local[first + j])
+                b_off = int(adapter.b_local[first + j])
+                assert torch.equal(flat[a_off : a_off + in_f], weights[key + "A.weight"][j])
+                assert torch.equal(flat[b_off : b_off + out_f], weights[key + "B.weight"][:, j])
+        first += rank
+
+
+def _write_adapter(path: Path, weights: dict[str, torch.Tensor], **config: object) -> None:
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", **config}))
+    save_file(weights, str(path / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize(("file_dtype", "dtype"), [(torch.float16, torch.bfloat16), (torch.float32, torch.float16)])
+def test_per_layer_ranks_scales_and_skipped_layers(
+    spec: ModelSpec, geometry: PoolGeometry, tmp_path: Path, file_dtype: torch.dtype, dtype: torch.dtype
+) -> None:
+    """Rows are padded to the module's largest rank, layers an adapter skips stay zero, and a layer's own scale is
+    folded into its Bᵀ; rows run across page boundaries. Checked against a row-by-row reference image."""
+    layer_ranks = {"q_proj": {0: 3, 1: 2}, "v_proj": {1: 4}, "o_proj": {0: 6, 1: 6}}
+    alpha_pattern = {"layers.1.self_attn.q_proj": 5, "model.layers.0.self_attn.o_proj": 2}
+    generator = torch.Generator().manual_seed(0)
+    weights = {}
+    for module, layers in layer_ranks.items():
+        in_f, out_f = spec.module_shape(module)
+        for layer, rank in layers.items():
+            key = f"base_model.model.model.layers.{layer}.self_attn.{module}.lora_"
+            weights[key + "A.weight"] = torch.randn(rank, in_f, generator=generator).to(file_dtype)
+            weights[key + "B.weight"] = torch.randn(out_f, rank, generator=generator).to(file_dtype)
+    _write_adapter(tmp_path / "mixed", weights, lora_alpha=8, alpha_pattern=alpha_pattern)
+    adapter = load_peft_adapter("mixed", tmp_path / "mixed", spec, geometry, dtype)
+
+    expected = torch.zeros_like(adapter.image).view(spec.num_layers, -1)
+    first = 0
+    for m, module in enumerate(LORA_MODULES):
+        layers = layer_ranks.get(module, {})
+        assert adapter.ranks[m] == max(layers.values(), default=0)
+        config = {"lora_alpha": 8, "alpha_pattern": alpha_pattern}
+        scales = {}
+        for layer, rank in layers.items():
+            scales[layer] = peft_scale(config, f"model.layers.{layer}.self_attn.{module}", rank)
+        if layers:
+            assert adapter.scales[m] == scales[min(layers)]
+        for layer, rank in layers.items():
+            key = f"base_model.model.model.layers.{layer}.self_attn.{module}.lora_"
+            in_f, out_f = spec.module_shape(module)
+            for j in range(rank):
+                a_off, b_off = int(adapter.a_local[first + j]), int(adapter.b_local[first + j])
+                b_row = weights[key + "B.weight"][:, j].to(torch.float32) * (scales[layer] / adapter.scales[m])
+                expected[layer, a_off : a_off + in_f] = weights[key + "A.weight"][j].to(dtype)
+                expected[layer, b_off : b_off + out_f] = b_row.to(dtype)
+        first += adapter.ranks[m]
+    assert adapter.image.dtype == dtype
+    assert adapter.num_pages > 2  # the width-64 rows (3+3+4+6+6 per layer) fill more than two 8-row pages
+    assert torch.equal(adapter.image.view(spec.num_layers, -1).view(torch.int16), expected.view(torch.int16))
+
+
+def test_pages_grow_with_rank_not_max_rank(llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry) -> None:
+    small = _load(llama.adapter_root / "r3-all", spec, geometry)
+    big = _load(llama.adapter_root / "r16-all", spec, geometry)
+    elems_per_rank = sum(sum(spec.module_shape(m)) for m in LORA_MODULES)
+    for adapter, rank in ((small, 3), (big, 16)):
+        needed = math.ceil(rank * elems_per_rank / geometry.page_elems)
+        assert needed <= adapter.num_pages <= needed + 3  # at most one partial page per row width
+
+
+def test_peft_scale_rules() -> None:
+    assert peft_scale({"lora_alpha": 16}, "model.layers.0.self_attn.q_proj", 4) == 4.0
+    assert peft_scale({"lora_alpha": 16, "use_rslora": True}, "model.layers.0.self_attn.q_proj", 4) == 8.0
+    pattern = {"lora_alpha": 16, "alpha_pattern": {"layers.1.self_attn.q_proj": 2}}
+    assert peft_scale(pattern, "model.layers.1.self_attn.q_proj", 4) == 0.5
+    assert peft_scale(pattern, "model.layers.0.self_attn.q_proj", 4) == 4.0
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda p: (p / "adapter_config.json").unlink(), "adapter_config.json is missing"),
+        (lambda p: (p / "adapter_config.json").write_text("{nope"), "not valid JSON"),
+        (lambda p: (p / "adapter_model.safetensors").unlink(), "adapter_model.safetensors is missing"),
+        (lambda p: (p / "adapter_model.safetensors").rename(p / "adapter_model.bin"), "pickle file"),
+        (lambda p: (p / "adapter_model.safetensors").write_bytes(b"garbage"), "cannot be read as safetensors"),
+        (lambda p: _edit_config(p, peft_type="IA3"), "peft_type 'IA3' is not supported"),
+        (lambda p: _edit_config(p, use_dora=True), "DoRA"),
+        (lambda p: _edit_config(p, modules_to_save=["lm_head"]), "modules_to_save"),
+        (lambda p: _edit_config(p, bias="all"), "bias='all'"),
+    ],
+)
+def test_refused_with_file_and_reason(
+    llama: ModelWithAdapters,
+    spec: ModelSpec,
+    geometry: PoolGeometry,
+    tmp_path: Path,
+    mutate,
+    message: str,  # type: ignore[no-untyped-def]
+) -> None:
+    path = _copy(llama.adapter_root / "r1-qv", tmp_path)
+    mutate(path)
+    with pytest.raises(AdapterError, match=message) as err:
+        _load(path, spec, geometry, name="bad-one")
+    assert "bad-one" in str(err.value)
+
+
+def _rewrite_tensors(path: Path, change) -> None:  # type: ignore[no-untyped-def]
+    file = path / "adapter_model.safetensors"
+    tensors = load_file(str(file))
+    change(tensors)
+    save_file(tensors, str(file))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda t: t.update({"base_model.model.lm_head.lora_A.weight": torch.zeros(1, 64)}), "unknown target"),
+        (
+            lambda t: t.update({"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(1, 160)}),
+            "unknown target",
+        ),  # fmt: skip
+        (lambda t: t.update({k: v[:, :10] for k, v in t.items() if "lora_A" in k}), "has shape"),
+        (lambda t: t.update({k: torch.zeros(64, 2) for k, v in t.items() if "v_proj.lora_B" in k}), "has shape"),
+        (
+            lambda t: t.update({k: v.clone().fill_(float("nan")) for k, v in t.items() if "lora_B" in k}),
+            "NaN or infinite",
+        ),
+        (
+            lambda t: t.update(
+                {k: v.clone().fill_(float("inf")) for k, v in t.items() if "1.self_attn.v_proj.lora_A" in k}
+            ),
+            r"layers\.1\.self_attn\.v_proj\.lora_A\.weight' holds NaN or infinite",
+        ),  # the one tensor is named, not just its layer and module
+        (lambda t: [t.pop(k) for k in list(t) if "q_proj.lora_B" in k], "without its lora_B"),
+        (lambda t: t.update({k.replace("layers.0", "layers.9"): v.clone() for k, v in list(t.items())}), "layer 9"),
+    ],
+)
+def test_bad_tensors_refused(
+    llama: ModelWithAdapters,
+    spec: ModelSpec,
+    geometry: PoolGeometry,
+    tmp_path: Path,
+    change,
+    message: str,  # type: ignore[no-untyped-def]
+) -> None:
+    path = _copy(llama.adapter_root / "r1-qv", tmp_path)
+    _rewrite_tensors(path, change)
+    with pytest.raises(AdapterError, match=message):
+        _load(path, spec, geometry)
+
+
+def test_rank_above_limit_refused(llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry) -> None:
+    with pytest.raises(AdapterError, match="ranks 1 to 8"):
+        load_peft_adapter("big", llama.adapter_root / "r12-qkv", spec, geometry, torch.float32, max_rank=8)
+
+
+@pytest.mark.parametrize("name", ["../etc", "a/b", ".hidden", "", "x" * 200, "a b", None, 3])
+def test_adapter_names_are_validated(name: object) -> None:
+    with pytest.raises(AdapterError, match="invalid"):
+        validate_adapter_name(name)
+
+
+def _store(llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry, budget: int, root: Path) -> AdapterStore:
+    def loader(name: str, path: Path, generation: int):  # type: ignore[no-untyped-def]
+        return load_peft_adapter(name, path, spec, geometry, torch.float32, generation=generation)
+
+    return AdapterStore(loader, budget, root=root)
+
+
+def test_store_lru_budget_and_root_confinement(
+    llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry, tmp_path: Path
+) -> None:
+    one = load_peft_adapter("r3-all", llama.adapter_root / "r3-all", spec, geometry, torch.float32).nbytes
+    store = _store(llama, spec, geometry, budget=int(one * 2.5), root=llama.adapter_root)
+    for name in ("r3-all", "r5-ko", "r1-qv", "r3-all", "r8-mlp"):
+        store.get(name)
+    assert store.host_bytes <= store.budget_bytes
+    assert store.host_evictions >= 1
+    in_host = {a.name for a in store.list() if a.in_host}
+    assert "r8-mlp" in in_host and "r5-ko" not in in_host
+    with pytest.raises(AdapterNotFoundError, match="'missing'"):
+        store.get("missing")
+    outside = tmp_path / "outside"
+    shutil.copytree(llama.adapter_root / "r1-qv", outside)
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "escape").symlink_to(outside)
+    confined = _store(llama, spec, geometry, budget=1 << 30, root=tmp_path / "root")
+    with pytest.raises(AdapterError, match="outside the adapter root"):
+        confined.get("escape")
+
+
+def test_registry_register_and_unregister(
+    llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry, tmp_path: Path
+) -> None:
+    registry = tmp_path / "multi_lora.json"
+    registry.write_text(json.dumps({"alias": str(llama.adapter_root / "r5-ko")}))
+    store = _store(llama, spec, geometry, budget=1 << 30, root=tmp_path)
+    store.register_file(registry)
+    first = store.get("alias")
+    assert first.ranks[LORA_MODULES.index("k_proj")] == 5
+    second = store.register("alias", llama.adapter_root / "r1-qv")
+    assert second is not None and second.generation > first.generation
+    assert store.get("alias").ranks[0] == 1
+    bad = _copy(llama.adapter_root / "r1-qv", tmp_path)
+    _edit_config(bad, peft_type="PREFIX_TUNING")
+    with pytest.raises(AdapterError):
+        store.register("broken", bad)
+    assert "broken" not in {a.name for a in store.list()}
+    store.unregister("alias")
+    with pytest.raises(AdapterNotFoundError):
+        store.get("alias")
+
+
+def test_preload_fills_host_memory_and_skips_bad_ones(
+    llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    shutil.copytree(llama.adapter_root, root)
+    _edit_config(root / "r5-ko", peft_type="IA3")
+    store = _store(llama, spec, geometry, budget=1 << 30, root=root)
+    assert store.preload(workers=3) == len(llama.adapters) - 1
+    in_host = {a.name for a in store.list() if a.in_host}
+    assert in_host == set(llama.adapters) - {"r5-ko"}
+    assert store.preload() == 0  # all in host memory already
+
+
+def test_preload_of_named_adapters_loads_only_those(
+    llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry
+) -> None:
+    store = _store(llama, spec, geometry, budget=1 << 30, root=llama.adapter_root)
+    chosen = list(llama.adapters[1:3])
+    assert store.preload(workers=2, names=chosen) == 2
+    assert {a.name for a in store.list() if a.in_host} == set(chosen)
+
+
+def test_preload_threads_follow_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    for cores, workers in ((1, 1), (2, 2), (64, MAX_PRELOAD_WORKERS)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
+        assert preload_workers() == workers
+
+
+def test_preload_loads_on_one_intra_op_thread_and_restores_torch_threads(
+    llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry, tmp_path: Path
+) -> None:
+    seen: list[int] = []
+
+    def load(name: str, path: Path, generation: int):  # type: ignore[no-untyped-def]
+        seen.append(torch.get_num_threads())
+        return load_peft_adapter(name, path, spec, geometry, torch.float32, generation=generation)
+
+    previous = torch.get_num_threads()
+    store = AdapterStore(load, 1 << 30, llama.adapter_root)
+    assert store.preload(workers=2) == len(llama.adapters)
+    assert seen == [1] * len(llama.adapters)
+    assert torch.get_num_threads() == previous
+
+
+def _gets_together(store: AdapterStore, name: str, callers: int) -> list[object]:
+    """What `callers` threads got from store.get(name), called at once: the adapter or the exception."""
+    results: list[object] = [None] * callers
+
+    def call(i: int) -> None:
+        try:
+            results[i] = store.get(name)
+        except AdapterError as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(callers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return results
+
+
+def _gated_loader(spec: ModelSpec, geometry: PoolGeometry, reads: list[str], error: str | None, waiters: int):  # type: ignore[no-untyped-def]
+    """A loader that counts its reads and lets each finish only once the store counts `waiters` gets waiting for
+    it (every caller but the reading one)."""
+    store_ref: list[AdapterStore] = []
+
+    def load(name: str, path: Path, generation: int):  # type: ignore[no-untyped-def]
+        reads.append(name)
+        deadline = time.monotonic() + 10
+        while store_ref[0].load_waits < waiters and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if error:
+            raise AdapterError(error)
+        return load_peft_adapter(name, path, spec, geometry, torch.float32, generation=generation)
+
+    return load, store_ref
+
+
+@pytest.mark.parametrize("error", [None, "adapter 'r3-all': disk on fire"])
+def test_concurrent_gets_of_one_adapter_read_it_once(
+    llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry, error: str | None
+) -> None:
+    reads: list[str] = []
+    callers = 4
+    load, store_ref = _gated_loader(spec, geometry, reads, error, waiters=callers - 1)
+    store = AdapterStore(load, 1 << 30, llama.adapter_root)
+    store_ref.append(store)
+    results = _gets_together(store, "r3-all", callers)
+    assert reads == ["r3-all"] and store.load_waits == callers - 1
+    if error:
+        assert all(isinstance(r, AdapterError) and "disk on fire" in str(r) for r in results)
+        assert not store.in_host("r3-all")
+        with pytest.raises(AdapterError, match="disk on fire"):
+            store.get("r3-all")  # a failed read is not remembered: the next get reads again
+        assert reads == ["r3-all", "r3-all"]
+    else:
+        assert all(r is results[0] for r in results) and store.in_host("r3-all") and store.loads == 1
+        assert store.get("r3-all") is results[0] and reads == ["r3-all"]

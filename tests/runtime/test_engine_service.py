@@ -1,0 +1,184 @@
+"""The engine behind a server: `LocalEngine` (a thread) and `EngineProcess` (a process of its own) must give the
+same greedy tokens as the engine called directly, hand every refusal to the request's callback with its error
+kind and message, answer adapter commands, abort, and fail requests in flight (not hang) if the process dies."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+
+from slora.backend.config import EngineConfig
+from slora.backend.engine.llm_engine import LLMEngine
+from slora.backend.engine.outputs import RequestOutput
+from slora.backend.engine.sampling_params import SamplingParams
+from slora.backend.errors import AdapterNotFoundError, EngineOverloadedError, InvalidRequestError
+from slora.backend.runtime.engine_process import EngineProcess
+from slora.backend.runtime.engine_service import EngineService, LocalEngine, Submission
+from slora.backend.serving.request_inputs import AdapterCommand
+from tests.model_fixtures import ModelWithAdapters
+
+GREEDY = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 9, 14, 2, 7], [3] * 30, [11, 12], [8, 1, 4]]
+
+
+def _config(model: ModelWithAdapters) -> EngineConfig:
+    return EngineConfig(model=str(model.base), adapter_root=str(model.adapter_root), device="cpu",
+                        dtype="float32", page_size=8, pool_bytes=4 << 20, max_num_seqs=8, max_batch_tokens=64,
+                        max_model_len=256)  # fmt: skip
+
+
+class Collector:
+    """Callbacks that gather each request's outputs; `wait` returns them once its final output came."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[str, list[RequestOutput]] = {}
+        self._finished: queue.Queue[str] = queue.Queue()
+        self._started = threading.Event()
+
+    def callback(self, output: RequestOutput) -> None:
+        self.outputs.setdefault(output.request_id, []).append(output)
+        self._started.set()
+        if output.finished:
+            self._finished.put(output.request_id)
+
+    def wait_started(self, timeout: float = 120.0) -> None:
+        assert self._started.wait(timeout), "no output came"
+
+    def wait(self, count: int, timeout: float = 120.0) -> None:
+        for _ in range(count):
+            self._finished.get(timeout=timeout)
+
+    def tokens(self, request_id: str) -> list[int]:
+        return [t for o in self.outputs[request_id] for t in o.new_token_ids]
+
+    def last(self, request_id: str) -> RequestOutput:
+        return self.outputs[request_id][-1]
+
+
+@pytest.fixture(scope="module", params=["local", "process"])
+def service(request: pytest.FixtureRequest, llama: ModelWithAdapters) -> Iterator[EngineService]:
+    config = _config(llama)
+    started: EngineService = LocalEngine(LLMEngine(config)) if request.param == "local" else EngineProcess(config)
+    yield started
+    started.stop()
+
+
+def test_greedy_tokens_equal_the_engine_called_directly(service: EngineService, llama: ModelWithAdapters) -> None:
+    adapters = [llama.adapters[0], None, llama.adapters[4], llama.adapters[2]]
+    expected = LLMEngine(_config(llama)).generate(PROMPTS, adapters, GREEDY)
+    got = Collector()
+    for i, (prompt, adapter) in enumerate(zip(PROMPTS, adapters)):
+        service.submit(Submission(f"g{i}", prompt, adapter, GREEDY, detokenize=False), got.callback)
+    got.wait(len(PROMPTS))
+    for i, completion in enumerate(expected):
+        assert got.tokens(f"g{i}") == completion.token_ids
+        assert got.last(f"g{i}").finish_reason == "length"
+    stats = service.stats()
+    assert stats.finished_requests >= len(PROMPTS)
+    assert stats.adapter_disk_reads >= 3 and stats.adapter_host_evictions == 0  # three adapters, a roomy budget
+
+
+def test_refusals_reach_the_callback_with_their_kind(service: EngineService) -> None:
+    got = Collector()
+    service.submit(Submission("bad-adapter", [1, 2], "no-such-adapter", GREEDY), got.callback)
+    service.submit(Submission("too-long", [1] * 300, None, GREEDY), got.callback)
+    service.submit(Submission("fine", [1, 2, 3], None, GREEDY), got.callback)
+    got.wait(3)
+    unknown, long = got.last("bad-adapter"), got.last("too-long")
+    assert unknown.finish_reason == "rejected" and isinstance(unknown.exception, AdapterNotFoundError)
+    assert "'no-such-adapter'" in (unknown.error or "")
+    assert long.finish_reason == "rejected" and "exceeds the model context of 256 tokens" in (long.error or "")
+    assert isinstance(long.exception, InvalidRequestError)
+    assert got.last("fine").finish_reason == "length" and len(got.tokens("fine")) == GREEDY.max_tokens
+
+
+def test_adapter_commands_are_answered(service: EngineService, llama: ModelWithAdapters) -> None:
+    rows = service.command(AdapterCommand("list"))["adapters"]
+    assert {row["name"] for row in rows} == set(llama.adapters)
+    with pytest.raises(AdapterNotFoundError, match="'ghost'"):
+        service.command(AdapterCommand("unload", "ghost"))
+
+
+def test_abort_ends_a_running_request(service: EngineService) -> None:
+    got = Collector()
+    service.submit(Submission("long", [4, 5, 6], None, replace(GREEDY, max_tokens=200)), got.callback)
+    got.wait_started()  # running: its first token came back
+    service.abort("long")
+    got.wait(1)
+    assert got.last("long").finish_reason == "abort" and len(got.tokens("long")) < 200
+
+
+def test_a_dead_engine_process_fails_requests_instead_of_hanging(llama: ModelWithAdapters) -> None:
+    engine = EngineProcess(_config(llama), max_restarts=0)
+    got = Collector()
+    try:
+        _kill_while_running(engine, got, "doomed")
+        doomed = got.last("doomed")
+        assert doomed.finish_reason == "error" and "exited unexpectedly" in (doomed.error or "")
+        engine.submit(Submission("after", [1, 2], None, GREEDY), got.callback)
+        got.wait(1)
+        assert isinstance(got.last("after").exception, EngineOverloadedError)
+        with pytest.raises(EngineOverloadedError, match="exited unexpectedly"):
+            engine.command(AdapterCommand("list"))
+    finally:
+        engine.stop(timeout=5)
+
+
+def test_a_dead_engine_process_is_started_again(llama: ModelWithAdapters) -> None:
+    engine = EngineProcess(_config(llama), max_restarts=1)
+    got = Collector()
+    try:
+        _finish_one(engine, "before")
+        finished_before = _stats_reach(engine, 1)
+        first_pid = engine.pid
+        _kill_while_running(engine, got, "doomed")
+        assert "restarting it" in (got.last("doomed").error or "")
+        deadline = time.monotonic() + 120
+        while engine.pid == first_pid or engine.stats().engine_restarts == 0:
+            assert time.monotonic() < deadline, "no new engine process"
+            time.sleep(0.1)
+        expected = LLMEngine(_config(llama)).generate([PROMPTS[0]], [llama.adapters[1]], GREEDY)[0].token_ids
+        served = _finish_one(engine, "after", llama.adapters[1])
+        assert served.tokens("after") == expected
+        assert _stats_reach(engine, finished_before + 1) >= finished_before + 1  # counters continue
+        assert engine.stats().engine_restarts == 1
+    finally:
+        engine.stop(timeout=5)
+
+
+def _stats_reach(engine: EngineProcess, finished: int) -> int:
+    """Finished requests in the statistics, once they count at least `finished` (they follow the outputs)."""
+    deadline = time.monotonic() + 30
+    while engine.stats().finished_requests < finished:
+        assert time.monotonic() < deadline, f"statistics stuck at {engine.stats().finished_requests} finished"
+        time.sleep(0.05)
+    return engine.stats().finished_requests
+
+
+def _finish_one(engine: EngineProcess, request_id: str, adapter: str | None = None) -> Collector:
+    got = Collector()
+    engine.submit(Submission(request_id, PROMPTS[0], adapter, GREEDY, detokenize=False), got.callback)
+    got.wait(1)
+    assert got.last(request_id).finish_reason == "length"
+    return got
+
+
+def _kill_while_running(engine: EngineProcess, got: Collector, request_id: str) -> None:
+    engine.submit(Submission(request_id, [4, 5, 6], None, replace(GREEDY, max_tokens=200)), got.callback)
+    got.wait_started()
+    assert engine.pid is not None
+    os.kill(engine.pid, signal.SIGKILL)
+    got.wait(1)
+
+
+def test_an_engine_that_cannot_start_says_why(tmp_path: os.PathLike) -> None:
+    config = EngineConfig(model=str(tmp_path), device="cpu")
+    with pytest.raises(RuntimeError, match="the engine failed to start: .*config.json"):
+        EngineProcess(config)

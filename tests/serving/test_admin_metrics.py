@@ -1,0 +1,130 @@
+"""Adapter registry at runtime (list / load / unload, multi_lora.json), metrics, and the slora-client CLI."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+
+from slora.backend.engine.sampling_params import SamplingParams
+from slora.client import cli
+from slora.client.admin import adapter_command
+from slora.client.generate import ServerError
+from slora.client.perf_input import input_rows
+from tests.serving.conftest import MAX_NUM_SEQS, REGISTRY_ADAPTER, Server
+from tests.serving.triton_calls import run_one, run_streams, scrape, text_inputs, token_inputs, wait_for_metric
+
+pytestmark = pytest.mark.server
+
+IDS = [1, 504, 3, 28, 1010, 30]
+
+
+def _generate(server: Server, adapter: str | None, max_tokens: int = 4) -> list[int]:
+    got = run_one(server.grpc_url, "slora", token_inputs(IDS, max_tokens, adapter, sampling={"temperature": 0}))
+    assert got.error is None, got.error
+    return got.token_ids
+
+
+def _rows(server: Server) -> dict[str, dict[str, Any]]:
+    return {row["name"]: row for row in adapter_command(server.http_url, "list")}
+
+
+def test_list_reports_every_adapter_with_tier_and_rank(server: Server) -> None:
+    _generate(server, "demo-mlp-r16")
+    rows = _rows(server)
+    assert set(server.demo_adapters) | {"broken", REGISTRY_ADAPTER} <= set(rows)
+    assert rows["demo-mlp-r16"]["state"] == "gpu" and rows["demo-mlp-r16"]["rank"] == 16
+    assert rows["demo-mlp-r16"]["ranks"] == {"gate_proj": 16, "up_proj": 16, "down_proj": 16}
+    assert rows[REGISTRY_ADAPTER]["path"].endswith("extra/for-registry")  # from multi_lora.json
+    assert rows["broken"]["state"] == "disk" and rows["broken"]["rank"] is None
+
+
+def test_load_and_unload_at_runtime(server: Server) -> None:
+    with pytest.raises(ServerError, match="'runtime-one'.*adapter_config.json is missing"):
+        adapter_command(server.http_url, "load", "runtime-one", str(server.spare_adapter.parent))
+    (row,) = adapter_command(server.http_url, "load", "runtime-one", str(server.spare_adapter))
+    assert row["state"] == "host" and row["rank"] == 2
+    assert _generate(server, "runtime-one") == _generate(server, "demo-o-r2")  # the spare is a copy of it
+    assert adapter_command(server.http_url, "unload", "runtime-one") == []
+    assert "runtime-one" not in _rows(server)
+    got = run_one(server.grpc_url, "slora", token_inputs(IDS, 4, "runtime-one"))
+    assert got.error is not None and "'runtime-one' is not registered" in got.error
+    with pytest.raises(ServerError, match="folder under the adapter root"):
+        adapter_command(server.http_url, "unload", "demo-qv-r4")
+    (row,) = adapter_command(server.http_url, "load", "demo-qv-r4")  # from the root into host memory
+    assert row["state"] in ("host", "gpu") and row["rank"] == 4
+
+
+def test_metrics_are_present_and_move(server: Server) -> None:
+    before = scrape(server.metrics_url)
+    for family in ('slora_pool_pages{kind="free"}', 'slora_pool_pages{kind="adapter"}', "slora_kv_cache_usage_ratio",
+                   'slora_adapters{tier="gpu"}', 'slora_adapters{tier="host"}', 'slora_adapters{tier="disk"}',
+                   'slora_requests{state="running"}', 'slora_requests{state="waiting"}', "slora_adapter_loads_total",
+                   "slora_adapter_evictions_total", "slora_adapter_disk_reads_total",
+                   "slora_adapter_host_evictions_total", "slora_preemptions_total", "slora_generated_tokens_total",
+                   'slora_requests_finished_total{reason="length"}', "slora_time_to_first_token_seconds_count",
+                   "slora_inter_token_latency_seconds_count"):  # fmt: skip
+        assert family in before, family
+    known = len(_rows(server))
+    wait_for_metric(server.metrics_url, 'slora_adapters{tier="disk"}', lambda v: v == known)
+    tokens = _generate(server, "demo-all-r8", max_tokens=5)
+    assert len(tokens) == 5
+    # Each series reaches Triton on its own path (engine statistics, or events from the responder), so each is
+    # waited for: the last token's response can reach the client before the finish is counted.
+    moved = {
+        "slora_generated_tokens_total": 5,
+        "slora_time_to_first_token_seconds_count": 1,
+        "slora_inter_token_latency_seconds_count": 4,
+        'slora_requests_finished_total{reason="length"}': 1,
+    }
+    for series, increase in moved.items():
+        wait_for_metric(server.metrics_url, series, lambda v, s=series, n=increase: v >= before[s] + n)
+
+
+def test_gateway_lora_info_gauge(server: Server) -> None:
+    """vllm:lora_requests_info names the running adapters (opt-in --lora-info-metric); value: update time."""
+    started = time.time()
+    _generate(server, "demo-o-r2", max_tokens=12)
+    gauges = {k: v for k, v in scrape(server.metrics_url).items() if k.startswith("vllm:lora_requests_info{")}
+    running = [k for k in gauges if 'running_lora_adapters="demo-o-r2"' in k]
+    assert running, gauges
+    assert all(f'max_lora="{MAX_NUM_SEQS}"' in k for k in gauges)
+    assert max(gauges[k] for k in running) >= started - 1
+
+
+def test_client_cli(server: Server, reference: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    urls = ["--url", server.grpc_url, "--http-url", server.http_url, "--metrics-url", server.metrics_url]
+    expected = reference.generate(["Hello!"], ["demo-qv-r4"], [SamplingParams(max_tokens=6, temperature=0.0)])[0]
+    for protocol in ("grpc", "http"):
+        assert cli.main([*urls, "generate", "Hello!", "--adapter", "demo-qv-r4", "--max-tokens", "6",
+                         "--temperature", "0", "--protocol", protocol]) == 0  # fmt: skip
+        assert capsys.readouterr().out == expected.text + "\n"
+    assert cli.main([*urls, "adapters", "list"]) == 0
+    assert "demo-mlp-r16" in capsys.readouterr().out
+    assert cli.main([*urls, "health"]) == 0
+    assert "model ensemble: ready" in capsys.readouterr().out
+    assert cli.main([*urls, "metrics"]) == 0
+    assert 'slora_pool_pages{kind="kv"}' in capsys.readouterr().out
+    assert cli.main([*urls, "generate", "Hi", "--adapter", "nope"]) == 1
+
+
+def test_perf_analyzer_input_rows_are_valid_requests(server: Server) -> None:
+    """The rows of perf/perf_analyzer.sh's input file, replayed as requests: every adapter id is served."""
+    adapters = [*server.demo_adapters, REGISTRY_ADAPTER]
+    for target in ("slora", "ensemble"):
+        rows = input_rows(target, adapters, rows=6, prompt_tokens=8, max_tokens=3, vocab=30000, seed=1)
+        assert {row["adapter_id"][0] for row in rows} <= {"", *adapters}
+        requests = {}
+        for i, row in enumerate(rows):
+            sampling = json.loads(row["sampling_parameters"][0])
+            adapter = row["adapter_id"][0] or None
+            if target == "slora":
+                requests[f"p{i}"] = token_inputs(row["input_ids"]["content"], row["max_tokens"][0], adapter,
+                                                 stream=True, sampling=sampling)  # fmt: skip
+            else:
+                requests[f"p{i}"] = text_inputs(row["text_input"][0], True, {**sampling, "max_tokens": 3}, adapter,
+                                                exclude_input=True)  # fmt: skip
+        results = run_streams(server.grpc_url, target, requests)
+        assert all(r.error is None and r.final and r.responses == 3 for r in results.values()), results
