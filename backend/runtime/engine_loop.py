@@ -20,11 +20,13 @@ from slora.backend.engine.outputs import EngineStats, RequestOutput, failed_outp
 from slora.backend.engine.request import Request
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.errors import EngineOverloadedError
+from slora.backend.runtime.queues import take_batch
 
 logger = logging.getLogger(__name__)
 
 OutputCallback = Callable[[RequestOutput], None]
 T = TypeVar("T")
+MAX_BATCH = 4096  # inbox items taken between two steps
 
 
 @dataclass
@@ -108,16 +110,9 @@ class EngineLoop:
             self._handle(_Abort(request_id))
 
     def _drain(self, block: bool) -> None:
-        try:
-            item = self._inbox.get(timeout=self._idle_wait_s) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while item is not None:
+        items, _ = take_batch(self._inbox, MAX_BATCH, timeout=self._idle_wait_s if block else 0)
+        for item in items:
             self._handle(item)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
 
     def _handle(self, item: _Submit | _Abort | _Call) -> None:
         if isinstance(item, _Submit):

@@ -28,9 +28,25 @@ from slora.backend.config import EngineConfig
 from slora.backend.engine.outputs import STATS_COUNTERS, EngineStats, RequestOutput, failed_output
 from slora.backend.errors import EngineOverloadedError
 from slora.backend.runtime.engine_loop import OutputCallback
-from slora.backend.runtime.engine_service import EngineInfo, StatsListener, Submission
+from slora.backend.runtime.engine_service import StatsListener
 from slora.backend.runtime.engine_worker import worker_main
-from slora.backend.serving.request_inputs import AdapterCommand
+from slora.backend.runtime.messages import (
+    AbortMsg,
+    AdapterCommand,
+    CommandMsg,
+    EngineInfo,
+    FailedMsg,
+    LogMsg,
+    LogRecord,
+    OutputsMsg,
+    ReadyMsg,
+    ResultMsg,
+    StopMsg,
+    StoppedMsg,
+    Submission,
+    SubmitMsg,
+    ToEngine,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +121,10 @@ class EngineProcess:
         if closed is not None:
             callback(failed_output(job.request_id, EngineOverloadedError(closed), "rejected"))
             return
-        self._send(("submit", job))
+        self._send(SubmitMsg(job))
 
     def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        self._send(AbortMsg(request_id))
 
     def command(self, command: AdapterCommand) -> dict[str, Any]:
         future: Future = Future()
@@ -117,7 +133,7 @@ class EngineProcess:
                 raise EngineOverloadedError(self._closed)
             call_id = next(self._call_ids)
             self._calls[call_id] = future
-        self._send(("command", call_id, command))
+        self._send(CommandMsg(call_id, command))
         return future.result(self._command_timeout_s)
 
     def stats(self) -> EngineStats:
@@ -129,7 +145,7 @@ class EngineProcess:
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the engine (it aborts what is left; those outputs are delivered), then the process."""
         self._stopping = True
-        self._send(("stop",))
+        self._send(StopMsg())
         self._receiver.join(timeout)
         self._process.join(timeout)
         if self._process.is_alive():
@@ -150,13 +166,13 @@ class EngineProcess:
                     )
                 continue
             message = self._outputs.recv()
-            if message[0] == "log":
-                _relay(message[1])
-            elif message[0] == "ready":
-                return message[1], message[2]
-            elif message[0] == "failed":
+            if isinstance(message, LogMsg):
+                _relay(message.records)
+            elif isinstance(message, ReadyMsg):
+                return message.info, message.stats
+            elif isinstance(message, FailedMsg):
                 self._process.join(10)
-                raise RuntimeError(f"the engine failed to start: {message[1]}")
+                raise RuntimeError(f"the engine failed to start: {message.reason}")
 
     def _receive(self) -> None:
         while True:
@@ -164,14 +180,13 @@ class EngineProcess:
                 message = self._outputs.recv()
             except (EOFError, OSError):
                 break
-            kind = message[0]
-            if kind == "outputs":
-                self._deliver(message[1], message[2])
-            elif kind == "log":
-                _relay(message[1])
-            elif kind == "result":
-                self._resolve(message[1], message[2], message[3])
-            elif kind == "stopped":
+            if isinstance(message, OutputsMsg):
+                self._deliver(message.outputs, message.stats)
+            elif isinstance(message, LogMsg):
+                _relay(message.records)
+            elif isinstance(message, ResultMsg):
+                self._resolve(message)
+            elif isinstance(message, StoppedMsg):
                 break
         self._process.join(5 if self._stopping else 1)
         self._close()
@@ -193,15 +208,15 @@ class EngineProcess:
             for listener in self._listeners:
                 listener(stats)
 
-    def _resolve(self, call_id: int, ok: bool, value: Any) -> None:
+    def _resolve(self, result: ResultMsg) -> None:
         with self._lock:
-            future = self._calls.pop(call_id, None)
+            future = self._calls.pop(result.call_id, None)
         if future is None:
             return
-        if ok:
-            future.set_result(value)
+        if result.error is None:
+            future.set_result(result.value)
         else:
-            future.set_exception(value)
+            future.set_exception(result.error)
 
     def _close(self) -> None:
         """The process is gone: end every request and command still waiting on it."""
@@ -244,14 +259,14 @@ class EngineProcess:
         counters = {key: getattr(stats, key) + self._counted_before[key] for key in STATS_COUNTERS}
         return replace(stats, engine_restarts=self.restarts, **counters)
 
-    def _send(self, message: tuple[Any, ...]) -> None:
+    def _send(self, message: ToEngine) -> None:
         with self._send_lock:
             try:
                 self._requests.send(message)
             except (OSError, ValueError):  # the process is gone: the receiver thread fails what is in flight
-                logger.debug("engine process pipe closed; %s not sent", message[0])
+                logger.debug("engine process pipe closed; %s not sent", type(message).__name__)
 
 
-def _relay(records: list[tuple[int, str, str]]) -> None:
-    for level, name, message in records:
-        logging.getLogger(name).log(level, "%s", message)
+def _relay(records: list[LogRecord]) -> None:
+    for record in records:
+        logging.getLogger(record.logger).log(record.level, "%s", record.message)

@@ -13,42 +13,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
-from slora.backend.adapters.admin import run_adapter_command
 from slora.backend.config import EngineConfig
 from slora.backend.engine.llm_engine import LLMEngine
 from slora.backend.engine.outputs import EngineStats, failed_output
-from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.errors import SloraError
+from slora.backend.runtime.adapter_admin import run_adapter_command
 from slora.backend.runtime.engine_loop import EngineLoop, OutputCallback
 from slora.backend.runtime.fresh_threads import FreshThreadExecutor, run_in_fresh_thread
 from slora.backend.runtime.gc_freeze import freeze_startup_objects
-from slora.backend.serving.request_inputs import AdapterCommand
+from slora.backend.runtime.messages import AdapterCommand, EngineInfo, Submission
 
 logger = logging.getLogger(__name__)
 
 INTAKE_THREADS = 4  # requests whose adapter must first be read from disk are taken in off the caller's thread
 StatsListener = Callable[[EngineStats], None]
-
-
-@dataclass(frozen=True)
-class Submission:
-    """One generation request, checked for shape by the server, to be checked for content by the engine."""
-
-    request_id: str
-    prompt_ids: list[int]
-    adapter: str | None = None
-    sampling: SamplingParams | None = None
-    detokenize: bool = True
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    num_pages: int
-    max_model_len: int
-    adapters_known: int
 
 
 class EngineService(Protocol):

@@ -1,13 +1,8 @@
 """The engine's own process (started by engine_process.py): a `LocalEngine` driven by messages over two pipes.
 
-    server ── requests ──► ("submit", Submission)  ("abort", request_id)  ("command", call_id, AdapterCommand)
-                           ("stop",)
-    server ◄── outputs ─── ("log", [(level, logger, message)])  ("ready", EngineInfo, EngineStats)
-                           ("failed", message)  ("outputs", [RequestOutput], EngineStats | None)
-                           ("result", call_id, ok, value)  ("stopped",)
-
-A pump thread sends what queued up while it was busy as one message, so a step's outputs cost the server one
-receive. The process stops when the server asks, or when the requests pipe closes (the server died).
+The messages are the dataclasses of messages.py. A pump thread sends what queued up while it was busy as one
+message, so a step's outputs cost the server one receive. The process stops when the server asks, or when the
+requests pipe closes (the server died).
 """
 
 from __future__ import annotations
@@ -18,19 +13,33 @@ import pickle
 import queue
 import threading
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TypeAlias
 
 from slora.backend.config import EngineConfig
 from slora.backend.engine.outputs import EngineStats, RequestOutput
 from slora.backend.runtime.engine_service import LocalEngine
 from slora.backend.runtime.fresh_threads import FreshThreadExecutor
-from slora.backend.serving.request_inputs import AdapterCommand
+from slora.backend.runtime.messages import (
+    AbortMsg,
+    CommandMsg,
+    FailedMsg,
+    FromEngine,
+    LogMsg,
+    LogRecord,
+    OutputsMsg,
+    ReadyMsg,
+    ResultMsg,
+    StopMsg,
+    StoppedMsg,
+    SubmitMsg,
+)
+from slora.backend.runtime.queues import take_batch
 from slora.backend.stub_compat import hide_packages_broken_by_numpy
 
 logger = logging.getLogger(__name__)
 
-_OUTPUT, _STATS, _LOG, _MESSAGE = range(4)
 MAX_BATCH = 4096  # queued items taken at once
+PumpItem: TypeAlias = RequestOutput | EngineStats | LogRecord | FromEngine
 
 
 class OutputPump:
@@ -38,65 +47,57 @@ class OutputPump:
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
-        self._queue: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[PumpItem | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="slora-pump", daemon=True)
         self._thread.start()
 
     def output(self, output: RequestOutput) -> None:
-        self._queue.put((_OUTPUT, output))
+        self._queue.put(output)
 
     def stats(self, stats: EngineStats) -> None:
-        self._queue.put((_STATS, stats))
+        self._queue.put(stats)
 
-    def log(self, level: int, name: str, message: str) -> None:
-        self._queue.put((_LOG, (level, name, message)))
+    def log(self, record: LogRecord) -> None:
+        self._queue.put(record)
 
-    def post(self, message: tuple[Any, ...]) -> None:
+    def post(self, message: FromEngine) -> None:
         """Send `message` after everything queued before it."""
-        self._queue.put((_MESSAGE, message))
+        self._queue.put(message)
 
     def close(self, timeout: float = 10.0) -> None:
         self._queue.put(None)
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        while True:
-            items = [self._queue.get()]
-            while len(items) < MAX_BATCH:
-                try:
-                    items.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            if not self._forward(items):
-                return
+        stopping = False
+        while not stopping:
+            items, stopping = take_batch(self._queue, MAX_BATCH)
+            self._forward(items)
 
-    def _forward(self, items: list[tuple[int, Any] | None]) -> bool:
+    def _forward(self, items: list[PumpItem]) -> None:
         outputs: list[RequestOutput] = []
-        logs: list[tuple[int, str, str]] = []
+        logs: list[LogRecord] = []
         stats: EngineStats | None = None
         for item in items:
-            if item is not None and item[0] == _OUTPUT:
-                outputs.append(_portable(item[1]))
-            elif item is not None and item[0] == _STATS:
-                stats = item[1]
-            elif item is not None and item[0] == _LOG:
-                logs.append(item[1])
+            if isinstance(item, RequestOutput):
+                outputs.append(_portable(item))
+            elif isinstance(item, EngineStats):
+                stats = item
+            elif isinstance(item, LogRecord):
+                logs.append(item)
             else:
                 self._flush(outputs, stats, logs)
                 outputs, logs, stats = [], [], None
-                if item is None:
-                    return False
-                self._send(item[1])
+                self._send(item)
         self._flush(outputs, stats, logs)
-        return True
 
-    def _flush(self, outputs: list[RequestOutput], stats: EngineStats | None, logs: list[tuple[int, str, str]]) -> None:
+    def _flush(self, outputs: list[RequestOutput], stats: EngineStats | None, logs: list[LogRecord]) -> None:
         if logs:
-            self._send(("log", logs))
+            self._send(LogMsg(logs))
         if outputs or stats is not None:
-            self._send(("outputs", outputs, stats))
+            self._send(OutputsMsg(outputs, stats))
 
-    def _send(self, message: tuple[Any, ...]) -> None:
+    def _send(self, message: FromEngine) -> None:
         try:
             self._conn.send(message)
         except (OSError, ValueError):  # the server is gone; the requests pipe tells the main thread
@@ -112,7 +113,7 @@ class PumpLogHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self._pump.log(record.levelno, record.name, self.format(record))
+            self._pump.log(LogRecord(record.levelno, record.name, self.format(record)))
         except Exception:
             self.handleError(record)
 
@@ -126,18 +127,18 @@ def worker_main(config: EngineConfig, requests: Connection, outputs: Connection)
         service = LocalEngine.start(config)
     except Exception as exc:
         logger.debug("engine construction failed", exc_info=exc)
-        pump.post(("failed", f"{type(exc).__name__}: {exc}"))
+        pump.post(FailedMsg(f"{type(exc).__name__}: {exc}"))
         pump.close()
         return
     service.on_stats(pump.stats)
-    pump.post(("ready", service.info, service.stats()))
+    pump.post(ReadyMsg(service.info, service.stats()))
     admin = FreshThreadExecutor(max_workers=1, thread_name_prefix="slora-admin")  # adapter reads: fresh_threads.py
     try:
         _serve(requests, service, pump, admin)
     finally:
         service.stop()  # aborts what is left: those outputs go out before "stopped"
         admin.shutdown(wait=True)
-        pump.post(("stopped",))
+        pump.post(StoppedMsg())
         pump.close()
 
 
@@ -148,24 +149,23 @@ def _serve(requests: Connection, service: LocalEngine, pump: OutputPump, admin: 
         except (EOFError, OSError):
             logger.warning("the server closed the engine's pipe; stopping the engine")
             return
-        kind = message[0]
-        if kind == "submit":
-            service.submit(message[1], pump.output)
-        elif kind == "abort":
-            service.abort(message[1])
-        elif kind == "command":
-            admin.submit(_command, service, pump, message[1], message[2])
-        elif kind == "stop":
+        if isinstance(message, SubmitMsg):
+            service.submit(message.job, pump.output)
+        elif isinstance(message, AbortMsg):
+            service.abort(message.request_id)
+        elif isinstance(message, CommandMsg):
+            admin.submit(_command, service, pump, message)
+        elif isinstance(message, StopMsg):
             return
         else:
-            logger.error("unknown message %r from the server; ignored", kind)
+            logger.error("unknown message %r from the server; ignored", type(message).__name__)
 
 
-def _command(service: LocalEngine, pump: OutputPump, call_id: int, command: AdapterCommand) -> None:
+def _command(service: LocalEngine, pump: OutputPump, message: CommandMsg) -> None:
     try:
-        pump.post(("result", call_id, True, service.command(command)))
+        pump.post(ResultMsg(message.call_id, value=service.command(message.command)))
     except Exception as exc:  # handed to the caller, who asked for it
-        pump.post(("result", call_id, False, _portable_error(exc)))
+        pump.post(ResultMsg(message.call_id, error=_portable_error(exc)))
 
 
 def _route_logging(pump: OutputPump) -> None:

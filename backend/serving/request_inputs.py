@@ -32,6 +32,7 @@ import numpy as np
 
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.errors import InvalidRequestError
+from slora.backend.runtime.messages import ADAPTER_OPS, AdapterCommand
 
 ADAPTER_KEYS = ("adapter_id", "lora_name")
 # Request parameters that are meant for other steps of the ensemble, never sampling parameters.
@@ -39,7 +40,6 @@ NOT_SAMPLING = frozenset({"apply_chat_template", "adapter_path"})
 _INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "min_tokens", "n", "best_of"})
 _FLOAT_FIELDS = frozenset({"temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"})
 _BOOL_FIELDS = frozenset({"ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"})
-ADAPTER_COMMANDS = ("list", "load", "unload")
 
 
 @dataclass(frozen=True)
@@ -58,15 +58,6 @@ class GenerateInputs:
     stream: bool
     prefix_text: str = ""
     wants_text: bool = False  # send text spans (the ensemble's postprocessing step needs them)
-
-
-@dataclass(frozen=True)
-class AdapterCommand:
-    """A control request: list the adapters, or register (load) / unregister (unload) one."""
-
-    op: str
-    name: str | None = None
-    path: str | None = None
 
 
 def is_adapter_command(raw: RawRequest) -> bool:
@@ -96,8 +87,8 @@ def parse_generate(raw: RawRequest, default_max_tokens: int | None = None) -> Ge
 
 def parse_adapter_command(raw: RawRequest) -> AdapterCommand:
     op = _text(raw.tensors["adapter_command"], "adapter_command").strip().lower()
-    if op not in ADAPTER_COMMANDS:
-        raise InvalidRequestError(f"adapter_command must be one of {', '.join(ADAPTER_COMMANDS)}, got {op!r}")
+    if op not in ADAPTER_OPS:
+        raise InvalidRequestError(f"adapter_command must be one of {', '.join(ADAPTER_OPS)}, got {op!r}")
     name = _adapter(raw, {})
     path = _optional_text(raw, "adapter_path")
     if op == "unload" and not name:

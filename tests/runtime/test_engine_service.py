@@ -20,8 +20,8 @@ from slora.backend.engine.outputs import RequestOutput
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.errors import AdapterNotFoundError, EngineOverloadedError, InvalidRequestError
 from slora.backend.runtime.engine_process import EngineProcess
-from slora.backend.runtime.engine_service import EngineService, LocalEngine, Submission
-from slora.backend.serving.request_inputs import AdapterCommand
+from slora.backend.runtime.engine_service import EngineService, LocalEngine
+from slora.backend.runtime.messages import AdapterCommand, Submission
 from tests.model_fixtures import ModelWithAdapters
 
 GREEDY = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)

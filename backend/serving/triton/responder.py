@@ -26,6 +26,7 @@ import triton_python_backend_utils as pb_utils
 from slora.backend.engine.outputs import RequestOutput
 from slora.backend.runtime.engine_loop import OutputCallback
 from slora.backend.runtime.engine_service import EngineService
+from slora.backend.runtime.queues import take_batch
 from slora.backend.serving.response_stream import Reply, ResponseStream
 from slora.backend.serving.triton.errors import FINAL, error_code, send_error
 from slora.backend.serving.triton.metrics import NullMetrics
@@ -103,20 +104,7 @@ class Responder:
 
     def _next_batch(self) -> tuple[list[tuple[_InFlight, RequestOutput, float]], bool]:
         """What is queued now (waiting up to check_s for the first), and whether the stop marker came."""
-        batch: list[tuple[_InFlight, RequestOutput, float]] = []
-        try:
-            item = self._inbox.get(timeout=self._check_s)
-        except queue.Empty:
-            return batch, False  # no output for a while: time to sweep
-        while item is not None:
-            batch.append(item)
-            if len(batch) >= MAX_BATCH:
-                return batch, False
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return batch, False
-        return batch, True
+        return take_batch(self._inbox, MAX_BATCH, timeout=self._check_s)
 
     def _deliver_batch(self, batch: list[tuple[_InFlight, RequestOutput, float]]) -> None:
         """Outputs that queued up for one request go out as one response (fewer sends when the responder lags)."""

@@ -28,8 +28,9 @@ import triton_python_backend_utils as pb_utils
 
 from slora.backend.errors import EngineOverloadedError
 from slora.backend.runtime.engine_process import EngineProcess
-from slora.backend.runtime.engine_service import EngineService, LocalEngine, Submission
+from slora.backend.runtime.engine_service import EngineService, LocalEngine
 from slora.backend.runtime.fresh_threads import FreshThreadExecutor
+from slora.backend.runtime.messages import Submission
 from slora.backend.serving.drain import DrainWatcher
 from slora.backend.serving.options import ServingOptions, model_config_parameters
 from slora.backend.serving.request_inputs import (

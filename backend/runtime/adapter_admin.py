@@ -17,7 +17,7 @@ from slora.backend.engine.llm_engine import LLMEngine
 from slora.backend.errors import AdapterNotFoundError
 from slora.backend.model.spec import LORA_MODULES
 from slora.backend.runtime.engine_loop import EngineLoop
-from slora.backend.serving.request_inputs import AdapterCommand
+from slora.backend.runtime.messages import AdapterCommand
 
 
 def run_adapter_command(loop: EngineLoop, command: AdapterCommand) -> dict[str, Any]:

@@ -1,0 +1,119 @@
+"""Every message that crosses the engine-process boundary, one dataclass each (engine_process.py ⇄ engine_worker.py).
+
+    server ── requests pipe ──► SubmitMsg  AbortMsg  CommandMsg  StopMsg
+    server ◄── outputs pipe ─── LogMsg  ReadyMsg  FailedMsg  OutputsMsg  ResultMsg  StoppedMsg
+
+Messages are pickled by multiprocessing; every field is plain data, an engine dataclass or an exception that
+pickles (engine_worker.py replaces one that does not by a RuntimeError with its message).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from slora.backend.engine.outputs import EngineStats, RequestOutput
+from slora.backend.engine.sampling_params import SamplingParams
+
+ADAPTER_OPS = ("list", "load", "unload")
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One generation request, checked for shape by the server, to be checked for content by the engine."""
+
+    request_id: str
+    prompt_ids: list[int]
+    adapter: str | None = None
+    sampling: SamplingParams | None = None
+    detokenize: bool = True
+
+
+@dataclass(frozen=True)
+class AdapterCommand:
+    """An admin request: list the adapters, or register (load) / unregister (unload) one."""
+
+    op: str  # one of ADAPTER_OPS
+    name: str | None = None
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    num_pages: int
+    max_model_len: int
+    adapters_known: int
+
+
+# ---- server → engine process -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SubmitMsg:
+    job: Submission
+
+
+@dataclass(frozen=True)
+class AbortMsg:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class CommandMsg:
+    call_id: int
+    command: AdapterCommand
+
+
+@dataclass(frozen=True)
+class StopMsg:
+    pass
+
+
+ToEngine: TypeAlias = SubmitMsg | AbortMsg | CommandMsg | StopMsg
+
+
+# ---- engine process → server -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LogRecord:
+    level: int
+    logger: str
+    message: str
+
+
+@dataclass(frozen=True)
+class LogMsg:
+    records: list[LogRecord]
+
+
+@dataclass(frozen=True)
+class ReadyMsg:
+    info: EngineInfo
+    stats: EngineStats
+
+
+@dataclass(frozen=True)
+class FailedMsg:
+    reason: str  # why the engine could not start
+
+
+@dataclass(frozen=True)
+class OutputsMsg:
+    outputs: list[RequestOutput]
+    stats: EngineStats | None  # the latest statistics, when a step ended since the last message
+
+
+@dataclass(frozen=True)
+class ResultMsg:
+    call_id: int
+    value: Any = None  # the command's answer, when error is None
+    error: Exception | None = None
+
+
+@dataclass(frozen=True)
+class StoppedMsg:
+    pass
+
+
+FromEngine: TypeAlias = LogMsg | ReadyMsg | FailedMsg | OutputsMsg | ResultMsg | StoppedMsg
