@@ -32,6 +32,11 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 MAX_RANK = 256
+MAX_CONFIG_RANK = 1 << 16  # `r` / rank_pattern values beyond this are no rank a LoRA file can hold
+# The folded scale (alpha / r, or alpha / sqrt(r)) of every targeted layer must lie in this range. Trained
+# adapters sit around 0.01-100; beyond 1e4 the LoRA term swamps the base model (and float16 activations overflow),
+# below 1e-6 it is no adapter at all, and a scale that underflows to 0 cannot be folded (the ratios divide by it).
+SCALE_RANGE = (1e-6, 1e4)
 
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
@@ -142,10 +147,62 @@ def _check_config(name: str, config_file: Path, config: dict[str, Any]) -> None:
         raise refuse(f"modules_to_save {config['modules_to_save']!r} is not supported (full weights, not LoRA)")
     if config.get("bias", "none") != "none" or config.get("lora_bias"):
         raise refuse(f"bias={config.get('bias')!r} is not supported (only 'none')")
-    for key in ("lora_alpha", "r"):
-        value = config.get(key)
-        if value is not None and (not isinstance(value, (int, float)) or value <= 0):
-            raise refuse(f"{key} must be a positive number, got {value!r}")
+    try:
+        _check_config_numbers(config)
+    except ValueError as exc:
+        raise refuse(str(exc)) from None
+
+
+def _check_config_numbers(config: dict[str, Any]) -> None:
+    """Every number PEFT reads from the config is finite and in range; raises ValueError naming the field.
+
+    json.loads accepts NaN and Infinity, and a NaN alpha reached the kernels as a NaN scale: every logit NaN,
+    every sampled token 0, and no error anywhere.
+    """
+    if config.get("r") is not None:
+        _check_rank("r", config["r"])
+    if config.get("lora_alpha") is not None:
+        _check_alpha("lora_alpha", config["lora_alpha"])
+    for key, value in _pattern(config, "rank_pattern").items():
+        _check_rank(f"rank_pattern[{key!r}]", value)
+    for key, value in _pattern(config, "alpha_pattern").items():
+        _check_alpha(f"alpha_pattern[{key!r}]", value)
+    dropout = config.get("lora_dropout")
+    if dropout is not None and not (_is_number(dropout) and 0.0 <= dropout <= 1.0):
+        raise ValueError(f"lora_dropout must be a number from 0 to 1, got {dropout!r}")
+    if not isinstance(config.get("use_rslora", False), bool):
+        raise ValueError(f"use_rslora must be true or false, got {config['use_rslora']!r}")
+    layers = config.get("layers_to_transform")
+    listed = layers if isinstance(layers, list) else [] if layers is None else [layers]
+    if not all(_is_int(layer) and layer >= 0 for layer in listed):
+        raise ValueError(f"layers_to_transform must be a layer index or a list of them, got {layers!r}")
+
+
+def _pattern(config: dict[str, Any], field: str) -> dict[str, Any]:
+    pattern = config.get(field) or {}
+    if not isinstance(pattern, dict):
+        raise ValueError(f"{field} must be a JSON object of module pattern → value, got {pattern!r}")
+    return pattern
+
+
+def _check_rank(field: str, value: object) -> None:
+    # The tensors' shapes give the ranks the engine uses (checked against max_rank there); a config rank beyond
+    # MAX_CONFIG_RANK, or not an integer, is a broken file whatever the tensors say.
+    if not _is_int(value) or not 1 <= value <= MAX_CONFIG_RANK:
+        raise ValueError(f"{field} must be an integer rank from 1 to {MAX_CONFIG_RANK}, got {value!r}")
+
+
+def _check_alpha(field: str, value: object) -> None:
+    if not _is_number(value) or value <= 0:
+        raise ValueError(f"{field} must be a finite positive number, got {value!r}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _read_tensors(name: str, path: Path, spec: ModelSpec, max_rank: int) -> dict[str, torch.Tensor]:
@@ -212,17 +269,38 @@ def _collect(
         if sides["B"].shape[1] != rank:
             raise AdapterError(f"{where}: lora_A rank {rank} != lora_B rank {sides['B'].shape[1]}")
         module_key = f"model.layers.{layer}.{_PARENT[module]}.{module}"
-        per_module[module][layer] = (rank, peft_scale(config, module_key, rank))
+        per_module[module][layer] = (rank, _checked_scale(name, path, config, module_key, rank))
     return per_module
+
+
+def _checked_scale(name: str, path: Path, config: dict[str, Any], module_key: str, rank: int) -> float:
+    """The PEFT scale of one layer's module, refused (naming the field it came from) outside SCALE_RANGE."""
+    field, alpha = _alpha_of(config, module_key)
+    scale = _scale(config, alpha, rank)
+    low, high = SCALE_RANGE
+    if not (math.isfinite(scale) and low <= scale <= high):
+        rule = "sqrt(r)" if config.get("use_rslora") else "r"
+        raise AdapterError(
+            f"adapter {name!r}: {path / CONFIG_FILE}: {field}={alpha!r} gives {module_key} (rank {rank}) the scale "
+            f"{field} / {rule} = {scale!r}; scales from {low:g} to {high:g} are supported"
+        )
+    return scale
 
 
 def peft_scale(config: dict[str, Any], module_key: str, rank: int) -> float:
     """lora_alpha / r (or / sqrt(r) with use_rslora), with PEFT's alpha_pattern lookup."""
-    alpha = config.get("lora_alpha", 8)
+    return _scale(config, _alpha_of(config, module_key)[1], rank)
+
+
+def _alpha_of(config: dict[str, Any], module_key: str) -> tuple[str, float]:
+    """(the config field the module's alpha comes from, the alpha), with PEFT's alpha_pattern lookup."""
     for pattern, value in (config.get("alpha_pattern") or {}).items():
         if re.match(rf"(.*\.)?({pattern})$", module_key):
-            alpha = value
-            break
+            return f"alpha_pattern[{pattern!r}]", value
+    return "lora_alpha", config.get("lora_alpha", 8)
+
+
+def _scale(config: dict[str, Any], alpha: float, rank: int) -> float:
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
@@ -319,7 +397,7 @@ def _fill_image(
             if block.dtype == torch.float64 or not torch.isfinite(block.sum()):
                 _check_finite(tensors, block_keys)
             if side == "B":
-                block = _fold_layer_scales(block, per_module[module], scales[m])
+                block = _fold_layer_scales(block, per_module[module], scales[m], image.dtype, module)
             elif block.dtype != image.dtype and block.element_size() == 2:
                 block = block.to(torch.float32)  # 16-bit to another 16-bit type: exact through float32, and faster
             for page, start, first, count in group.pieces(row, rank):
@@ -339,12 +417,21 @@ def _stack_layers(weights: dict[int, torch.Tensor], side: str, rank: int, num_la
     return torch.stack([rows.get(layer, absent) for layer in range(num_layers)])
 
 
-def _fold_layer_scales(block: torch.Tensor, layers: dict[int, tuple[int, float]], scale: float) -> torch.Tensor:
-    """Bᵀ rows in float32, each layer's scale relative to the module's `scale` folded in."""
+def _fold_layer_scales(
+    block: torch.Tensor, layers: dict[int, tuple[int, float]], scale: float, dtype: torch.dtype, module: str
+) -> torch.Tensor:
+    """Bᵀ rows in float32, each layer's scale relative to the module's `scale` folded in; refused if the folded
+    rows do not fit `dtype` (scales that differ by orders of magnitude across layers, through alpha_pattern)."""
     block = block.to(torch.float32)
     ratios = [layers[layer][1] / scale if layer in layers else 1.0 for layer in range(block.shape[0])]
     if any(ratio != 1.0 for ratio in ratios):
         block = block * torch.tensor(ratios, dtype=torch.float32).view(-1, 1, 1)
+        largest = float(block.abs().amax())
+        if not largest <= torch.finfo(dtype).max:  # also NaN
+            raise AdapterError(
+                f"{module}'s lora_B scaled by its per-layer scales (alpha_pattern, up to {max(ratios):g} times the "
+                f"first layer's) reaches {largest:g}, beyond {dtype}"
+            )
     return block
 
 

@@ -5,9 +5,14 @@ first out (copies to the GPU go through a page-locked staging buffer, see adapte
 reference to its HostAdapter, so dropping an adapter from the store never pulls weights from under a queued
 request; the next request reloads it.
 
-Names come from clients, so they are checked: letters, digits, '_', '.', '-', not starting with '.', and the
-resolved directory must lie inside the adapter root (no '..', no symlink escaping it). Adapters registered by path
-(multi_lora.json, or `register`) are trusted operator input and may live anywhere.
+Names come from clients, so they are checked: letters, digits, '_', '.', '-', not starting with '.', no '..',
+and an adapter of the root must lie inside it: neither its folder nor the files read from it may be symlinks that
+lead out of the root. Adapters registered by path (multi_lora.json, or `register`) are trusted operator input and
+may live anywhere. A bad entry of the root (a symlink out of it, a name no client can send) is skipped by the
+listing and logged once as a warning, never failing the listing of the others; `bad_entries` says which and why.
+
+A name is registered once: `register` of a name already registered or present under the root raises
+AdapterExistsError unless `replace=True`.
 
 Thread-safe: the server registers and looks up adapters from request threads while the engine thread runs.
 """
@@ -29,12 +34,14 @@ from pathlib import Path
 
 import torch
 
-from slora.backend.adapters.host_adapter import CONFIG_FILE, HostAdapter
+from slora.backend.adapters.host_adapter import CONFIG_FILE, WEIGHTS_FILE, HostAdapter
 from slora.backend.errors import AdapterError, AdapterNotFoundError
 
 logger = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
+# Used with fullmatch: with match and `$`, a name with a trailing newline passed.
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
+ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)  # what the loader reads from an adapter's folder
 ROOT_LISTING_TTL_S = 10.0  # the adapter root is listed at most this often for statistics
 MAX_PRELOAD_WORKERS = 8  # preload's threads at most (their Python work shares the GIL)
 
@@ -69,10 +76,18 @@ def _intra_op_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+class AdapterExistsError(AdapterError):
+    """`register` (admin `load` with a path) of a name that is already registered or a folder of the adapter root,
+    without replace=True; nothing changed."""
+
+
 def validate_adapter_name(name: object) -> str:
-    if not isinstance(name, str) or not _NAME.match(name):
+    """`name` if clients may send it: 1-128 letters, digits, '_', '.', '-', not starting with '.', without '..'
+    (so no path separator, control character or whitespace); raises AdapterError naming it otherwise."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
         raise AdapterError(
-            f"adapter name {name!r} is invalid: use 1-128 letters, digits, '_', '.', '-', not starting with '.'"
+            f"adapter name {name!r} is invalid: use 1-128 letters, digits, '_', '.', '-', not starting with '.' "
+            "and without '..'"
         )
     return name
 
@@ -98,8 +113,9 @@ class AdapterStore:
         self.host_evictions = 0
         self.load_waits = 0  # gets that waited for another thread's read of the same adapter
         self._loading: dict[tuple[str, int], Future[HostAdapter]] = {}
-        self._root_names: frozenset[str] = frozenset()
+        self._root_entries: dict[str, Path] = {}  # name → folder, as of the last listing of the root
         self._root_listed_at = -float("inf")
+        self._bad_entries: dict[str, str] = {}  # name → why it is skipped, as of the last listing of the root
         if registry_file:
             self.register_file(Path(registry_file))
 
@@ -113,35 +129,69 @@ class AdapterStore:
             raise AdapterError(f"{registry_file}: must hold a JSON object of adapter name → directory")
         for name, path in entries.items():
             target = Path(path) if Path(path).is_absolute() else registry_file.parent / path
-            self.register(name, target, load=False)
+            # The operator's file: its names take precedence over folders of the adapter root, as they always did
+            self.register(name, target, load=False, replace=True)
+        logger.info("registered %d adapters from %s", len(entries), registry_file)
 
-    def register(self, name: str, path: str | Path, load: bool = True) -> HostAdapter | None:
-        """Add or replace `name` → `path`. With `load`, the adapter is read now so that a bad one is refused."""
+    def register(self, name: str, path: str | Path, load: bool = True, replace: bool = False) -> HostAdapter | None:
+        """Register `name` → `path`. With `load`, the adapter is read now so that a bad one is refused (and nothing
+        changes). A name already registered or present under the adapter root raises AdapterExistsError unless
+        `replace`: then requests after this one get the new adapter, requests already holding the old one keep it."""
         validate_adapter_name(name)
         path = Path(path)
         if not (path / CONFIG_FILE).is_file():
             raise AdapterError(f"adapter {name!r}: {path / CONFIG_FILE} is missing")
         with self._lock:
+            if not replace:
+                self._refuse_existing(name, path)
             generation = self._generation.get(name, 0) + 1
         adapter = self._loader(name, path, generation) if load else None
         with self._lock:
+            if not replace:
+                self._refuse_existing(name, path)  # registered by another thread while this one read the disk
             self._registered[name] = path
             self._generation[name] = generation
             self._drop(name)
             if adapter is not None:
                 self._insert(adapter)
-        logger.info("registered adapter %r at %s", name, path)
+        logger.debug("registered adapter %r at %s", name, path)
         return adapter
 
-    def unregister(self, name: str) -> None:
-        """Forget a registered adapter; requests already holding it finish with it."""
+    def path_of(self, name: str) -> Path | None:
+        """Where `name` is registered, else its entry under the adapter root if there is one (even a bad one),
+        else None; never raises."""
+        with self._lock:
+            if name in self._registered:
+                return self._registered[name]
+        if self.root is not None and validate_name_quietly(name) and os.path.lexists(self.root / name):
+            return self.root / name
+        return None
+
+    def _refuse_existing(self, name: str, path: Path) -> None:
+        """Raise AdapterExistsError if `name` is registered or an entry of the root (call with the lock held)."""
+        existing = self._registered.get(name)
+        if existing is None and self.root is not None and os.path.lexists(self.root / name):
+            existing = self.root / name
+        if existing is not None:
+            raise AdapterExistsError(
+                f"adapter {name!r} already exists ({existing}); registering it at {path} would re-point it: "
+                "load it with replace=true to do that"
+            )
+
+    def unregister(self, name: str) -> Path:
+        """Forget a registered adapter and return where it was; requests already holding it finish with it."""
         with self._lock:
             if name not in self._registered:
                 raise AdapterNotFoundError(f"adapter {name!r} is not registered")
-            del self._registered[name]
+            path = self._registered.pop(name)
             self._generation[name] = self._generation.get(name, 0) + 1
             self._drop(name)
             self._ranks.pop(name, None)
+        return path
+
+    def in_root(self, name: str) -> bool:
+        """Whether the adapter root has an entry `name` (good or bad); never raises."""
+        return self.root is not None and validate_name_quietly(name) and os.path.lexists(self.root / name)
 
     def in_host(self, name: str) -> bool:
         """Whether `get(name)` would return without reading the disk."""
@@ -216,42 +266,100 @@ class AdapterStore:
         return None
 
     def list(self) -> list[AdapterInfo]:
-        """Every adapter known by registration or found in the adapter root (listed now), sorted by name."""
-        root_names = self._list_root(max_age_s=0.0)
+        """Every adapter known by registration, in host memory or found in the adapter root (listed now), sorted
+        by name. Bad entries of the root are left out (see `bad_entries`)."""
+        root = self._list_root(max_age_s=0.0)
         with self._lock:
-            names = set(self._registered) | set(self._host) | root_names
+            # A registration shadows a folder of the same name; an adapter in host memory is listed even if its
+            # folder has gone since it was read.
+            paths = {**root, **{name: a.path for name, a in self._host.items()}, **self._registered}
             return [
-                AdapterInfo(name, str(self._path(name)), name in self._host, self._ranks.get(name))
-                for name in sorted(names)
+                AdapterInfo(name, str(path), name in self._host, self._ranks.get(name))
+                for name, path in sorted(paths.items())
             ]
+
+    def bad_entries(self) -> dict[str, str]:
+        """Entries of the adapter root that the last listing skipped: name → why."""
+        with self._lock:
+            return dict(self._bad_entries)
 
     def counts(self) -> tuple[int, int]:
         """(adapters in host memory, adapters known); the root listing may be up to ROOT_LISTING_TTL_S old."""
-        root_names = self._list_root(max_age_s=ROOT_LISTING_TTL_S)
+        root = self._list_root(max_age_s=ROOT_LISTING_TTL_S)
         with self._lock:
-            return len(self._host), len(set(self._registered) | set(self._host) | root_names)
+            return len(self._host), len(set(self._registered) | set(self._host) | set(root))
 
-    def _list_root(self, max_age_s: float) -> frozenset[str]:
+    def _list_root(self, max_age_s: float) -> dict[str, Path]:
+        """name → folder of every good adapter of the root; bad entries are recorded and warned of once."""
         now = time.monotonic()
         if now - self._root_listed_at <= max_age_s:
-            return self._root_names
-        names: frozenset[str] = frozenset()
-        if self.root and self.root.is_dir():
-            names = frozenset(
-                p.name for p in self.root.iterdir() if _NAME.match(p.name) and (p / CONFIG_FILE).is_file()
-            )
-        self._root_names, self._root_listed_at = names, now
-        return names
+            return self._root_entries
+        entries, bad = self._scan_root()
+        with self._lock:
+            for name, reason in bad.items():
+                if self._bad_entries.get(name) != reason:
+                    logger.warning("adapter root: entry %r skipped: %s", name, reason)
+            self._root_entries, self._bad_entries, self._root_listed_at = entries, bad, now
+        return entries
+
+    def _scan_root(self) -> tuple[dict[str, Path], dict[str, str]]:
+        """(name → folder of the good adapters, name → why of the bad entries) of the adapter root, now."""
+        entries: dict[str, Path] = {}
+        bad: dict[str, str] = {}
+        if self.root is None or not self.root.is_dir():
+            return entries, bad
+        try:
+            names = [p.name for p in self.root.iterdir()]
+        except OSError as exc:
+            return entries, {str(self.root): f"the adapter root cannot be listed ({exc})"}
+        for name in names:
+            if name.startswith("."):
+                continue  # hidden (.git, .cache): never an adapter name, and not worth a warning
+            try:
+                folder = self._root_folder(name)
+                if folder is None or not (folder / CONFIG_FILE).is_file():
+                    continue  # not an adapter (a file, an empty folder)
+                validate_adapter_name(name)
+            except (AdapterError, OSError) as exc:
+                bad[name] = str(exc)
+                continue
+            entries[name] = folder
+        return entries, bad
+
+    def _root_folder(self, name: str) -> Path | None:
+        """The folder of root entry `name`, or None if it is not a folder; raises AdapterError if it, or a file
+        the loader reads from it, is a symlink that leads out of the root (registered adapters are not held)."""
+        assert self.root is not None
+        try:
+            folder = self._confined(name, self.root / name)
+            if not folder.is_dir():
+                return None
+            for file in ADAPTER_FILES:
+                self._confined(name, folder / file)
+        except OSError as exc:  # permission denied, mostly: this entry is unusable, the others are not
+            raise AdapterError(f"adapter {name!r}: {self.root / name} cannot be read ({exc})") from exc
+        return folder
+
+    def _confined(self, name: str, path: Path) -> Path:
+        """`path` resolved, if it is a symlink; raises AdapterError if that leads out of the root."""
+        assert self.root is not None
+        if not path.is_symlink():
+            return path  # the root is resolved and names hold no separator: a plain entry is inside it
+        try:
+            target = path.resolve()
+        except (OSError, RuntimeError) as exc:  # a symlink loop
+            raise AdapterError(f"adapter {name!r}: {path} cannot be resolved ({exc})") from exc
+        if not target.is_relative_to(self.root):
+            raise AdapterError(f"adapter {name!r}: {path} is a symlink to {target}, outside the adapter root")
+        return target
 
     def _path(self, name: str) -> Path:
         if name in self._registered:
             return self._registered[name]
         if self.root is not None:
-            path = (self.root / name).resolve()
-            if not path.is_relative_to(self.root):
-                raise AdapterError(f"adapter name {name!r} resolves outside the adapter root")
-            if path.is_dir():
-                return path
+            folder = self._root_folder(name)
+            if folder is not None:
+                return folder
         raise AdapterNotFoundError(f"adapter {name!r} is not registered and not found in the adapter root")
 
     def _insert(self, adapter: HostAdapter) -> None:
@@ -274,3 +382,12 @@ class AdapterStore:
         adapter = self._host.pop(name, None)
         if adapter is not None:
             self.host_bytes -= adapter.nbytes
+
+
+def validate_name_quietly(name: object) -> bool:
+    """Whether `name` passes validate_adapter_name, without raising."""
+    try:
+        validate_adapter_name(name)
+    except AdapterError:
+        return False
+    return True

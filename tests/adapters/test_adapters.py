@@ -15,7 +15,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from slora.backend.adapters.host_adapter import load_peft_adapter, peft_scale
-from slora.backend.adapters.store import MAX_PRELOAD_WORKERS, AdapterStore, preload_workers, validate_adapter_name
+from slora.backend.adapters.store import (
+    MAX_PRELOAD_WORKERS,
+    AdapterExistsError,
+    AdapterStore,
+    preload_workers,
+    validate_adapter_name,
+)
 from slora.backend.errors import AdapterError, AdapterNotFoundError
 from slora.backend.memory.page_pool import PoolGeometry
 from slora.backend.model.spec import LORA_MODULES, ModelSpec
@@ -268,7 +274,7 @@ def test_registry_register_and_unregister(
     store.register_file(registry)
     first = store.get("alias")
     assert first.ranks[LORA_MODULES.index("k_proj")] == 5
-    second = store.register("alias", llama.adapter_root / "r1-qv")
+    second = store.register("alias", llama.adapter_root / "r1-qv", replace=True)
     assert second is not None and second.generation > first.generation
     assert store.get("alias").ranks[0] == 1
     bad = _copy(llama.adapter_root / "r1-qv", tmp_path)
@@ -380,3 +386,164 @@ def test_concurrent_gets_of_one_adapter_read_it_once(
     else:
         assert all(r is results[0] for r in results) and store.in_host("r3-all") and store.loads == 1
         assert store.get("r3-all") is results[0] and reads == ["r3-all"]
+
+
+# ---- config numbers, bad root entries, names, replace (issue 25) ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"lora_alpha": float("nan")}, "lora_alpha"),
+        ({"lora_alpha": float("inf")}, "lora_alpha"),
+        ({"lora_alpha": 1e300}, "lora_alpha"),  # finite, but the scale 1e300 / r makes every output garbage
+        ({"lora_alpha": 1e-320}, "lora_alpha"),  # positive, but the scale underflows to nothing
+        ({"lora_alpha": -4}, "lora_alpha"),
+        ({"lora_alpha": True}, "lora_alpha"),
+        ({"lora_alpha": "8"}, "lora_alpha"),
+        ({"r": 0}, "r must be an integer rank"),
+        ({"r": 2.5}, "r must be an integer rank"),
+        ({"r": float("nan")}, "r must be an integer rank"),
+        ({"r": True}, "r must be an integer rank"),
+        ({"r": 10**6}, "r must be an integer rank"),
+        ({"alpha_pattern": {"q_proj": float("nan")}}, r"alpha_pattern\['q_proj'\]"),
+        ({"alpha_pattern": {"q_proj": float("-inf")}}, r"alpha_pattern\['q_proj'\]"),
+        ({"alpha_pattern": {"v_proj": 1e300}}, r"alpha_pattern\['v_proj'\]"),
+        ({"alpha_pattern": {"v_proj": 0}}, r"alpha_pattern\['v_proj'\]"),
+        ({"alpha_pattern": [1, 2]}, "alpha_pattern"),
+        ({"rank_pattern": {"q_proj": float("nan")}}, r"rank_pattern\['q_proj'\]"),
+        ({"rank_pattern": {"q_proj": 0}}, r"rank_pattern\['q_proj'\]"),
+        ({"rank_pattern": {"q_proj": 1.5}}, r"rank_pattern\['q_proj'\]"),
+        ({"lora_dropout": float("nan")}, "lora_dropout"),
+        ({"lora_dropout": 1.5}, "lora_dropout"),
+        ({"lora_dropout": -0.1}, "lora_dropout"),
+        ({"use_rslora": "yes"}, "use_rslora"),
+        ({"layers_to_transform": [0, -1]}, "layers_to_transform"),
+        ({"layers_to_transform": 0.5}, "layers_to_transform"),
+    ],
+)
+def test_config_numbers_are_checked_with_file_and_field(
+    llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry, tmp_path: Path, changes: dict, field: str
+) -> None:
+    """NaN, infinite or absurd numbers in adapter_config.json are refused, naming the file and the field; before,
+    lora_alpha NaN/inf/1e300 was accepted and the adapter emitted token 0 forever."""
+    path = _copy(llama.adapter_root / "r1-qv", tmp_path)
+    _edit_config(path, **changes)
+    with pytest.raises(AdapterError, match=field) as err:
+        _load(path, spec, geometry, name="bad-numbers")
+    assert "bad-numbers" in str(err.value) and str(path / "adapter_config.json") in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("changes", "where"),
+    [
+        ({"lora_alpha": 1e5}, "lora_alpha"),  # 1e5 / 1: finite numbers, a scale no trained adapter has
+        ({"lora_alpha": 1e-7, "use_rslora": True}, "lora_alpha"),
+        ({"alpha_pattern": {"model.layers.1.self_attn.v_proj": 1e7}}, "alpha_pattern"),
+    ],
+)
+def test_the_folded_scale_is_checked(
+    llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry, tmp_path: Path, changes: dict, where: str
+) -> None:
+    path = _copy(llama.adapter_root / "r1-qv", tmp_path)
+    _edit_config(path, **changes)
+    with pytest.raises(AdapterError, match=rf"{where}.*scale") as err:
+        _load(path, spec, geometry)
+    assert str(path / "adapter_config.json") in str(err.value)
+
+
+def test_sane_config_numbers_still_load(
+    llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry, tmp_path: Path
+) -> None:
+    path = _copy(llama.adapter_root / "r1-qv", tmp_path)
+    _edit_config(path, lora_alpha=0.5, lora_dropout=0.1, use_rslora=True, r=1, layers_to_transform=[0, 1],
+                 rank_pattern={"q_proj": 1}, alpha_pattern={"v_proj": 64.0})  # fmt: skip
+    adapter = _load(path, spec, geometry)
+    assert adapter.scales[LORA_MODULES.index("q_proj")] == 0.5
+    assert adapter.scales[LORA_MODULES.index("v_proj")] == 64.0
+
+
+@pytest.mark.parametrize("name", ["abc\n", "a\tb", "a\x00b", "a..b", "..", "a\\b", "a/../b", "tenant\r\n"])
+def test_adapter_names_with_control_characters_separators_or_dots_are_refused(name: str) -> None:
+    with pytest.raises(AdapterError, match="invalid") as err:
+        validate_adapter_name(name)
+    assert repr(name) in str(err.value)
+
+
+def _root_with_bad_entries(llama: ModelWithAdapters, tmp_path: Path) -> Path:
+    """An adapter root: two good adapters, a folder symlink and a weights-file symlink that leave the root, a
+    folder symlink that stays inside (an alias), and a folder with a config but a name no client can send."""
+    root = tmp_path / "root"
+    root.mkdir()
+    for name in ("r1-qv", "r5-ko"):
+        shutil.copytree(llama.adapter_root / name, root / name)
+    outside = tmp_path / "outside"
+    shutil.copytree(llama.adapter_root / "r3-all", outside)
+    (root / "link-out").symlink_to(outside)
+    leaky = root / "leaky-weights"
+    leaky.mkdir()
+    shutil.copy(outside / "adapter_config.json", leaky / "adapter_config.json")
+    (leaky / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
+    (root / "alias").symlink_to(root / "r1-qv")
+    shutil.copytree(llama.adapter_root / "r1-qv", root / "bad name")
+    (root / ".cache").mkdir()  # hidden: never an adapter, never reported
+    return root
+
+
+def test_bad_root_entries_are_skipped_and_reported_once(
+    llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One bad entry of the adapter root no longer fails the whole listing (and with it start-up and `list`)."""
+    store = _store(llama, spec, geometry, budget=1 << 30, root=_root_with_bad_entries(llama, tmp_path))
+    with caplog.at_level("WARNING", logger="slora.backend.adapters.store"):
+        assert [a.name for a in store.list()] == ["alias", "r1-qv", "r5-ko"]
+        assert store.counts() == (0, 3)
+        assert [a.name for a in store.list()] == ["alias", "r1-qv", "r5-ko"]
+    bad = store.bad_entries()
+    assert set(bad) == {"link-out", "leaky-weights", "bad name"}
+    assert "outside the adapter root" in bad["link-out"] and "outside the adapter root" in bad["leaky-weights"]
+    assert "invalid" in bad["bad name"]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 3 and all("skipped" in w for w in warned)  # once each, not once per listing
+    assert store.get("alias").ranks == store.get("r1-qv").ranks
+
+
+def test_symlinks_out_of_the_root_are_refused_for_folders_and_weight_files(
+    llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry, tmp_path: Path
+) -> None:
+    store = _store(llama, spec, geometry, budget=1 << 30, root=_root_with_bad_entries(llama, tmp_path))
+    with pytest.raises(AdapterError, match="'link-out'.*outside the adapter root"):
+        store.get("link-out")
+    with pytest.raises(AdapterError, match=r"'leaky-weights'.*adapter_model\.safetensors.*outside the adapter root"):
+        store.get("leaky-weights")
+    with pytest.raises(AdapterNotFoundError, match="'ghost'"):
+        store.get("ghost")
+    assert not store.in_host("leaky-weights")
+
+
+def test_load_of_an_existing_name_needs_replace(
+    llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry, tmp_path: Path
+) -> None:
+    """A registered name, or a folder of the root, is not silently re-pointed to other weights."""
+    store = _store(llama, spec, geometry, budget=1 << 30, root=llama.adapter_root)
+    store.register("tenant", llama.adapter_root / "r5-ko")
+    with pytest.raises(AdapterExistsError, match="'tenant' already exists.*replace"):
+        store.register("tenant", llama.adapter_root / "r1-qv")
+    with pytest.raises(AdapterExistsError, match="'r8-mlp' already exists"):
+        store.register("r8-mlp", llama.adapter_root / "r1-qv")  # a folder of the root
+    assert store.path_of("tenant") == llama.adapter_root / "r5-ko"
+    assert store.get("r8-mlp").ranks[LORA_MODULES.index("gate_proj")] == 8
+    replaced = store.register("r8-mlp", llama.adapter_root / "r1-qv", replace=True)
+    assert replaced is not None and store.get("r8-mlp") is replaced and replaced.ranks[0] == 1
+    assert store.path_of("ghost") is None
+
+
+def test_per_layer_scales_that_overflow_the_dtype_are_refused(
+    llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry, tmp_path: Path
+) -> None:
+    """Each in range, but layer 1's scale is 1e10 times layer 0's: folded into its Bᵀ it overflows float16."""
+    path = _copy(llama.adapter_root / "r1-qv", tmp_path)
+    _edit_config(path, lora_alpha=1e-6, alpha_pattern={"model.layers.1.self_attn.v_proj": 1e4})
+    assert _load(path, spec, geometry).image.isfinite().all()  # float32 holds it
+    with pytest.raises(AdapterError, match="v_proj.*beyond torch.float16"):
+        load_peft_adapter("x", path, spec, geometry, torch.float16)
