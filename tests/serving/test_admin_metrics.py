@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -84,14 +85,29 @@ def test_metrics_are_present_and_move(server: Server) -> None:
 
 
 def test_gateway_lora_info_gauge(server: Server) -> None:
-    """vllm:lora_requests_info names the running adapters (opt-in --lora-info-metric); value: update time."""
+    """vllm:lora_requests_info names the running adapters (opt-in --lora-info-metric) in one series at a time,
+    whose value is the time of the update; when the request ends, that series gives way to an idle one."""
     started = time.time()
-    _generate(server, "demo-o-r2", max_tokens=12)
-    gauges = {k: v for k, v in scrape(server.metrics_url).items() if k.startswith("vllm:lora_requests_info{")}
-    running = [k for k in gauges if 'running_lora_adapters="demo-o-r2"' in k]
-    assert running, gauges
-    assert all(f'max_lora="{MAX_NUM_SEQS}"' in k for k in gauges)
-    assert max(gauges[k] for k in running) >= started - 1
+    inputs = token_inputs(IDS, 400, "demo-o-r2", sampling={"temperature": 0, "ignore_eos": True})
+    with ThreadPoolExecutor(1) as pool:
+        request = pool.submit(run_one, server.grpc_url, "slora", inputs)
+        running = _lora_series_until(server, lambda labels: 'running_lora_adapters="demo-o-r2"' in labels)
+        assert request.result().finish_reason == "length"
+    assert f'max_lora="{MAX_NUM_SEQS}"' in running[0] and running[1] >= started - 1
+    idle = _lora_series_until(server, lambda labels: 'running_lora_adapters=""' in labels)
+    assert idle[1] >= running[1]
+
+
+def _lora_series_until(server: Server, predicate: Any, timeout_s: float = 30.0) -> tuple[str, float]:
+    """The one vllm:lora_requests_info series, once its labels satisfy `predicate`; never more than one."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        series = [(k, v) for k, v in scrape(server.metrics_url).items() if k.startswith("vllm:lora_requests_info{")]
+        assert len(series) <= 1, series
+        if series and predicate(series[0][0]):
+            return series[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no vllm:lora_requests_info series matched within {timeout_s} s")
 
 
 def test_client_cli(server: Server, reference: Any, capsys: pytest.CaptureFixture[str]) -> None:

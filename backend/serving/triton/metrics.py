@@ -16,9 +16,11 @@
     slora_time_to_first_token_seconds               histogram  arrival at the model → first token
     slora_inter_token_latency_seconds               histogram  between two tokens of one request
     vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}   gauge (opt-in)
-        value: the Unix time of the update; read by the Gateway API Inference Extension for LoRA affinity.
-        Triton never drops a label set once created, so each distinct set of adapter names stays as a series
-        (with its last timestamp): enable it where the adapter sets are bounded.
+        value: the Unix time of the update; read by the Gateway API Inference Extension's endpoint picker for
+        LoRA affinity (its newest series by value). One series at a time: the current adapter sets. A Python-
+        backend family keeps every series it ever made, so a new label set replaces the whole family (dropping
+        a family removes its series from Triton's registry); the page stays one line long however many adapter
+        sets the server goes through, and a scrape between the two sees no series, which the picker skips.
 
 Every update is a message to the server process, so updates are queued and made by one thread; gauges follow
 the engine's statistics at most every `interval_s`.
@@ -99,9 +101,8 @@ class TritonMetrics(NullMetrics):
         self.itl = self._family("slora_inter_token_latency_seconds", "Time between two tokens", histogram).Metric(
             labels={}, buckets=ITL_BUCKETS
         )
-        self._lora_info = (
-            self._family(LORA_INFO_METRIC, "Running and waiting LoRA adapters", gauge) if lora_info else None
-        )
+        self._lora_info = lora_info
+        self._lora_family: Any = None
         self._lora_labels: tuple[str, str] | None = None
         self._lora_metric: Any = None
         self._counted: dict[str, int] = {key: 0 for key in self.counters}
@@ -133,7 +134,7 @@ class TritonMetrics(NullMetrics):
         self._thread.join(5.0)
         # Metrics must go before their families.
         self.pages = self.adapters = self.requests = self.counters = self.finished = {}
-        self.kv_usage = self.ttft = self.itl = self._lora_metric = None
+        self.kv_usage = self.ttft = self.itl = self._lora_metric = self._lora_family = None
         self._families.clear()
 
     # ---- the metrics thread -----------------------------------------------------------------------------------
@@ -180,19 +181,28 @@ class TritonMetrics(NullMetrics):
             if total > self._counted[key]:
                 metric.increment(total - self._counted[key])
                 self._counted[key] = total
-        if self._lora_info is not None:
+        if self._lora_info:
             self._publish_lora_info(stats)
 
     def _publish_lora_info(self, stats: EngineStats) -> None:
-        assert self._lora_info is not None
         labels = (",".join(stats.running_adapters), ",".join(stats.waiting_adapters))
         if labels != self._lora_labels:
-            self._lora_metric = self._lora_info.Metric(
-                labels={
-                    "running_lora_adapters": labels[0],
-                    "waiting_lora_adapters": labels[1],
-                    "max_lora": str(self._max_lora),
-                }
-            )
-            self._lora_labels = labels
+            self._replace_lora_series(labels)
         self._lora_metric.set(time.time())
+
+    def _replace_lora_series(self, labels: tuple[str, str]) -> None:
+        """The LoRA gauge's family anew with one series for `labels`; the old family, and its series, go."""
+        if self._lora_family is not None:
+            self._families.remove(self._lora_family)
+        self._lora_metric = self._lora_family = None  # the last references: the family is deleted here
+        self._lora_family = self._family(
+            LORA_INFO_METRIC, "Running and waiting LoRA adapters", pb_utils.MetricFamily.GAUGE
+        )
+        self._lora_metric = self._lora_family.Metric(
+            labels={
+                "running_lora_adapters": labels[0],
+                "waiting_lora_adapters": labels[1],
+                "max_lora": str(self._max_lora),
+            }
+        )
+        self._lora_labels = labels
