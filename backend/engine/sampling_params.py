@@ -8,6 +8,8 @@ from typing import Any
 
 from slora.backend.errors import InvalidRequestError
 
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits; beyond, it failed with "Overflow when unpacking"
+
 # Keys of vLLM's SamplingParams that clients send with their neutral value; any other value is refused.
 _NEUTRAL = {
     "n": 1,
@@ -50,7 +52,7 @@ class SamplingParams:
             raise InvalidRequestError(f"sampling parameter 'top_p' must be in (0, 1], got {self.top_p!r}")
         _check_int("top_k", self.top_k, minimum=-1)
         if self.seed is not None:
-            _check_int("seed", self.seed, minimum=0)
+            _check_int("seed", self.seed, minimum=0, maximum=MAX_SEED)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"sampling parameter 'ignore_eos' must be a boolean, got {self.ignore_eos!r}")
         object.__setattr__(self, "stop", _string_tuple(self.stop))
@@ -85,11 +87,13 @@ class SamplingParams:
         return cls(**kwargs)
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
+def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidRequestError(f"sampling parameter {name!r} must be an integer, got {value!r}")
     if value < minimum:
         raise InvalidRequestError(f"sampling parameter {name!r} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise InvalidRequestError(f"sampling parameter {name!r} must be <= {maximum}, got {value}")
 
 
 def _check_float(name: str, value: object, minimum: float) -> None:

@@ -7,7 +7,10 @@ sys.path; requests go down one pipe, each step's outputs come back as one messag
 receiver thread that calls each request's callback.
 
 If the child dies, every request in flight ends with an error naming the exit code, and later requests are
-refused (UNAVAILABLE) with that message: nothing waits forever.
+refused (UNAVAILABLE) with that message: nothing waits forever. A new child is started (up to `max_restarts` in
+the life of the server); before it serves, it is given back every adapter registration made at runtime that
+succeeded (`load` with a path, `unload`: adapter_admin.RuntimeRegistry), so that requests that worked before the
+crash work after it, with the same weights.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from typing import Any
 
 from slora.backend.config import EngineConfig
 from slora.backend.engine.outputs import STATS_COUNTERS, EngineStats, RequestOutput, failed_output
-from slora.backend.errors import EngineOverloadedError
+from slora.backend.errors import AdapterError, AdapterNotFoundError, EngineOverloadedError
+from slora.backend.runtime.adapter_admin import RuntimeRegistry
 from slora.backend.runtime.engine_loop import OutputCallback
 from slora.backend.runtime.engine_service import StatsListener
 from slora.backend.runtime.engine_worker import worker_main
@@ -84,7 +88,8 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._callbacks: dict[str, OutputCallback] = {}
-        self._calls: dict[int, Future] = {}
+        self._calls: dict[int, tuple[Future, AdapterCommand]] = {}
+        self.registry = RuntimeRegistry()  # runtime registrations, given back to every new engine process
         self._call_ids = itertools.count()
         self._listeners: list[StatsListener] = []
         self._closed: str | None = None  # why requests are refused while no engine process serves them
@@ -127,12 +132,17 @@ class EngineProcess:
         self._send(AbortMsg(request_id))
 
     def command(self, command: AdapterCommand) -> dict[str, Any]:
+        return self._call(command, refuse_when_closed=True)
+
+    def _call(self, command: AdapterCommand, refuse_when_closed: bool) -> dict[str, Any]:
+        """Send `command` to the engine process and wait for its answer (the restart, which gives the registry
+        back while requests are still refused, calls with refuse_when_closed=False)."""
         future: Future = Future()
         with self._lock:
-            if self._closed is not None:
+            if refuse_when_closed and self._closed is not None:
                 raise EngineOverloadedError(self._closed)
             call_id = next(self._call_ids)
-            self._calls[call_id] = future
+            self._calls[call_id] = (future, command)
         self._send(CommandMsg(call_id, command))
         return future.result(self._command_timeout_s)
 
@@ -210,10 +220,12 @@ class EngineProcess:
 
     def _resolve(self, result: ResultMsg) -> None:
         with self._lock:
-            future = self._calls.pop(result.call_id, None)
-        if future is None:
+            future, command = self._calls.pop(result.call_id, (None, None))
+        if future is None or command is None:
             return
         if result.error is None:
+            # Recorded here, on the receiver thread, in the order the engine carried the commands out
+            self.registry.record(command)
             future.set_result(result.value)
         else:
             future.set_exception(result.error)
@@ -233,7 +245,7 @@ class EngineProcess:
         failure = RuntimeError(reason)
         for request_id, callback in callbacks.items():
             callback(failed_output(request_id, failure))
-        for future in calls.values():
+        for future, _command in calls.values():
             future.set_exception(failure)
 
     def _restart(self) -> None:
@@ -245,6 +257,7 @@ class EngineProcess:
         logger.warning("starting a new engine process (%d more restarts allowed)", self._restarts_left)
         try:
             self._start()
+            self._give_back_registrations()
         except Exception as exc:
             logger.error("the engine could not be restarted: %s", exc)
             with self._lock:
@@ -253,6 +266,28 @@ class EngineProcess:
         with self._lock:
             self._closed = None
         logger.info("the engine process is serving again (restart %d)", self.restarts)
+
+    def _give_back_registrations(self) -> None:
+        """Re-apply the runtime registrations to the new engine process, before it serves. One that fails now
+        (its folder removed since, say) is logged and forgotten; the others still apply."""
+        commands = self.registry.replay()
+        for command in commands:
+            assert command.name is not None  # RuntimeRegistry records named commands only
+            try:
+                self._call(command, refuse_when_closed=False)
+            except AdapterNotFoundError:
+                if command.op != "unload":  # an unload of a name this engine never had: nothing to undo
+                    self._forget(command, "is not found")
+            except AdapterError as exc:  # anything else (the process died, a timeout) ends the restart
+                self._forget(command, str(exc))
+        if commands:
+            logger.info("gave the new engine process back %d runtime adapter registrations", len(commands))
+
+    def _forget(self, command: AdapterCommand, reason: str) -> None:
+        assert command.name is not None
+        self.registry.forget(command.name)
+        logger.error("adapter %r, registered at runtime (%s %s), is lost with the restart: %s", command.name,
+                     command.op, command.path or "", reason)  # fmt: skip
 
     def _cumulative(self, stats: EngineStats) -> EngineStats:
         """`stats` with the counters continued from engine processes that exited, and the restart count."""

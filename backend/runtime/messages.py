@@ -31,11 +31,16 @@ class Submission:
 
 @dataclass(frozen=True)
 class AdapterCommand:
-    """An admin request: list the adapters, or register (load) / unregister (unload) one."""
+    """An admin request: list the adapters, or register (load) / unregister (unload) one.
+
+    `load` with a path of a name that exists (registered, or a folder of the adapter root) is refused with
+    AdapterExistsError unless `replace`.
+    """
 
     op: str  # one of ADAPTER_OPS
     name: str | None = None
     path: str | None = None
+    replace: bool = False
 
 
 @dataclass(frozen=True)

@@ -4,21 +4,27 @@ kind and message, answer adapter commands, abort, and fail requests in flight (n
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import queue
+import shutil
 import signal
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
+from slora.backend.adapters.store import AdapterExistsError
 from slora.backend.config import EngineConfig
 from slora.backend.engine.llm_engine import LLMEngine
 from slora.backend.engine.outputs import RequestOutput
 from slora.backend.engine.sampling_params import SamplingParams
-from slora.backend.errors import AdapterNotFoundError, EngineOverloadedError, InvalidRequestError
+from slora.backend.errors import AdapterError, AdapterNotFoundError, EngineOverloadedError, InvalidRequestError
+from slora.backend.model.spec import ModelSpec
 from slora.backend.runtime.engine_process import EngineProcess
 from slora.backend.runtime.engine_service import EngineService, LocalEngine
 from slora.backend.runtime.messages import AdapterCommand, Submission
@@ -182,3 +188,145 @@ def test_an_engine_that_cannot_start_says_why(tmp_path: os.PathLike) -> None:
     config = EngineConfig(model=str(tmp_path), device="cpu")
     with pytest.raises(RuntimeError, match="the engine failed to start: .*config.json"):
         EngineProcess(config)
+
+
+# ---- issue 25: out-of-vocabulary ids, bad root entries, replace, registrations across restarts ----------------
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_naming_input_ids(
+    service: EngineService, llama: ModelWithAdapters
+) -> None:
+    vocab = ModelSpec.from_dir(llama.base).vocab_size
+    got = Collector()
+    service.submit(Submission("too-big", [1, vocab], None, GREEDY), got.callback)
+    service.submit(Submission("negative", [-1, 2], None, GREEDY), got.callback)
+    got.wait(2)
+    for request_id in ("too-big", "negative"):
+        refused = got.last(request_id)
+        assert refused.finish_reason == "rejected" and isinstance(refused.exception, InvalidRequestError)
+        assert "input_ids" in (refused.error or "") and f"[0, {vocab})" in (refused.error or "")
+
+
+def test_load_of_an_existing_name_needs_replace(service: EngineService, llama: ModelWithAdapters) -> None:
+    """A registered name or a folder of the root is not re-pointed to other weights unless the command says so."""
+    root = llama.adapter_root
+    first = service.command(AdapterCommand("load", "extra", str(root / "r5-ko")))["adapters"]
+    assert first[0]["ranks"] == {"k_proj": 5, "o_proj": 5}
+    try:
+        with pytest.raises(AdapterExistsError, match="'extra' already exists"):
+            service.command(AdapterCommand("load", "extra", str(root / "r1-qv")))
+        with pytest.raises(AdapterExistsError, match="'r1-qv' already exists"):
+            service.command(AdapterCommand("load", "r1-qv", str(root / "r8-mlp")))
+        again = service.command(AdapterCommand("load", "extra", str(root / "r1-qv"), replace=True))["adapters"]
+        assert again[0]["ranks"] == {"q_proj": 1, "v_proj": 1} and again[0]["path"] == str(root / "r1-qv")
+        rows = {row["name"]: row for row in service.command(AdapterCommand("list"))["adapters"]}
+        assert rows["r1-qv"]["path"] == str(root / "r1-qv")  # the refused load changed nothing
+    finally:
+        service.command(AdapterCommand("unload", "extra"))
+    assert {row["name"] for row in service.command(AdapterCommand("list"))["adapters"]} == set(llama.adapters)
+
+
+@pytest.mark.parametrize("name", ["r1-qv\n", "../r1-qv", "a..b"])
+def test_admin_commands_refuse_names_clients_cannot_send(service: EngineService, name: str) -> None:
+    for op in ("load", "unload"):
+        with pytest.raises(AdapterError, match="invalid"):
+            service.command(AdapterCommand(op, name))
+
+
+def _root_with_a_symlink_out(llama: ModelWithAdapters, tmp_path: Path) -> Path:
+    root = tmp_path / "root"
+    shutil.copytree(llama.adapter_root, root, symlinks=True)
+    shutil.copytree(llama.adapter_root / "r3-all", tmp_path / "outside")
+    (root / "link-out").symlink_to(tmp_path / "outside")
+    return root
+
+
+def test_a_symlink_out_of_the_root_breaks_neither_start_up_nor_list_nor_unload(
+    llama: ModelWithAdapters, tmp_path: Path
+) -> None:
+    """Before, the engine failed to start ("resolves outside the adapter root"), and `list` and the unload of an
+    unknown name answered that error for everyone."""
+    config = replace(_config(llama), adapter_root=str(_root_with_a_symlink_out(llama, tmp_path)), preload_adapters=True)
+    service = LocalEngine(LLMEngine(config))
+    try:
+        listed = service.command(AdapterCommand("list"))
+        assert {row["name"] for row in listed["adapters"]} == set(llama.adapters)
+        assert [row["name"] for row in listed["skipped"]] == ["link-out"]
+        assert "outside the adapter root" in listed["skipped"][0]["error"]
+        with pytest.raises(AdapterNotFoundError, match="'ghost' is not registered"):
+            service.command(AdapterCommand("unload", "ghost"))
+        with pytest.raises(AdapterError, match="'link-out'.*outside the adapter root"):
+            service.command(AdapterCommand("load", "link-out"))
+    finally:
+        service.stop()
+
+
+def test_every_admin_change_is_logged_with_old_and_new_path(
+    llama: ModelWithAdapters, caplog: pytest.LogCaptureFixture
+) -> None:
+    service = LocalEngine(LLMEngine(_config(llama)))
+    root = llama.adapter_root
+    try:
+        with caplog.at_level(logging.INFO, logger="slora.backend.runtime.adapter_admin"):
+            service.command(AdapterCommand("load", "tenant", str(root / "r5-ko")))
+            with pytest.raises(AdapterExistsError):
+                service.command(AdapterCommand("load", "tenant", str(root / "r1-qv")))
+            service.command(AdapterCommand("load", "tenant", str(root / "r1-qv"), replace=True))
+            service.command(AdapterCommand("unload", "tenant"))
+    finally:
+        service.stop()
+    logged = [r.getMessage() for r in caplog.records if r.name == "slora.backend.runtime.adapter_admin"]
+    assert logged == [
+        f"adapter admin: load 'tenant': (new) → {root / 'r5-ko'}",
+        f"adapter admin: load 'tenant' refused: adapter 'tenant' already exists ({root / 'r5-ko'}); registering it "
+        f"at {root / 'r1-qv'} would re-point it: load it with replace=true to do that",
+        f"adapter admin: load 'tenant': {root / 'r5-ko'} → {root / 'r1-qv'}",
+        f"adapter admin: unload 'tenant': {root / 'r1-qv'} → (gone)",
+    ]
+
+
+def test_runtime_registrations_survive_an_engine_restart(llama: ModelWithAdapters, tmp_path: Path) -> None:
+    """Adapters registered, re-pointed or unregistered at runtime answer (or not) the same after the engine process
+    is killed and started again; before, the new process knew only the adapter root and the multi_lora.json."""
+    root = llama.adapter_root
+    registry = tmp_path / "multi_lora.json"
+    registry.write_text(json.dumps({"boot": str(root / "r12-qkv")}))
+    engine = EngineProcess(replace(_config(llama), adapter_registry=str(registry)), max_restarts=1)
+    got = Collector()
+    try:
+        engine.command(AdapterCommand("load", "tenant-a", str(root / "r5-ko")))
+        engine.command(AdapterCommand("load", "r1-qv", str(root / "r8-mlp"), replace=True))  # a root folder
+        engine.command(AdapterCommand("load", "gone", str(root / "r3-all")))
+        engine.command(AdapterCommand("unload", "gone"))
+        engine.command(AdapterCommand("unload", "boot"))  # registered again at start-up by the multi_lora.json
+        names = ("tenant-a", "r1-qv")
+        before = {name: _finish_one(engine, f"before-{name}", name).tokens(f"before-{name}") for name in names}
+        assert before["r1-qv"] == _finish_one(engine, "r8", "r8-mlp").tokens("r8")  # the weights it points at
+        first_pid = engine.pid
+        _kill_while_running(engine, got, "doomed")
+        _wait_restarted(engine, first_pid)
+        for name in names:
+            assert _finish_one(engine, f"after-{name}", name).tokens(f"after-{name}") == before[name]
+        for name in ("gone", "boot"):
+            engine.submit(Submission(f"after-{name}", PROMPTS[0], name, GREEDY), got.callback)
+            got.wait(1)
+            assert isinstance(got.last(f"after-{name}").exception, AdapterNotFoundError)
+        rows = {row["name"]: row["path"] for row in engine.command(AdapterCommand("list"))["adapters"]}
+        assert rows["tenant-a"] == str(root / "r5-ko") and rows["r1-qv"] == str(root / "r8-mlp")
+        assert "gone" not in rows and "boot" not in rows
+    finally:
+        engine.stop(timeout=5)
+
+
+def _wait_restarted(engine: EngineProcess, first_pid: int | None) -> None:
+    deadline = time.monotonic() + 120
+    while engine.pid == first_pid or engine.stats().engine_restarts == 0:
+        assert time.monotonic() < deadline, "no new engine process"
+        time.sleep(0.1)
+    while True:  # serving again once the registrations are given back
+        try:
+            engine.command(AdapterCommand("list"))
+            return
+        except EngineOverloadedError:
+            assert time.monotonic() < deadline, "the new engine process never served"
+            time.sleep(0.1)
