@@ -335,7 +335,9 @@ class LLMEngine:
             ids = list(prompt)
             bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.spec.vocab_size]
             if bad:
-                raise InvalidRequestError(f"prompt token ids must be in [0, {self.spec.vocab_size}), got {bad[:5]}")
+                raise InvalidRequestError(
+                    f"input_ids: prompt token ids must be in [0, {self.spec.vocab_size}), got {bad[:5]}"
+                )
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         return ids

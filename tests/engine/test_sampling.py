@@ -28,6 +28,11 @@ from slora.backend.executor.sampler import filtered_probs, sample
         ({"max_tokens": "5"}, "'max_tokens' must be an integer"),
         ({"max_tokens": True}, "'max_tokens' must be an integer"),
         ({"seed": -3}, "'seed' must be >= 0"),
+        ({"seed": 2**64}, "'seed' must be <= 18446744073709551615"),  # was "Overflow when unpacking long long"
+        ({"seed": 10**30}, "'seed' must be <="),
+        ({"seed": 1.5}, "'seed' must be an integer"),
+        ({"seed": "7"}, "'seed' must be an integer"),
+        ({"seed": True}, "'seed' must be an integer"),
         ({"stop": [""]}, "'stop'"),
         ({"stop": 5}, "'stop'"),
         ({"stop_token_ids": ["a"]}, "'stop_token_ids'"),
@@ -93,6 +98,13 @@ def test_draws_follow_the_distribution() -> None:
 @pytest.fixture(scope="module")
 def engine(tiny_text_model: Path) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(tiny_text_model), page_size=8, pool_bytes=64 << 20))
+
+
+def test_the_largest_seed_is_served(engine: LLMEngine) -> None:
+    largest = SamplingParams(max_tokens=4, temperature=1.0, seed=2**64 - 1, ignore_eos=True)
+    assert len(engine.generate(["Once upon a time"], None, largest)[0].token_ids) == 4
+    with pytest.raises(InvalidRequestError, match="'seed'"):
+        engine.prepare("Once upon a time", None, {"seed": 2**64})
 
 
 def test_seed_reproducible_whatever_the_batch(engine: LLMEngine) -> None:
