@@ -11,13 +11,17 @@ what touches the pool runs on the engine thread through `EngineLoop.call`.
 
 Every load and unload is logged (INFO, logger `slora.backend.runtime.adapter_admin`) with what changed: the name
 and its old and new path, or why it was refused. `RuntimeRegistry` remembers the registrations that succeeded, so
-that an engine started again (engine_process.py) can be given them back.
+that an engine started again (engine_process.py) can be given them back, and can write them back to the
+multi_lora.json the server started from, so that a server started again has them too.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
+from pathlib import Path
 from typing import Any
 
 from slora.backend.adapters.host_adapter import HostAdapter
@@ -46,10 +50,12 @@ def run_adapter_command(loop: EngineLoop, command: AdapterCommand) -> dict[str, 
         if command.op == "unload":
             _unload(loop, name)
             return {"adapters": []}
-        adapter = _load(loop, name, command.path, command.replace)
+        adapter = _load(loop, name, command)
     except Exception as exc:
         logger.info("adapter admin: %s %r refused: %s", command.op, name, exc)
         raise
+    if adapter is None:  # registered, not read (read=False)
+        return {"adapters": [_row(name, str(command.path), "disk", None)]}
     resident = loop.call(lambda engine: any(r.host.name == name for r in engine.cache.resident()))
     return {"adapters": [_row(name, str(adapter.path), "gpu" if resident else "host", adapter_ranks(adapter))]}
 
@@ -77,18 +83,18 @@ def _row(name: str, path: str, state: str, ranks: dict[str, int] | None) -> dict
     return {"name": name, "path": path, "state": state, "rank": max(ranks.values()) if ranks else None, "ranks": ranks}
 
 
-def _load(loop: EngineLoop, name: str, path: str | None, replace: bool) -> HostAdapter:
+def _load(loop: EngineLoop, name: str, command: AdapterCommand) -> HostAdapter | None:
+    """Register `name` at the command's path (or read a known adapter into host memory, without a path)."""
     store = loop.engine.store
-    if not path:
+    if not command.path:
         adapter = store.get(name)  # from the registry or the adapter root, into host memory: nothing re-pointed
         logger.info("adapter admin: load %r: read into host memory from %s", name, adapter.path)
         return adapter
     old = store.path_of(name)
-    registered = store.register(name, path, load=True, replace=replace)
-    assert registered is not None  # load=True returns the adapter
+    registered = store.register(name, command.path, load=command.read, replace=command.replace)
     if old is not None:
         _drop_unpinned(loop, name)  # the old weights' pages: no request after this one uses them
-    logger.info("adapter admin: load %r: %s → %s", name, old if old is not None else "(new)", registered.path)
+    logger.info("adapter admin: load %r: %s → %s", name, old if old is not None else "(new)", command.path)
     return registered
 
 
@@ -118,33 +124,66 @@ def _drop_unpinned(loop: EngineLoop, name: str) -> None:
 
 
 class RuntimeRegistry:
-    """The registrations made at runtime that succeeded, in order: name → the `load` with a path or the `unload`
-    that came last for it. Given back to a new engine process (`replay`), they make it serve the same adapters
+    """The registrations made at runtime that succeeded: name → the `load` with a path or the `unload` that came
+    last for it. Given back to a new engine process (`replay`), they make it serve the same adapters
     as the one that died: loads with replace=True (the name may be a folder of the root, or be registered by the
-    multi_lora.json again), unloads of names the multi_lora.json registers again at start-up. Thread-safe."""
+    multi_lora.json again) and read=False (read when a request needs them, as at start-up), unloads of names the
+    multi_lora.json registers again at start-up.
 
-    def __init__(self) -> None:
+    With `file` (the server's multi_lora.json), each recorded change is also written to it at once (name → absolute
+    path added or replaced, or removed), so that a server started again from it has them; a file that cannot be
+    read as a JSON object is left alone (logged). Thread-safe.
+    """
+
+    def __init__(self, file: str | Path | None = None) -> None:
         self._lock = threading.Lock()
         self._commands: dict[str, AdapterCommand] = {}
+        self.file = Path(file) if file is not None else None
 
     def record(self, command: AdapterCommand) -> None:
         """Remember `command` if it changed a registration (call once it succeeded, in the order they did)."""
         if command.name is None or not (command.op == "unload" or (command.op == "load" and command.path)):
             return  # list, or load of a known adapter into host memory: nothing to give back
+        path = os.path.abspath(command.path) if command.path else None  # the engine's working directory is ours
+        replay = AdapterCommand(command.op, command.name, path, replace=True, read=False)
         with self._lock:
-            self._commands.pop(command.name, None)  # re-inserted last: replayed in the order they happened
-            self._commands[command.name] = AdapterCommand(command.op, command.name, command.path, replace=True)
+            if self._commands.get(command.name) == replay:
+                return  # given back by a restart, or loaded again from the same place: nothing new to write
+            self._commands[command.name] = replay  # the last change of each name is all that counts
+            if self.file is not None:
+                _write_back(self.file, replay)
 
     def forget(self, name: str) -> None:
         with self._lock:
             self._commands.pop(name, None)
 
     def replay(self) -> list[AdapterCommand]:
-        """The commands that give a new engine the same registrations, in order."""
+        """The commands that give a new engine the same registrations (one per name: any order will do)."""
         with self._lock:
             return list(self._commands.values())
 
-    def registered(self) -> dict[str, str]:
-        """name → path of the adapters registered at runtime and still registered."""
-        with self._lock:
-            return {c.name: c.path for c in self._commands.values() if c.op == "load" and c.name and c.path}
+
+def _write_back(file: Path, command: AdapterCommand) -> None:
+    """Apply one registration change to the multi_lora.json `file`, replacing it atomically."""
+    assert command.name is not None
+    try:
+        entries = json.loads(file.read_text()) if file.exists() else {}
+    except (OSError, ValueError) as exc:
+        logger.error("adapter registry %s not updated (%s %r): cannot be read (%s)", file, command.op, command.name,
+                     exc)  # fmt: skip
+        return
+    if not isinstance(entries, dict):
+        logger.error("adapter registry %s not updated (%s %r): not a JSON object", file, command.op, command.name)
+        return
+    if command.op == "load":
+        entries[command.name] = command.path
+    else:
+        entries.pop(command.name, None)
+    staged = file.with_name(f".{file.name}.tmp")
+    try:
+        staged.write_text(json.dumps(entries, indent=2) + "\n")
+        os.replace(staged, file)  # readers see the old file or the new one, never half of one
+    except OSError as exc:
+        logger.error("adapter registry %s not updated (%s %r): %s", file, command.op, command.name, exc)
+        return
+    logger.info("adapter registry %s: %s %r written back", file, command.op, command.name)

@@ -10,7 +10,9 @@ If the child dies, every request in flight ends with an error naming the exit co
 refused (UNAVAILABLE) with that message: nothing waits forever. A new child is started (up to `max_restarts` in
 the life of the server); before it serves, it is given back every adapter registration made at runtime that
 succeeded (`load` with a path, `unload`: adapter_admin.RuntimeRegistry), so that requests that worked before the
-crash work after it, with the same weights.
+crash work after it, with the same weights. With `write_back_registry`, those registrations are also written to
+the config's `adapter_registry` (the multi_lora.json of `--lora-registry`) as they succeed, so that a server
+started again from it serves them too.
 """
 
 from __future__ import annotations
@@ -78,7 +80,10 @@ class EngineProcess:
         python: str | None = None,
         command_timeout_s: float = 300.0,
         max_restarts: int = MAX_RESTARTS,
+        write_back_registry: bool = False,
     ) -> None:
+        if write_back_registry and not config.adapter_registry:
+            raise ValueError("write_back_registry needs the multi_lora.json to write to: set adapter_registry")
         self._config = config
         self._context = multiprocessing.get_context("spawn")
         self._context.set_executable(python or interpreter())
@@ -89,7 +94,8 @@ class EngineProcess:
         self._lock = threading.Lock()
         self._callbacks: dict[str, OutputCallback] = {}
         self._calls: dict[int, tuple[Future, AdapterCommand]] = {}
-        self.registry = RuntimeRegistry()  # runtime registrations, given back to every new engine process
+        # Runtime registrations, given back to every new engine process (and written to the multi_lora.json)
+        self.registry = RuntimeRegistry(config.adapter_registry if write_back_registry else None)
         self._call_ids = itertools.count()
         self._listeners: list[StatsListener] = []
         self._closed: str | None = None  # why requests are refused while no engine process serves them

@@ -34,13 +34,15 @@ class AdapterCommand:
     """An admin request: list the adapters, or register (load) / unregister (unload) one.
 
     `load` with a path of a name that exists (registered, or a folder of the adapter root) is refused with
-    AdapterExistsError unless `replace`.
+    AdapterExistsError unless `replace`. `read=False` registers without reading the weights now: what a new
+    engine process is given back after a restart (they were read and checked when first loaded).
     """
 
     op: str  # one of ADAPTER_OPS
     name: str | None = None
     path: str | None = None
     replace: bool = False
+    read: bool = True
 
 
 @dataclass(frozen=True)

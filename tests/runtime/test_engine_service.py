@@ -25,6 +25,7 @@ from slora.backend.engine.outputs import RequestOutput
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.errors import AdapterError, AdapterNotFoundError, EngineOverloadedError, InvalidRequestError
 from slora.backend.model.spec import ModelSpec
+from slora.backend.runtime.adapter_admin import RuntimeRegistry
 from slora.backend.runtime.engine_process import EngineProcess
 from slora.backend.runtime.engine_service import EngineService, LocalEngine
 from slora.backend.runtime.messages import AdapterCommand, Submission
@@ -330,3 +331,45 @@ def _wait_restarted(engine: EngineProcess, first_pid: int | None) -> None:
         except EngineOverloadedError:
             assert time.monotonic() < deadline, "the new engine process never served"
             time.sleep(0.1)
+
+
+def test_runtime_registrations_are_written_back_to_the_multi_lora_json(
+    llama: ModelWithAdapters, tmp_path: Path
+) -> None:
+    """With write_back_registry, a server started again from its multi_lora.json serves what was registered at
+    runtime, with the same weights, and not what was unregistered."""
+    root = llama.adapter_root
+    registry = tmp_path / "multi_lora.json"
+    shutil.copytree(root / "r1-qv", tmp_path / "relative" / "kept")
+    registry.write_text(json.dumps({"boot": str(root / "r12-qkv"), "kept": "relative/kept"}))
+    config = replace(_config(llama), adapter_registry=str(registry))
+    engine = EngineProcess(config, write_back_registry=True)
+    try:
+        engine.command(AdapterCommand("load", "tenant-a", str(root / "r5-ko")))
+        engine.command(AdapterCommand("load", "tenant-a", str(root / "r3-all"), replace=True))
+        engine.command(AdapterCommand("unload", "boot"))
+        with pytest.raises(AdapterExistsError):
+            engine.command(AdapterCommand("load", "r1-qv", str(root / "r8-mlp")))  # refused: not written
+        served = _finish_one(engine, "served", "tenant-a").tokens("served")
+    finally:
+        engine.stop(timeout=5)
+    assert json.loads(registry.read_text()) == {"kept": "relative/kept", "tenant-a": str(root / "r3-all")}
+    assert LLMEngine(config).generate([PROMPTS[0]], ["tenant-a"], GREEDY)[0].token_ids == served
+
+
+def test_write_back_needs_a_registry_file(llama: ModelWithAdapters) -> None:
+    with pytest.raises(ValueError, match="adapter_registry"):
+        EngineProcess(_config(llama), write_back_registry=True)
+
+
+def test_a_registry_file_that_cannot_be_read_is_left_alone(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    file = tmp_path / "multi_lora.json"
+    file.write_text("{not json")
+    registry = RuntimeRegistry(file)
+    with caplog.at_level(logging.ERROR, logger="slora.backend.runtime.adapter_admin"):
+        registry.record(AdapterCommand("load", "x", str(tmp_path / "x")))
+    assert file.read_text() == "{not json" and "cannot be read" in caplog.text
+    assert registry.replay() == [AdapterCommand("load", "x", str(tmp_path / "x"), replace=True, read=False)]
+    registry.record(AdapterCommand("list"))
+    registry.record(AdapterCommand("load", "y"))  # into host memory only: no registration changed
+    assert [c.name for c in registry.replay()] == ["x"]
