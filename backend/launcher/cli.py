@@ -65,6 +65,7 @@ class LaunchOptions:
     lora_info_metric: bool = False
     cancel_check_s: float | None = None
     adapter_admin: bool = True
+    lora_registry_write_back: bool = False  # runtime adapter loads/unloads written to the --lora-registry file
     engine_process: bool = True
     workspace: str | None = None
     log_verbose: int = 0
@@ -85,6 +86,8 @@ class LaunchOptions:
                 raise ValueError(f"{name}: {path} does not exist")
         if self.ready_timeout_s <= 0:
             raise ValueError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
+        if self.lora_registry_write_back and not (self.lora_registry and self.engine_process):
+            raise ValueError("lora_registry_write_back needs --lora-registry and the engine in its own process")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cancel-check-s", type=float,
                         help="seconds between cancellation checks of each in-flight request (0.2)")  # fmt: skip
     parser.add_argument("--no-adapter-admin", action="store_true", help="refuse adapter load/unload/list requests")
+    parser.add_argument("--lora-registry-write-back", action="store_true",
+                        help="write adapters loaded/unloaded at runtime back to the --lora-registry file")  # fmt: skip
     parser.add_argument("--engine-in-stub", action="store_true",
                         help="run the engine on a thread of the Python stub, not in a process of its own")  # fmt: skip
     parser.add_argument("--workspace", help="folder for the rendered repository (default: a temporary folder)")
@@ -144,6 +149,7 @@ def parse_options(argv: Sequence[str] | None = None) -> LaunchOptions:
         lora_info_metric=args.lora_info_metric,
         cancel_check_s=args.cancel_check_s,
         adapter_admin=not args.no_adapter_admin,
+        lora_registry_write_back=args.lora_registry_write_back,
         engine_process=not args.engine_in_stub,
         workspace=args.workspace,
         log_verbose=args.log_verbose,
@@ -178,6 +184,8 @@ def repository_parameters(
         slora["cancel_check_s"] = str(options.cancel_check_s)
     if drain_file is not None:
         slora["drain_file"] = str(drain_file)
+    if options.lora_registry_write_back:  # only when asked: a serving layer without it refuses the key
+        slora["lora_registry_write_back"] = "true"
     text = {"tokenizer": engine.get("tokenizer", str(model_path))}
     return {
         "slora": slora,
