@@ -161,11 +161,10 @@ class AdapterStore:
         """Where `name` is registered, else its entry under the adapter root if there is one (even a bad one),
         else None; never raises."""
         with self._lock:
-            if name in self._registered:
-                return self._registered[name]
-        if self.root is not None and validate_name_quietly(name) and os.path.lexists(self.root / name):
-            return self.root / name
-        return None
+            registered = self._registered.get(name)
+        if registered is not None:
+            return registered
+        return self.root / name if self.root is not None and self.in_root(name) else None
 
     def _refuse_existing(self, name: str, path: Path) -> None:
         """Raise AdapterExistsError if `name` is registered or an entry of the root (call with the lock held)."""

@@ -45,14 +45,14 @@ def run_adapter_command(loop: EngineLoop, command: AdapterCommand) -> dict[str, 
         adapters = loop.call(adapter_table)
         logger.debug("adapter admin: list (%d adapters)", len(adapters))
         return {"adapters": adapters, "skipped": skipped_entries(loop.engine.store)}
-    name = validate_adapter_name(command.name)
     try:
+        name = validate_adapter_name(command.name)
         if command.op == "unload":
             _unload(loop, name)
             return {"adapters": []}
         adapter = _load(loop, name, command)
     except Exception as exc:
-        logger.info("adapter admin: %s %r refused: %s", command.op, name, exc)
+        logger.info("adapter admin: %s %r refused: %s", command.op, command.name, exc)
         raise
     if adapter is None:  # registered, not read (read=False)
         return {"adapters": [_row(name, str(command.path), "disk", None)]}

@@ -256,7 +256,7 @@ class EngineProcess:
 
     def _restart(self) -> None:
         """Start a new engine process (on this, the old receiver's, thread); requests wait for none meanwhile:
-        they are refused (UNAVAILABLE) until it is ready."""
+        they are refused (UNAVAILABLE) until it is ready and has the runtime registrations back."""
         self._restarts_left -= 1
         self.restarts += 1
         self._counted_before = {key: getattr(self._stats, key) for key in STATS_COUNTERS}
@@ -284,7 +284,7 @@ class EngineProcess:
             except AdapterNotFoundError:
                 if command.op != "unload":  # an unload of a name this engine never had: nothing to undo
                     self._forget(command, "is not found")
-            except AdapterError as exc:  # anything else (the process died, a timeout) ends the restart
+            except AdapterError as exc:  # this adapter only; any other error (the process died) ends the restart
                 self._forget(command, str(exc))
         if commands:
             logger.info("gave the new engine process back %d runtime adapter registrations", len(commands))
