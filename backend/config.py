@@ -59,6 +59,26 @@ class EngineConfig:
     admit_when_copied: bool | None = None
     warmup: bool = False  # run synthetic batches at start, so kernels compile before the first request (warmup.py)
     seed: int = 0  # for requests that give no seed
+    # Which waiting request is admitted next (backend/engine/scheduling_policy.py): fcfs (arrival order), fair
+    # (VTC: the tenant served least, by weighted tokens), priority (the request's `priority`, higher first, aged).
+    # A request's tenant is its `tenant` argument, else its adapter, else "<base>" (backend/engine/tenants.py).
+    # fcfs stays the default until the GPU runs of perf/bench_tenants.py say what the others cost.
+    scheduling_policy: str = "fcfs"
+    tenant_weights_file: str | None = None  # JSON {"tenant": weight > 0}; 1.0 for tenants not in it (fair)
+    fair_prompt_cost: float = 1.0  # fair: service counted per prompt token (the paper's w_p) ...
+    fair_output_cost: float = 2.0  # ... and per output token (w_q): decoding costs more per token than prefill
+    # priority: priority levels a waiting request gains per second, so that low priority never starves: one of
+    # priority p waits behind newer arrivals of priority q > p for at most (q - p) / priority_aging_rate seconds.
+    priority_aging_rate: float = 1.0
+    # First-token SLO in seconds for requests that give none (a request's `ttft_slo_s` replaces it): a waiting
+    # request whose first token can no longer come in time is refused (finish_reason "rejected", SloRefusedError,
+    # UNAVAILABLE from servers) so that the admitted ones meet it (S-LoRA's early abort; backend/engine/slo.py).
+    ttft_slo_s: float | None = None
+    # Refuse, before its deadline passes, a request that the measured rates say would miss it (False: only once
+    # its deadline has passed).
+    early_abort: bool = True
+    queue_timeout_s: float | None = None  # refuse a request not admitted this many seconds after it arrived
+    tenant_stats_top: int = 16  # EngineStats.tenants: this many tenants, those with most requests queued (0: none)
 
     def __post_init__(self) -> None:
         _positive(self, "page_size", "max_batch_tokens", "max_num_seqs", "max_waiting", "host_budget_bytes")
@@ -77,6 +97,12 @@ class EngineConfig:
         _choice(self, "dtype", ("auto", *_DTYPES))
         _choice(self, "load_format", ("safetensors", "dummy"))
         _choice(self, "kernel_backend", ("auto", "torch", "triton", "bmm"))
+        _choice(self, "scheduling_policy", ("fcfs", "fair", "priority"))
+        _positive_number(self, "fair_prompt_cost", "fair_output_cost", "priority_aging_rate")
+        for name in ("ttft_slo_s", "queue_timeout_s"):
+            if getattr(self, name) is not None:
+                _positive_number(self, name)
+        _integer_at_least(self, 0, "an integer >= 0", "tenant_stats_top")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 
@@ -163,6 +189,14 @@ def _integer_at_least(config: EngineConfig, minimum: int, what: str, *names: str
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+def _positive_number(config: EngineConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        # `not 0 < value < inf` also refuses NaN
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 def _choice(config: EngineConfig, name: str, choices: tuple[str, ...]) -> None:

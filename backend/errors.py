@@ -36,3 +36,18 @@ class EngineOverloadedError(SloraError):
 
 class CapacityError(InvalidRequestError):
     """The request can never fit in the page pool (prompt + max_tokens + adapter pages > pool)."""
+
+
+class SloRefusedError(EngineOverloadedError):
+    """A waiting request was refused because its first token could no longer come within its SLO
+    (`ttft_slo_s`), or it waited longer than `queue_timeout_s`; servers answer UNAVAILABLE, as for a full queue.
+
+    `reason` is the refusal's kind, as counted in EngineStats: "ttft_slo" (its deadline passed while it waited),
+    "ttft_slo_early" (the measured rates said it would pass: refused before it did), "queue_timeout"."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # keeps `reason` across the engine-process pipe
+        return type(self), (str(self), self.reason)

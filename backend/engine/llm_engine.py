@@ -25,15 +25,19 @@ from slora.backend.adapters.store import AdapterInfo
 from slora.backend.config import EngineConfig, admit_when_copied, effective_admit_interval, overlap_enabled
 from slora.backend.engine.detokenizer import IncrementalDetokenizer
 from slora.backend.engine.inflight import InflightStep
-from slora.backend.engine.outputs import Completion, EngineStats, RequestOutput
+from slora.backend.engine.outputs import Completion, EngineStats, RequestOutput, failed_output
 from slora.backend.engine.request import FinishReason, Request
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.engine.scheduler import Scheduler, SchedulerLimits
+from slora.backend.engine.scheduling_policy import check_priority, make_policy
+from slora.backend.engine.slo import RefusalReason, SloGuard, SloSettings, check_ttft_slo, set_deadlines
 from slora.backend.engine.startup import build_components
+from slora.backend.engine.tenants import TenantBook, load_weights_file, tenant_of
 from slora.backend.engine.warmup import warm_up
 from slora.backend.errors import CapacityError, EngineOverloadedError, InvalidRequestError
 from slora.backend.executor.model_runner import ModelRunner
-from slora.backend.memory.page_pool import PageKind
+from slora.backend.memory.adapter_cache import AdapterCache
+from slora.backend.memory.page_pool import PageKind, PagePool
 from slora.backend.model.spec import LORA_MODULES
 
 logger = logging.getLogger(__name__)
@@ -57,7 +61,7 @@ class LLMEngine:
         admit = effective_admit_interval(c)
         limits = SchedulerLimits(c.max_batch_tokens, c.max_num_seqs, c.prefetch_adapters, admit,
                                  admit_when_copied(c, self.device))  # fmt: skip
-        self.scheduler = Scheduler(limits, self.pool, self.cache)
+        self.scheduler = _scheduler(c, limits, parts.pool, parts.cache)
         self.runner = ModelRunner(self.model, self.pool, parts.graphs)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -83,11 +87,22 @@ class LLMEngine:
         sampling: SamplingParams | dict[str, Any] | None = None,
         request_id: str | None = None,
         detokenize: bool = True,
+        tenant: str | None = None,
+        priority: int = 0,
+        ttft_slo_s: float | None = None,
     ) -> Request:
         """Check a request and load its adapter into host memory; raises InvalidRequestError/AdapterError.
 
         With `detokenize=False` (and no stop strings) outputs carry token ids only: no text is decoded.
+        `tenant` (default: the adapter's name, or "<base>") is who it is served for under the `fair` policy;
+        `priority` (higher first) orders it under `priority`; `ttft_slo_s` replaces EngineConfig.ttft_slo_s for
+        it: a request still waiting when its first token can no longer come in time ends "rejected" (slo.py).
+        Its deadlines count from now.
         """
+        arrival = self.scheduler.clock()
+        who = tenant_of(tenant, adapter)
+        priority = check_priority(priority)
+        ttft_slo_s = check_ttft_slo(ttft_slo_s)
         params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling or {})
         prompt_ids = self._prompt_ids(prompt)
         total = len(prompt_ids) + params.max_tokens
@@ -108,7 +123,7 @@ class LLMEngine:
         generator.manual_seed(params.seed if params.seed is not None else self._next_seed())
         wants_text = self.tokenizer is not None and (detokenize or bool(params.stop))
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop) if wants_text else None
-        return Request(
+        request = Request(
             request_id=request_id or f"req-{next(self._ids)}",  # itertools.count is atomic under the GIL
             token_ids=prompt_ids,
             num_prompt=len(prompt_ids),
@@ -116,7 +131,12 @@ class LLMEngine:
             adapter=host,
             generator=generator,
             detokenizer=detok,
+            arrival_time=arrival,
+            tenant=who,
+            priority=priority,
         )
+        set_deadlines(request, self.scheduler.guard.settings, ttft_slo_s)
+        return request
 
     def submit(self, request: Request) -> str:
         """Queue a prepared request; raises EngineOverloadedError when the waiting queue is full."""
@@ -138,8 +158,20 @@ class LLMEngine:
         sampling: SamplingParams | dict[str, Any] | None = None,
         request_id: str | None = None,
         detokenize: bool = True,
+        tenant: str | None = None,
+        priority: int = 0,
+        ttft_slo_s: float | None = None,
     ) -> str:
-        return self.submit(self.prepare(prompt, adapter, sampling, request_id, detokenize))
+        """prepare (see there for the arguments) and submit."""
+        return self.submit(
+            self.prepare(prompt, adapter, sampling, request_id, detokenize, tenant, priority, ttft_slo_s)
+        )
+
+    def set_tenant_weights(self, weights: dict[str, float], replace: bool = False) -> dict[str, float]:
+        """Change tenants' weights (the `fair` policy's shares) from the next step on: merged into the current ones,
+        or replacing them all with `replace`. Raises InvalidRequestError naming the tenant or weight (nothing is
+        changed then). Returns every weight now set (tenants not in it weigh 1.0). Engine thread only."""
+        return self.scheduler.book.set_weights(weights, replace)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages; returns its final output, or None if it is unknown/finished."""
@@ -163,7 +195,7 @@ class LLMEngine:
         back after this step is launched, so the host's work here runs while the GPU computes (inflight.py)."""
         outputs, self._buffered = self._buffered, []
         previous, self._inflight = self._inflight, None
-        launched = self._launch(previous) if self.scheduler.has_work() else None
+        launched = self._launch(previous, outputs) if self.scheduler.has_work() else None
         if previous is not None:
             outputs += self._take(previous)
         if launched is not None and not self.overlap:
@@ -174,12 +206,17 @@ class LLMEngine:
             self.check_idle_integrity()
         return outputs
 
-    def _launch(self, previous: InflightStep | None) -> InflightStep | None:
+    def _launch(self, previous: InflightStep | None, outputs: list[RequestOutput]) -> InflightStep | None:
+        """Plan and launch a step; the final outputs of requests refused by the plan go to `outputs`."""
         plan = self.scheduler.schedule()
+        for request, error in plan.refused:  # the scheduler already freed them
+            del self.requests[request.request_id]
+            self.finished_requests += 1
+            outputs.append(failed_output(request.request_id, error, "rejected"))
         if not plan.seqs:
-            if previous is None:
+            if previous is None and not plan.refused:
                 raise RuntimeError("scheduler made no progress with work pending (pool accounting bug)")
-            return None  # every running request's last token is in flight
+            return None  # every running request's last token is in flight, or every waiting one was refused
         launched = self.runner.launch(plan.seqs, previous)
         for seq in plan.seqs:
             seq.request.num_computed += seq.num_tokens
@@ -301,6 +338,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         running = self.scheduler.running
         waiting = self.scheduler.waiting
+        refusals = self.scheduler.refusals
         adapters_host, adapters_known = self.store.counts()
         return EngineStats(
             pages_free=self.pool.count(PageKind.FREE),
@@ -321,6 +359,11 @@ class LLMEngine:
             adapter_host_evictions=self.store.host_evictions,
             running_adapters=sorted({r.adapter_name for r in running if r.adapter_name}),
             waiting_adapters=sorted({r.adapter_name for r in waiting if r.adapter_name}),
+            scheduling_policy=self.scheduler.policy.name,
+            refused_ttft_slo=refusals[RefusalReason.TTFT_SLO.value],
+            refused_ttft_slo_early=refusals[RefusalReason.TTFT_SLO_EARLY.value],
+            refused_queue_timeout=refusals[RefusalReason.QUEUE_TIMEOUT.value],
+            tenants=self.scheduler.tenant_stats(self.config.tenant_stats_top),
         )
 
     def list_adapters(self) -> list[AdapterInfo]:
@@ -345,3 +388,13 @@ class LLMEngine:
     def _next_seed(self) -> int:
         with self._seed_lock:
             return int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+
+
+def _scheduler(config: EngineConfig, limits: SchedulerLimits, pool: PagePool, cache: AdapterCache) -> Scheduler:
+    """The scheduler with the configured policy, tenant weights (read from their file now) and SLO settings."""
+    weights = load_weights_file(config.tenant_weights_file) if config.tenant_weights_file else {}
+    book = TenantBook(weights)
+    policy = make_policy(config.scheduling_policy, book, config.fair_prompt_cost, config.fair_output_cost,
+                         config.priority_aging_rate)  # fmt: skip
+    guard = SloGuard(SloSettings(config.ttft_slo_s, config.queue_timeout_s, config.early_abort))
+    return Scheduler(limits, pool, cache, policy, book, guard)

@@ -33,6 +33,19 @@ class Completion:
 
 
 @dataclass(frozen=True)
+class TenantStats:
+    """One tenant as the scheduler sees it: its queue depth and the tokens served to it."""
+
+    tenant: str
+    weight: float
+    waiting: int
+    running: int
+    prompt_tokens: int  # served since the engine started (or since the tenant was last forgotten, tenants.py)
+    output_tokens: int
+    counter: float | None = None  # the fair policy's virtual token counter (None under other policies)
+
+
+@dataclass(frozen=True)
 class EngineStats:
     pages_free: int
     pages_kv: int
@@ -53,6 +66,13 @@ class EngineStats:
     adapter_host_evictions: int = 0  # adapters dropped from host memory to stay within its budget
     running_adapters: list[str] = field(default_factory=list)
     waiting_adapters: list[str] = field(default_factory=list)
+    scheduling_policy: str = "fcfs"
+    # Waiting requests refused by reason (backend/engine/slo.py): first-token deadline passed, first token expected
+    # past the deadline (early abort), queue timeout.
+    refused_ttft_slo: int = 0
+    refused_ttft_slo_early: int = 0
+    refused_queue_timeout: int = 0
+    tenants: list[TenantStats] = field(default_factory=list)  # EngineConfig.tenant_stats_top, most queued first
 
 
 def failed_output(request_id: str, exc: Exception, reason: str = "error") -> RequestOutput:
@@ -62,4 +82,5 @@ def failed_output(request_id: str, exc: Exception, reason: str = "error") -> Req
 
 # EngineStats fields that only grow over the life of a server (an engine process started again continues them).
 STATS_COUNTERS = ("adapter_loads", "adapter_evictions", "preemptions", "generated_tokens", "finished_requests",
-                  "adapter_disk_reads", "adapter_host_evictions")  # fmt: skip
+                  "adapter_disk_reads", "adapter_host_evictions", "refused_ttft_slo", "refused_ttft_slo_early",
+                  "refused_queue_timeout")  # fmt: skip

@@ -11,6 +11,7 @@ import torch
 from slora.backend.adapters.host_adapter import HostAdapter
 from slora.backend.engine.detokenizer import IncrementalDetokenizer
 from slora.backend.engine.sampling_params import SamplingParams
+from slora.backend.engine.tenants import BASE_TENANT
 from slora.backend.memory.adapter_cache import ResidentAdapter
 
 
@@ -24,6 +25,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     STOP = "stop"
     ABORT = "abort"
+    REJECTED = "rejected"  # refused while waiting: its first-token SLO or queue timeout could not be met (slo.py)
 
 
 @dataclass(eq=False)
@@ -47,6 +49,11 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
+    tenant: str = BASE_TENANT  # who it is served for (tenants.py)
+    priority: int = 0  # higher first, under the `priority` policy
+    ttft_slo_s: float | None = None  # its first-token SLO (the request's own, else EngineConfig.ttft_slo_s)
+    ttft_deadline: float | None = None  # arrival_time + ttft_slo_s: refused if still waiting with no token then
+    queue_deadline: float | None = None  # arrival_time + EngineConfig.queue_timeout_s, for one never admitted
 
     @property
     def adapter_name(self) -> str | None:

@@ -74,11 +74,15 @@ class EngineLoop:
         sampling: SamplingParams | dict[str, Any] | None = None,
         request_id: str | None = None,
         detokenize: bool = True,
+        tenant: str | None = None,
+        priority: int = 0,
+        ttft_slo_s: float | None = None,
     ) -> str:
-        """Check and queue a request; raises its error here, in the caller's thread."""
+        """Check and queue a request (LLMEngine.prepare says what each argument does); raises its error here, in
+        the caller's thread."""
         if self._stopping.is_set():
             raise EngineOverloadedError("the engine is shutting down")
-        request = self.engine.prepare(prompt, adapter, sampling, request_id, detokenize)
+        request = self.engine.prepare(prompt, adapter, sampling, request_id, detokenize, tenant, priority, ttft_slo_s)
         queued = self._stats.waiting + self._inbox.qsize()
         if queued >= self.engine.config.max_waiting:
             raise EngineOverloadedError(

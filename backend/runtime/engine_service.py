@@ -91,7 +91,8 @@ class LocalEngine:
 
     def _submit(self, job: Submission, callback: OutputCallback) -> None:
         try:
-            self.loop.submit(job.prompt_ids, callback, job.adapter, job.sampling, job.request_id, job.detokenize)
+            self.loop.submit(job.prompt_ids, callback, job.adapter, job.sampling, job.request_id, job.detokenize,
+                             tenant=job.tenant, priority=job.priority, ttft_slo_s=job.ttft_slo_s)  # fmt: skip
         except Exception as exc:  # this request only: its callback gets the message
             if not isinstance(exc, (SloraError, ValueError)):
                 logger.error("unexpected error while taking in request %s", job.request_id, exc_info=exc)

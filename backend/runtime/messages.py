@@ -27,6 +27,9 @@ class Submission:
     adapter: str | None = None
     sampling: SamplingParams | None = None
     detokenize: bool = True
+    tenant: str | None = None  # who it is served for (default: the adapter's name; backend/engine/tenants.py)
+    priority: int = 0  # higher first, under scheduling_policy=priority
+    ttft_slo_s: float | None = None  # first-token SLO in seconds (default: EngineConfig.ttft_slo_s)
 
 
 @dataclass(frozen=True)

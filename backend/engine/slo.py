@@ -1,0 +1,169 @@
+"""SLO-aware admission: refuse a waiting request as soon as its first token can no longer come in time.
+
+S-LoRA's early abort, with the wait estimated from what the engine measured instead of a fixed margin:
+
+    deadline  = arrival + ttft_slo_s (the request's own, else EngineConfig.ttft_slo_s)
+    expected  = now + (ahead + 1) / admitted_per_s + own prefill       (ahead: the policy's `positions`)
+    refused when now ≥ deadline ("ttft_slo"), when expected > deadline ("ttft_slo_early", with early_abort),
+    or when it waited queue_timeout_s without being admitted ("queue_timeout")
+
+`admitted_per_s` counts admissions over the last RATE_WINDOW_S seconds of steps that left requests waiting
+(then admission, not arrivals, set the pace); the own prefill is its prompt at the recent seconds per prompt token
+of steps with prompts, at least one step. Until MIN_BUSY_S of such steps were seen there is no estimate and only
+passed deadlines refuse. A refused request gets a final output with finish_reason "rejected" and a SloRefusedError
+naming the field; only requests with no token yet are refused (a preempted one that streamed tokens is not).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass
+
+from slora.backend.engine.request import Request
+from slora.backend.errors import InvalidRequestError, SloRefusedError
+
+RATE_WINDOW_S = 5.0
+MIN_BUSY_S = 0.5
+SWEEP_INTERVAL_S = 0.02  # the whole queue is checked at most this often; the head at every admission
+_ALPHA = 1 / 16  # weight of the newest step in the per-step averages
+
+
+class RefusalReason(str, enum.Enum):
+    TTFT_SLO = "ttft_slo"
+    TTFT_SLO_EARLY = "ttft_slo_early"
+    QUEUE_TIMEOUT = "queue_timeout"
+
+
+@dataclass(frozen=True)
+class SloSettings:
+    """The server-wide part (EngineConfig.ttft_slo_s, queue_timeout_s, early_abort)."""
+
+    ttft_slo_s: float | None = None
+    queue_timeout_s: float | None = None
+    early_abort: bool = True
+
+
+def check_ttft_slo(ttft_slo_s: object) -> float | None:
+    """A request's `ttft_slo_s` (None: the server's); raises InvalidRequestError naming the field."""
+    if ttft_slo_s is None:
+        return None
+    # `not 0 < x < inf` also refuses NaN
+    if isinstance(ttft_slo_s, bool) or not isinstance(ttft_slo_s, (int, float)) or not 0 < ttft_slo_s < float("inf"):
+        raise InvalidRequestError(f"ttft_slo_s must be a finite number of seconds > 0, got {ttft_slo_s!r}")
+    return float(ttft_slo_s)
+
+
+def set_deadlines(request: Request, settings: SloSettings, ttft_slo_s: float | None) -> None:
+    """Give `request` its deadlines from its arrival: its own ttft_slo_s, else the server's; the queue timeout."""
+    slo = ttft_slo_s if ttft_slo_s is not None else settings.ttft_slo_s
+    request.ttft_slo_s = slo
+    request.ttft_deadline = request.arrival_time + slo if slo is not None else None
+    timeout = settings.queue_timeout_s
+    request.queue_deadline = request.arrival_time + timeout if timeout is not None else None
+
+
+class RateMeter:
+    """Recent admissions per second while requests waited, seconds per step, seconds per prompt token.
+
+    `planned` is called at every step's plan; the time to the next plan is that step's duration. `idle` stops the
+    clock when nothing is left to run, so that time without work is not counted as a step.
+    """
+
+    def __init__(self, window_s: float = RATE_WINDOW_S, min_busy_s: float = MIN_BUSY_S) -> None:
+        self.window_s = window_s
+        self.min_busy_s = min_busy_s
+        self.step_s = 0.0
+        self._prompt_tokens = 0.0  # averages over steps with prompts: tokens, seconds
+        self._prompt_s = 0.0
+        self._busy: deque[tuple[float, float, int]] = deque()  # steps that left requests waiting: (end, s, admitted)
+        self._busy_s = 0.0
+        self._busy_admitted = 0
+        self._last: tuple[float, int, int, bool] | None = None  # the previous plan: (time, admitted, prompt, waiting)
+
+    def planned(self, now: float, admitted: int, prompt_tokens: int, waiting: bool) -> None:
+        if self._last is not None:
+            self._observe(now, *self._last)
+        self._last = (now, admitted, prompt_tokens, waiting)
+
+    def idle(self) -> None:
+        self._last = None
+
+    def admitted_per_s(self) -> float | None:
+        """None until min_busy_s of steps with requests left waiting were seen in the window."""
+        if self._busy_s < self.min_busy_s:
+            return None
+        return self._busy_admitted / self._busy_s
+
+    def prefill_s(self, prompt_tokens: int) -> float:
+        """Seconds to compute a prompt of this length, at least one step."""
+        per_token = self._prompt_s / self._prompt_tokens if self._prompt_tokens > 0 else 0.0
+        return max(self.step_s, prompt_tokens * per_token)
+
+    def _observe(self, now: float, began: float, admitted: int, prompt_tokens: int, waiting: bool) -> None:
+        seconds = now - began
+        self.step_s = seconds if self.step_s == 0.0 else self.step_s + _ALPHA * (seconds - self.step_s)
+        if prompt_tokens:
+            self._prompt_tokens += _ALPHA * (prompt_tokens - self._prompt_tokens)
+            self._prompt_s += _ALPHA * (seconds - self._prompt_s)
+        if waiting:
+            self._busy.append((now, seconds, admitted))
+            self._busy_s += seconds
+            self._busy_admitted += admitted
+        while self._busy and self._busy[0][0] < now - self.window_s:
+            _, old_s, old_admitted = self._busy.popleft()
+            self._busy_s -= old_s
+            self._busy_admitted -= old_admitted
+
+
+class SloGuard:
+    """Decides which waiting requests to refuse; the scheduler removes them and frees what they hold."""
+
+    def __init__(self, settings: SloSettings, meter: RateMeter | None = None) -> None:
+        self.settings = settings
+        self.meter = meter or RateMeter()
+        self.next_sweep = 0.0
+
+    def check(self, request: Request, now: float, ahead: float | None) -> SloRefusedError | None:
+        """A refusal for `request` waiting at `now` with `ahead` admissions before its own (None: it is next,
+        to be admitted now), or None to keep it waiting."""
+        if request.num_output or request.num_inflight:
+            return None  # it has had a token: its first-token SLO is behind it
+        if request.queue_deadline is not None and now >= request.queue_deadline and not request.num_preemptions:
+            return _refusal(request, RefusalReason.QUEUE_TIMEOUT, now)
+        if request.ttft_deadline is None:
+            return None
+        if now >= request.ttft_deadline:
+            return _refusal(request, RefusalReason.TTFT_SLO, now)
+        expected = self._expected(request, now, ahead)
+        if expected is not None and expected > request.ttft_deadline:
+            return _refusal(request, RefusalReason.TTFT_SLO_EARLY, now, expected)
+        return None
+
+    def _expected(self, request: Request, now: float, ahead: float | None) -> float | None:
+        """When its first token should come, or None without an estimate."""
+        if not self.settings.early_abort:
+            return None
+        prefill = self.meter.prefill_s(request.num_tokens)
+        if ahead is None:
+            return now + prefill if self.meter.step_s > 0 else None
+        rate = self.meter.admitted_per_s()
+        if rate is None:
+            return None
+        if rate <= 0.0:
+            return float("inf")  # requests have waited the whole window with none admitted
+        return now + (ahead + 1.0) / rate + prefill
+
+
+def _refusal(request: Request, reason: RefusalReason, now: float, expected: float | None = None) -> SloRefusedError:
+    arrival = request.arrival_time
+    if reason == RefusalReason.QUEUE_TIMEOUT:
+        timeout = (request.queue_deadline or arrival) - arrival
+        message = f"queue_timeout_s={timeout:g} s passed while it waited"
+    else:
+        message = f"its first token cannot come within ttft_slo_s={request.ttft_slo_s:g} s: "
+        if expected is None:
+            message += f"it waited {now - arrival:.3g} s"
+        else:
+            message += f"expected {expected - arrival:.3g} s after arrival at the measured rates"
+    return SloRefusedError(f"request {request.request_id!r} refused: {message}", reason.value)
