@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -13,6 +15,15 @@ from tests.deploy.kustomize import Doc, render
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "docker" / "k8s"
 OVERLAYS = ("pvc", "object-store")
+
+
+def load_script(path: Path) -> ModuleType:
+    """A script of docker/ (not a package: `docker` is also the Docker SDK's name) as a module."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def find(docs: list[Doc], kind: str, name: str) -> Doc:

@@ -88,7 +88,7 @@ def test_gateway_lora_info_gauge(server: Server) -> None:
     """vllm:lora_requests_info names the running adapters (opt-in --lora-info-metric) in one series at a time,
     whose value is the time of the update; when the request ends, that series gives way to an idle one."""
     started = time.time()
-    inputs = token_inputs(IDS, 400, "demo-o-r2", sampling={"temperature": 0, "ignore_eos": True})
+    inputs = token_inputs(IDS, 64, "demo-o-r2", sampling={"temperature": 0, "ignore_eos": True})
     with ThreadPoolExecutor(1) as pool:
         request = pool.submit(run_one, server.grpc_url, "slora", inputs)
         running = _lora_series_until(server, lambda labels: 'running_lora_adapters="demo-o-r2"' in labels)
