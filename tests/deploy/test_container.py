@@ -5,7 +5,8 @@ under a folder that stands for the image's root, then its entrypoint serves a re
 What differs from the image, and why: the interpreter is this machine's Python (3.11; the image's is 3.10,
 whose pins test_docker.py resolves), torch==2.13.0 resolves to the CPU build on this machine's disk, Triton 2.51
 comes from the nvidia-pytriton wheel instead of /opt/tritonserver (the same release: checked at /v2), pip keeps
-its cache (PIP_NO_CACHE_DIR only keeps layers small), and the /cache volume is this session's $SLORA_CACHE.
+its cache (PIP_NO_CACHE_DIR only keeps layers small). The /cache volume starts empty, as a new container's: the
+default model is converted on the first start, as in the image.
 """
 
 from __future__ import annotations
@@ -52,8 +53,6 @@ def _copy_sources(image: Dockerfile, root: Path) -> None:
 
 def _environment(image: Dockerfile, env: dict[str, str], root: Path, venv: Path) -> dict[str, str]:
     mapped = {key: str(_under(root, value)) if value.startswith("/") else value for key, value in env.items()}
-    if os.environ.get("SLORA_CACHE") and env.get("SLORA_CACHE"):
-        mapped["SLORA_CACHE"] = os.environ["SLORA_CACHE"]  # the mounted cache volume
     mapped.pop("PIP_NO_CACHE_DIR", None)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
     return {**base, **mapped, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}"}
