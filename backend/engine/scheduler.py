@@ -277,7 +277,7 @@ class Scheduler:
         return error is not None
 
     def _refuse(self, request: Request, error: SloRefusedError, out: SchedulerOutput) -> None:
-        logger.info("%s", error)
+        logger.debug("%s", error)  # counted in the statistics; under overload there are many
         self.policy.remove(request)
         self._free(request)
         request.status = RequestStatus.FINISHED

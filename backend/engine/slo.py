@@ -10,8 +10,9 @@ S-LoRA's early abort, with the wait estimated from what the engine measured inst
 `admitted_per_s` counts admissions over the last RATE_WINDOW_S seconds of steps that left requests waiting
 (then admission, not arrivals, set the pace); the own prefill is its prompt at the recent seconds per prompt token
 of steps with prompts, at least one step. Until MIN_BUSY_S of such steps were seen there is no estimate and only
-passed deadlines refuse. A refused request gets a final output with finish_reason "rejected" and a SloRefusedError
-naming the field; only requests with no token yet are refused (a preempted one that streamed tokens is not).
+passed deadlines refuse; so it is at a request's admission, where the estimate would be of its own prefill alone.
+A refused request gets a final output with finish_reason "rejected" and a SloRefusedError naming the field; only
+requests with no token yet are refused (a preempted one that had streamed tokens is not).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from slora.backend.errors import InvalidRequestError, SloRefusedError
 
 RATE_WINDOW_S = 5.0
 MIN_BUSY_S = 0.5
+MIN_PREFILL_STEPS = 8
 SWEEP_INTERVAL_S = 0.02  # the whole queue is checked at most this often; the head at every admission
 _ALPHA = 1 / 16  # weight of the newest step in the per-step averages
 
@@ -76,6 +78,7 @@ class RateMeter:
         self.step_s = 0.0
         self._prompt_tokens = 0.0  # averages over steps with prompts: tokens, seconds
         self._prompt_s = 0.0
+        self._prompt_steps = 0
         self._busy: deque[tuple[float, float, int]] = deque()  # steps that left requests waiting: (end, s, admitted)
         self._busy_s = 0.0
         self._busy_admitted = 0
@@ -96,14 +99,17 @@ class RateMeter:
         return self._busy_admitted / self._busy_s
 
     def prefill_s(self, prompt_tokens: int) -> float:
-        """Seconds to compute a prompt of this length, at least one step."""
-        per_token = self._prompt_s / self._prompt_tokens if self._prompt_tokens > 0 else 0.0
-        return max(self.step_s, prompt_tokens * per_token)
+        """Seconds to compute a prompt of this length, at least one step (only one step until MIN_PREFILL_STEPS
+        steps with prompts were seen: the first steps of an engine can be slow once, for compiling and caching)."""
+        if self._prompt_steps < MIN_PREFILL_STEPS:
+            return self.step_s
+        return max(self.step_s, prompt_tokens * self._prompt_s / self._prompt_tokens)
 
     def _observe(self, now: float, began: float, admitted: int, prompt_tokens: int, waiting: bool) -> None:
         seconds = now - began
         self.step_s = seconds if self.step_s == 0.0 else self.step_s + _ALPHA * (seconds - self.step_s)
         if prompt_tokens:
+            self._prompt_steps += 1
             self._prompt_tokens += _ALPHA * (prompt_tokens - self._prompt_tokens)
             self._prompt_s += _ALPHA * (seconds - self._prompt_s)
         if waiting:
@@ -141,12 +147,11 @@ class SloGuard:
         return None
 
     def _expected(self, request: Request, now: float, ahead: float | None) -> float | None:
-        """When its first token should come, or None without an estimate."""
-        if not self.settings.early_abort:
+        """When its first token should come, or None without an estimate (or at its admission: a request that
+        can still make it by its deadline is given the chance, whatever a noisy estimate of one prefill says)."""
+        if not self.settings.early_abort or ahead is None:
             return None
         prefill = self.meter.prefill_s(request.num_tokens)
-        if ahead is None:
-            return now + prefill if self.meter.step_s > 0 else None
         rate = self.meter.admitted_per_s()
         if rate is None:
             return None
