@@ -10,7 +10,7 @@ from typing import Any
 
 from slora.client.generate import ServerError
 
-MODELS = ("slora", "preprocessing", "postprocessing", "ensemble")
+MODELS = ("slora", "ensemble")
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="generate text, printing it as it arrives")
     generate.add_argument("prompt")
-    generate.add_argument("--model", default="ensemble", help="the text model (default: ensemble)")
+    generate.add_argument("--model", default="slora", help="the model (default: slora; ensemble is its alias)")
     generate.add_argument("--adapter", help="adapter name (default: the base model)")
     generate.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     generate.add_argument("--no-stream", action="store_true", help="one response at the end")

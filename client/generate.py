@@ -1,4 +1,4 @@
-"""Text generation against the `ensemble` model: gRPC streaming or HTTP generate / generate_stream.
+"""Text generation against the `slora` model (text in, text out): gRPC streaming or HTTP generate / generate_stream.
 
 Both yield `Chunk`s as the server sends them: a text delta and, on the last one, the finish reason. Errors the
 server sends for the request raise `ServerError` with its message.
@@ -32,7 +32,7 @@ class Chunk:
 @dataclass(frozen=True)
 class GenerateRequest:
     prompt: str
-    model: str = "ensemble"
+    model: str = "slora"  # or "ensemble", its alias
     adapter: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # sampling_parameters (max_tokens, temperature, ...)
     stream: bool = True

@@ -1,35 +1,16 @@
-"""Incremental detokenization with stop strings, and the recipe a stateless detokenizer needs to follow it.
+"""Incremental detokenization with stop strings: the one place where generated tokens become text.
 
 Text is produced the way TGI and vLLM do it: decode a small window of ids before and after the newest token and
 keep the difference, holding text back while the window ends inside a multi-byte character (U+FFFD). Characters
 that could be the start of a stop string are held back too, so that streamed deltas concatenate to exactly the
-final text, which ends before the stop string.
-
-Each emitted delta comes with a `TextSpan`: a window of token ids and a character range such that
-`tokenizer.decode(span.ids)[span.start : span.start + span.length] == delta`. Triton's detokenizer step is
-stateless; the span is all it needs.
+final text, which ends before the stop string. Servers send these deltas as they are; nothing decodes again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded with the first output token, so its leading space is right
-
-
-@dataclass(frozen=True)
-class TextSpan:
-    ids: list[int]
-    start: int
-    length: int
-
-
-@dataclass(frozen=True)
-class _Checkpoint:
-    first_id: int  # window start (token index)
-    text_pos: int  # len(text) when this window began producing text
-    prefix_chars: int  # len(decode(ids[first_id:read])) at that time
 
 
 class IncrementalDetokenizer:
@@ -41,8 +22,6 @@ class IncrementalDetokenizer:
         self._read = len(prompt_ids)
         self._stop = stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
-        self._checkpoints: list[_Checkpoint] = []
-        self._ids: list[int] = list(prompt_ids)
         self.text = ""
         self.sent = 0
         self.stopped = False
@@ -56,11 +35,9 @@ class IncrementalDetokenizer:
         full_text = self._decode(ids[self._prefix :])
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return
-        self._checkpoints.append(_Checkpoint(self._prefix, len(self.text), len(prefix_text)))
         before = len(self.text)
         self.text += full_text[len(prefix_text) :]
         self._prefix, self._read = self._read, len(ids)
-        self._ids = ids  # the request's growing token list; text is known up to self._read
         self._find_stop(before)
 
     def _find_stop(self, before: int) -> None:
@@ -72,18 +49,11 @@ class IncrementalDetokenizer:
             self.text = self.text[: min(hits)]
             self.stopped = True
 
-    def take(self, final: bool) -> tuple[str, TextSpan | None]:
-        """The text that may be sent now (all of it when `final`) and its span; marks it as sent."""
+    def take(self, final: bool) -> str:
+        """The text that may be sent now (all of it when `final`); marks it as sent."""
         limit = len(self.text) if final or self.stopped else max(self.sent, len(self.text) - self._holdback)
         if limit <= self.sent:
-            return "", None
+            return ""
         delta = self.text[self.sent : limit]
-        span = self._span(self.sent, limit - self.sent)
         self.sent = limit
-        return delta, span
-
-    def _span(self, start_char: int, length: int) -> TextSpan:
-        checkpoint = next(c for c in reversed(self._checkpoints) if c.text_pos <= start_char)
-        self._checkpoints = [c for c in self._checkpoints if c.text_pos >= checkpoint.text_pos]
-        ids = self._ids[checkpoint.first_id : self._read]
-        return TextSpan(list(ids), checkpoint.prefix_chars + start_char - checkpoint.text_pos, length)
+        return delta

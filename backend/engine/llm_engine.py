@@ -181,7 +181,7 @@ class LLMEngine:
         self.scheduler.release(request)
         request.finish_reason = FinishReason.ABORT
         self.finished_requests += 1
-        return self._output(request, [], "", None)
+        return self._output(request, [], "")
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -271,21 +271,20 @@ class LLMEngine:
                 reason = FinishReason.STOP
         if reason is None and (request.num_output >= params.max_tokens or len(request.token_ids) >= self.max_model_len):
             reason = FinishReason.LENGTH
-        text, span = request.detokenizer.take(final=reason is not None) if request.detokenizer else ("", None)
+        text = request.detokenizer.take(final=reason is not None) if request.detokenizer else ""
         if reason is not None:
             request.finish_reason = reason
             self.scheduler.release(request)
             del self.requests[request.request_id]
             self.finished_requests += 1
-        return self._output(request, [token], text, span)
+        return self._output(request, [token], text)
 
-    def _output(self, request: Request, tokens: list[int], text: str, span: Any) -> RequestOutput:
+    def _output(self, request: Request, tokens: list[int], text: str) -> RequestOutput:
         reason = request.finish_reason
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=tokens,
             text=text,
-            span=span,
             finished=reason is not None,
             finish_reason=reason.value if reason is not None else None,
             num_prompt_tokens=request.num_prompt,

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slora.backend.engine.detokenizer import TextSpan
-
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -15,7 +13,6 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     text: str = ""
-    span: TextSpan | None = None  # lets a stateless detokenizer reproduce `text` (see detokenizer.py)
     finished: bool = False
     finish_reason: str | None = None
     num_prompt_tokens: int = 0

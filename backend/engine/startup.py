@@ -21,6 +21,7 @@ from slora.backend.model.checkpoint import load_checkpoint, random_weights
 from slora.backend.model.decoder import DecoderModel
 from slora.backend.model.default_model import resolve_model_path
 from slora.backend.model.spec import LORA_MODULES, ModelSpec
+from slora.backend.model.tokenizer import load_tokenizer
 from slora.kernels.ops import make_ops
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,10 @@ def build_components(config: EngineConfig) -> Components:
     pool = PagePool(geometry, _num_pages(config, geometry, dtype, device), dtype, device)
     logger.info("page pool: %d pages of %d tokens (%.1f MiB each across layers)", pool.num_pages,
                 geometry.block_size, geometry.page_bytes(dtype) / MiB)  # fmt: skip
-    tokenizer = _load_tokenizer(config.tokenizer or model_path)
+    tokenizer_path = config.tokenizer or model_path
+    tokenizer = load_tokenizer(tokenizer_path)
+    if tokenizer is None:
+        logger.info("no tokenizer files in %s: prompts must be token ids", tokenizer_path)
     graphs = None
     if config.cuda_graphs:
         limits = GraphLimits(config.max_num_seqs, max_model_len, config.max_lora_rank)
@@ -123,16 +127,6 @@ def _available_host_bytes() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def _load_tokenizer(path: str | Path) -> Any | None:
-    path = Path(path)
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        logger.info("no tokenizer files in %s: prompts must be token ids", path)
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def _eos_ids(model_path: Path, spec: ModelSpec, tokenizer: Any | None) -> frozenset[int]:

@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                         help="any EngineConfig field, e.g. host_budget_bytes=4GiB (repeatable)")  # fmt: skip
     parser.add_argument("--chat-template", action="store_true",
-                        help="apply the model's chat template to text_input by default (ensemble)")  # fmt: skip
+                        help="apply the model's chat template to text_input by default")  # fmt: skip
     parser.add_argument("--default-max-tokens", type=int, help="max_tokens of requests that give none")
     parser.add_argument("--lora-info-metric", action="store_true",
                         help="export vllm:lora_requests_info for the Gateway API Inference Extension")  # fmt: skip
@@ -186,12 +186,8 @@ def repository_parameters(
         slora["drain_file"] = str(drain_file)
     if options.lora_registry_write_back:  # only when asked: a serving layer without it refuses the key
         slora["lora_registry_write_back"] = "true"
-    text = {"tokenizer": engine.get("tokenizer", str(model_path))}
-    return {
-        "slora": slora,
-        "preprocessing": {**text, "apply_chat_template": str(options.chat_template).lower()},
-        "postprocessing": text,
-    }
+    slora["apply_chat_template"] = str(options.chat_template).lower()
+    return {"slora": slora}
 
 
 def server_command(install: TritonInstall, repository: Path, options: LaunchOptions) -> list[str]:

@@ -4,7 +4,7 @@ The templates are complete Triton configs without parameters; slora-serve append
 
     parameters { key: "model" value: { string_value: "/path/to/checkpoint" } }
 
-for the engine options of `slora` and the tokenizer of the two text steps. Templates are found at
+for the engine and serving options of `slora` (the ensemble is an alias of it and takes none). Templates are found at
 $SLORA_MODEL_REPOSITORY, else next to the package sources (a source checkout or an editable install).
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import slora
 
-MODELS = ("slora", "preprocessing", "postprocessing", "ensemble")
+MODELS = ("slora", "ensemble")
 
 
 def template_dir() -> Path:

@@ -1,9 +1,10 @@
 """Draining: before slora-serve stops Triton, the `slora` model ends every request in flight.
 
-Why: on SIGTERM, Triton 2.51 first stops every model, then waits for the requests in flight. An ensemble request
-whose generation is still running needs the stopped postprocessing model for its next response; that step is
-refused and the ensemble request never completes (nor does a request whose client went away: the ensemble does
-not pass the cancellation on to `slora`). Triton then waits out its exit timeout (30 s) and hangs until killed.
+Why: on SIGTERM, Triton 2.51 first stops every model, then waits for the requests in flight. A request still
+generating would get no further response from its stopped model, and a streamed `ensemble` request never completes
+(nor does a request whose client went away: the ensemble does not pass the cancellation on to `slora`). Triton
+then waits out its exit timeout (30 s) and hangs until killed. Ending every request first, with a final response,
+lets the server stop at once with nothing lost silently.
 
 The handshake, through two files in slora-serve's workspace (the model's `drain_file` parameter):
 
@@ -12,7 +13,7 @@ The handshake, through two files in slora-serve's workspace (the model's `drain_
                                                  request in flight; each ends with a FINAL response whose
                                                  finish_reason is "abort", which ends its ensemble request too
     waits for <drain_file>.done      ◄──         none left in flight: writes <drain_file>.done (SETTLE_S later:
-                                                 the ensembles' last postprocessing steps are under way by then)
+                                                 the ensembles' last responses are on their way by then)
     sends SIGTERM: nothing is in flight, Triton unloads the models and exits 0
 """
 

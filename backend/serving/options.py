@@ -25,6 +25,7 @@ class ServingOptions:
     cancel_check_s: float = 0.2  # how often in-flight requests are checked for client cancellation
     engine_process: bool = True  # run the engine in a process of its own (else on a thread of the stub)
     drain_file: str | None = None  # slora-serve writes it before it stops Triton (drain.py)
+    apply_chat_template: bool = False  # text requests that do not say are rendered with the chat template
 
     def __post_init__(self) -> None:
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
@@ -39,7 +40,7 @@ class ServingOptions:
         if "default_max_tokens" in values:
             text = values.pop("default_max_tokens")
             serving["default_max_tokens"] = _int(text, "default_max_tokens") if text else None
-        for key in ("adapter_admin", "lora_info_metric", "engine_process"):
+        for key in ("adapter_admin", "lora_info_metric", "engine_process", "apply_chat_template"):
             if key in values:
                 serving[key] = _bool(values.pop(key), key)
         if "cancel_check_s" in values:

@@ -5,7 +5,9 @@ Triton. Every error is an InvalidRequestError whose message names the input, par
 
 Where things may come from (the I/O of Triton's vLLM backend, plus our token-level inputs):
 
-    input_ids             INT32 [-1] input                  the prompt as token ids (required for generation)
+    prompt                either `text_input` (BYTES [1]: text, tokenized here by the PromptEncoder, with the
+                          chat template when the `apply_chat_template` request parameter or the server's default
+                          says so) or `input_ids` (INT32 [-1] token ids), not both
     adapter               `adapter_id` input, `adapter_id`/`lora_name` request parameter, or the
                           `adapter_id`/`lora_name` field of sampling_parameters; empty means the base model.
                           Two different non-empty names are an error.
@@ -15,10 +17,8 @@ Where things may come from (the I/O of Triton's vLLM backend, plus our token-lev
                           are read as numbers.
     max_tokens            `max_tokens` input, or the sampling field of that name
     stream                `stream` BOOL input (default false: one response with every token)
-    prefix_text           `prefix_text` input (set by the preprocessing step): echoed once so that the
-                          stateless postprocessing step can put the prompt before the output. Its presence also
-                          asks for text spans: requests without it get token ids only, and the engine skips
-                          detokenizing them (unless they have stop strings, which need the text).
+    echo                  for text prompts, `exclude_input_in_output` (prompt.py): the prompt text put before
+                          the first `text_output`
 """
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ import numpy as np
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.errors import InvalidRequestError
 from slora.backend.runtime.messages import ADAPTER_OPS, AdapterCommand
+from slora.backend.serving.prompt import PromptEncoder, parse_flag, prompt_echo
 
 ADAPTER_KEYS = ("adapter_id", "lora_name")
-# Request parameters that are meant for other steps of the ensemble, never sampling parameters.
-NOT_SAMPLING = frozenset({"apply_chat_template", "adapter_path"})
+# Request parameters that say how to read the prompt or run a command, never sampling parameters.
+NOT_SAMPLING = frozenset({"apply_chat_template", "add_special_tokens", "adapter_path"})
 _INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "min_tokens", "n", "best_of"})
 _FLOAT_FIELDS = frozenset({"temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"})
 _BOOL_FIELDS = frozenset({"ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"})
@@ -56,33 +57,36 @@ class GenerateInputs:
     adapter: str | None
     sampling: SamplingParams
     stream: bool
-    prefix_text: str = ""
-    wants_text: bool = False  # send text spans (the ensemble's postprocessing step needs them)
+    is_text: bool = False  # the prompt came as text_input: the answer is text_output too
+    echo: str = ""  # text to put before the first text_output (the prompt, for exclude_input_in_output=false)
 
 
 def is_adapter_command(raw: RawRequest) -> bool:
     return "adapter_command" in raw.tensors
 
 
-def parse_generate(raw: RawRequest, default_max_tokens: int | None = None) -> GenerateInputs:
+def parse_generate(
+    raw: RawRequest, encoder: PromptEncoder | None = None, default_max_tokens: int | None = None
+) -> GenerateInputs:
     """Decode a generation request; raises InvalidRequestError naming the input or field at fault."""
-    if "input_ids" not in raw.tensors:
-        raise InvalidRequestError("input 'input_ids' (INT32 token ids) is required")
-    prompt_ids = _token_ids(raw.tensors["input_ids"])
     sampling = _sampling_dict(raw)
     adapter = _adapter(raw, sampling)
     if "max_tokens" in raw.tensors:
         _merge(sampling, "max_tokens", _scalar(raw.tensors["max_tokens"], "max_tokens", int), "the max_tokens input")
     if "max_tokens" not in sampling and default_max_tokens is not None:
         sampling["max_tokens"] = default_max_tokens
-    return GenerateInputs(
-        prompt_ids=prompt_ids,
-        adapter=adapter,
-        sampling=SamplingParams.from_dict(_vllm_compatible(sampling)),
-        stream=bool(_scalar(raw.tensors["stream"], "stream", bool)) if "stream" in raw.tensors else False,
-        prefix_text=_text(raw.tensors["prefix_text"], "prefix_text") if "prefix_text" in raw.tensors else "",
-        wants_text="prefix_text" in raw.tensors,
-    )
+    stream = bool(_scalar(raw.tensors["stream"], "stream", bool)) if "stream" in raw.tensors else False
+    params = SamplingParams.from_dict(_vllm_compatible(sampling))
+    if "text_input" not in raw.tensors:
+        return GenerateInputs(_token_ids(raw), adapter, params, stream)
+    if "input_ids" in raw.tensors:
+        raise InvalidRequestError("give the prompt as 'text_input' or as 'input_ids', not both")
+    text = _text(raw.tensors["text_input"], "text_input")
+    exclude = _scalar(raw.tensors["exclude_input_in_output"], "exclude_input_in_output", bool) if (
+        "exclude_input_in_output" in raw.tensors) else None  # fmt: skip
+    echo = prompt_echo(text, stream, exclude)
+    ids = (encoder or PromptEncoder(None)).encode(text, *_encoding_flags(raw))
+    return GenerateInputs(ids, adapter, params, stream, is_text=True, echo=echo)
 
 
 def parse_adapter_command(raw: RawRequest) -> AdapterCommand:
@@ -101,7 +105,20 @@ def parse_adapter_command(raw: RawRequest) -> AdapterCommand:
 # ---- pieces ---------------------------------------------------------------------------------------------------
 
 
-def _token_ids(array: np.ndarray) -> list[int]:
+def _encoding_flags(raw: RawRequest) -> tuple[bool | None, bool]:
+    """(apply_chat_template: None = the server's default, add_special_tokens) from the request parameters."""
+    chat = raw.parameters.get("apply_chat_template")
+    special = raw.parameters.get("add_special_tokens", True)
+    chat_template = None if chat is None else parse_flag(chat, "apply_chat_template")
+    return chat_template, parse_flag(special, "add_special_tokens")
+
+
+def _token_ids(raw: RawRequest) -> list[int]:
+    if "input_ids" not in raw.tensors:
+        raise InvalidRequestError(
+            "the prompt is missing: give input 'text_input' (text) or 'input_ids' (INT32 token ids)"
+        )
+    array = raw.tensors["input_ids"]
     if array.dtype.kind not in "iu":
         raise InvalidRequestError(f"input 'input_ids' must hold integer token ids, got {array.dtype}")
     if array.ndim != 1:

@@ -1,18 +1,12 @@
 """One request's way back from the engine: which outputs to send, when, and the latency marks on the way.
 
 Streaming requests get one response per engine output; the others one response with everything, at the end.
-Each response carries, besides the token ids, what the stateless postprocessing step needs to reproduce the text
-exactly (see detokenizer.py): a list of text spans, each a window of token ids and a character range, so that
-
-    "".join(decode(ids)[start : start + length] for ids, start, length in spans) == the text of these tokens
-
-    text_span_ids  INT32 [sum(num_ids)]   the spans' token windows, one after the other
-    text_spans     INT32 [k, 3]           (num_ids, start, length) of each span
-
-plus `prefix_text` (non-empty once, in the first response: what to put before the output, e.g. the prompt).
-Only the outputs the client asked for are built (Triton passes all of them when it names none): each output is
-one Triton tensor per response, and a token client that names output_ids alone skips the two string tensors.
-Plain numpy: the glue wraps the arrays into Triton tensors. Owned by one thread (the responder's).
+`text_output` is the engine's own text (its incremental detokenizer's deltas, decoded once in the engine): a
+streamed response carries the delta of its tokens, the last one of an unstreamed request the whole text, after
+the echo (the prompt, when the request asked for it). Only the outputs the client asked for are built (Triton
+passes all of them when it names none): each output is one Triton tensor per response, and a token client that
+names output_ids alone skips the string tensors. Plain numpy: the glue wraps the arrays into Triton tensors.
+Owned by one thread (the responder's).
 """
 
 from __future__ import annotations
@@ -23,15 +17,7 @@ import numpy as np
 
 from slora.backend.engine.outputs import RequestOutput
 
-OUTPUT_NAMES = (
-    "output_ids",
-    "finish_reason",
-    "text_span_ids",
-    "text_spans",
-    "num_input_tokens",
-    "num_output_tokens",
-    "prefix_text",
-)
+OUTPUT_NAMES = ("output_ids", "text_output", "finish_reason", "num_input_tokens", "num_output_tokens")
 
 
 @dataclass(frozen=True)
@@ -44,13 +30,13 @@ class Reply:
 class ResponseStream:
     stream: bool
     arrival: float  # time.monotonic() when the request arrived
-    prefix_text: str = ""
+    echo: str = ""  # text before the first text_output (the prompt, when the request asked for it)
     outputs: frozenset[str] = frozenset(OUTPUT_NAMES)  # the outputs to send
     first_token_at: float | None = None
     last_token_at: float | None = None
     latencies: list[tuple[str, float]] = field(default_factory=list)  # ("ttft" | "itl", seconds), drained by the caller
     _pending: list[RequestOutput] = field(default_factory=list)
-    _prefix_sent: bool = False
+    _echo_sent: bool = False
 
     def add(self, output: RequestOutput, at: float) -> Reply | None:
         """Fold in one engine output produced at `at`; returns what to send now, if anything."""
@@ -86,17 +72,13 @@ class ResponseStream:
             arrays["output_ids"] = np.asarray(ids, dtype=np.int32)
         if "finish_reason" in wanted:
             arrays["finish_reason"] = np.asarray([(last.finish_reason or "").encode()], dtype=np.object_)
-        if "text_span_ids" in wanted or "text_spans" in wanted:
-            spans = [o.span for o in outputs if o.span is not None and o.span.length > 0]
-            arrays["text_span_ids"] = np.asarray([t for s in spans for t in s.ids], dtype=np.int32)
-            rows = [(len(s.ids), s.start, s.length) for s in spans]
-            arrays["text_spans"] = np.asarray(rows, dtype=np.int32).reshape(-1, 3)
+        if "text_output" in wanted:
+            echo = "" if self._echo_sent else self.echo
+            self._echo_sent = True
+            text = echo + "".join(o.text for o in outputs)
+            arrays["text_output"] = np.asarray([text.encode()], dtype=np.object_)
         if "num_input_tokens" in wanted:
             arrays["num_input_tokens"] = np.asarray([last.num_prompt_tokens], dtype=np.uint32)
         if "num_output_tokens" in wanted:
             arrays["num_output_tokens"] = np.asarray([len(ids)], dtype=np.uint32)
-        if "prefix_text" in wanted:
-            prefix = "" if self._prefix_sent else self.prefix_text
-            self._prefix_sent = True
-            arrays["prefix_text"] = np.asarray([prefix.encode()], dtype=np.object_)
-        return {name: array for name, array in arrays.items() if name in wanted}
+        return arrays

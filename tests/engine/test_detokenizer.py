@@ -1,4 +1,4 @@
-"""Incremental detokenization: deltas concatenate to the full text, spans reproduce each delta statelessly."""
+"""Incremental detokenization: deltas concatenate to the full text, stop strings and split characters held back."""
 
 from __future__ import annotations
 
@@ -23,12 +23,7 @@ def _stream(tokenizer, prompt: list[int], output: list[int], stop: tuple[str, ..
     for i, token in enumerate(output):
         ids.append(token)
         detok.update(ids)
-        text, span = detok.take(final=detok.stopped or i == len(output) - 1)
-        if text:
-            assert span is not None
-            decoded = tokenizer.decode(span.ids, skip_special_tokens=True)
-            assert decoded[span.start : span.start + span.length] == text
-        deltas.append(text)
+        deltas.append(detok.take(final=detok.stopped or i == len(output) - 1))
         if detok.stopped:
             break
     return deltas, detok

@@ -102,7 +102,7 @@ def test_http_errors_name_the_problem(server: Server) -> None:
     status, (payload,) = http_post(server.http_url, "/v2/models/slora/generate", body)
     assert status >= 400 and "'nope'" in payload["error"]
     status, (payload,) = http_post(server.http_url, "/v2/models/slora/generate", {"max_tokens": 4})
-    assert status >= 400 and "input 'input_ids' (INT32 token ids) is required" in payload["error"]
+    assert status >= 400 and "the prompt is missing: give input 'text_input' (text) or 'input_ids'" in payload["error"]
     status, events = http_post(
         server.http_url, "/v2/models/ensemble/generate_stream", {"text_input": "Hi", "sampling_parameters": "{x"}
     )

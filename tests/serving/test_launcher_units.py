@@ -10,7 +10,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
@@ -33,7 +32,7 @@ from slora.backend.launcher.server_locator import (
     python_version,
     stub_python_version,
 )
-from slora.backend.serving.text_steps import decode_spans, encode_prompt, prompt_prefix
+from slora.backend.serving.prompt import PromptEncoder, prompt_echo
 
 
 def _parse(config: Path) -> model_config_pb2.ModelConfig:
@@ -49,10 +48,9 @@ def test_rendered_repository_is_valid_and_carries_the_parameters(tmp_path: Path)
     assert slora["model"] == "/models/m" and slora["adapter_root"] == str(tmp_path.resolve())
     assert (slora["max_num_seqs"], slora["host_budget_bytes"], slora["default_max_tokens"]) == ("8", "1GiB", "64")
     assert configs["slora"].model_transaction_policy.decoupled
-    assert configs["preprocessing"].parameters["apply_chat_template"].string_value == "true"
-    assert configs["postprocessing"].parameters["tokenizer"].string_value == "/models/m"
+    assert slora["apply_chat_template"] == "true"
     steps = [s.model_name for s in configs["ensemble"].ensemble_scheduling.step]
-    assert steps == ["preprocessing", "slora", "postprocessing"]
+    assert steps == ["slora"]  # the alias: text is decoded once, in slora
     assert (repository / "slora" / "1" / "model.py").is_file()
 
 
@@ -152,42 +150,36 @@ def test_a_second_ctrl_c_kills_the_server_at_once(tmp_path: Path) -> None:
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the launcher's handlers are gone
 
 
-def test_text_spans_rebuild_the_detokenizer_text_exactly(tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_streamed_deltas_are_the_detokenizer_text_exactly(tokenizer) -> None:  # type: ignore[no-untyped-def]
     prompt = tokenizer.encode("Say it:", add_special_tokens=True)
     target = " 👍 Привет, мир! 你好. The end. More."
     for stop in ((), ("end.",)):
         detok = IncrementalDetokenizer(tokenizer, prompt, stop)
         ids = list(prompt)
-        deltas, rebuilt = [], []
+        deltas = []
         for token in tokenizer.encode(target, add_special_tokens=False):
             ids.append(token)
             detok.update(ids)
-            text, span = detok.take(final=False)
-            deltas.append(text)
-            if span is not None:
-                spans = np.asarray([[len(span.ids), span.start, span.length]], dtype=np.int32)
-                rebuilt.append(decode_spans(tokenizer, np.asarray(span.ids, dtype=np.int32), spans))
+            deltas.append(detok.take(final=False))
             if detok.stopped:
                 break
-        text, span = detok.take(final=True)
-        deltas.append(text)
-        if span is not None:
-            spans = np.asarray([[len(span.ids), span.start, span.length]], dtype=np.int32)
-            rebuilt.append(decode_spans(tokenizer, np.asarray(span.ids, dtype=np.int32), spans))
-        assert "".join(rebuilt) == "".join(deltas) == (" 👍 Привет, мир! 你好. The " if stop else target)
+        deltas.append(detok.take(final=True))
+        assert all("\ufffd" not in d for d in deltas)
+        assert "".join(deltas) == detok.text == (" 👍 Привет, мир! 你好. The " if stop else target)
 
 
-def test_prompt_prefix_follows_the_vllm_backend() -> None:
-    assert prompt_prefix("p", stream=False, exclude_input_in_output=None) == "p"
-    assert prompt_prefix("p", stream=True, exclude_input_in_output=None) == ""
-    assert prompt_prefix("p", stream=False, exclude_input_in_output=True) == ""
+def test_prompt_echo_follows_the_vllm_backend() -> None:
+    assert prompt_echo("p", stream=False, exclude_input_in_output=None) == "p"
+    assert prompt_echo("p", stream=True, exclude_input_in_output=None) == ""
+    assert prompt_echo("p", stream=False, exclude_input_in_output=True) == ""
     with pytest.raises(InvalidRequestError, match="not supported with stream=true"):
-        prompt_prefix("p", stream=True, exclude_input_in_output=False)
+        prompt_echo("p", stream=True, exclude_input_in_output=False)
 
 
 def test_encode_prompt(tokenizer) -> None:  # type: ignore[no-untyped-def]
-    assert encode_prompt(tokenizer, "Hi", False).tolist() == tokenizer.encode("Hi", add_special_tokens=True)
-    chat = encode_prompt(tokenizer, "Hi", True)
-    assert chat.dtype == np.int32 and tokenizer.decode(chat.tolist()).rstrip().endswith("assistant")
+    encoder = PromptEncoder(tokenizer)
+    assert encoder.encode("Hi", False) == tokenizer.encode("Hi", add_special_tokens=True)
+    chat = encoder.encode("Hi", True)
+    assert tokenizer.decode(chat).rstrip().endswith("assistant")
     with pytest.raises(InvalidRequestError, match="empty"):
-        encode_prompt(tokenizer, "", False)
+        encoder.encode("", False)

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from slora.backend.engine.detokenizer import TextSpan
 from slora.backend.engine.outputs import RequestOutput
 from slora.backend.errors import InvalidRequestError
 from slora.backend.serving import drain
 from slora.backend.serving.options import ServingOptions, model_config_parameters
+from slora.backend.serving.prompt import PromptEncoder
 from slora.backend.serving.request_inputs import RawRequest, parse_adapter_command, parse_generate
 from slora.backend.serving.response_stream import OUTPUT_NAMES, ResponseStream
 
@@ -49,10 +49,36 @@ def test_defaults_and_every_adapter_source() -> None:
         parse_generate(_raw({"lora_name": "b"}, input_ids=IDS, adapter_id="a"))
 
 
-def test_text_spans_only_for_the_ensemble() -> None:
-    """The preprocessing step always sends prefix_text; direct token-id calls get no text, so none is decoded."""
-    assert not parse_generate(_raw(input_ids=IDS)).wants_text
-    assert parse_generate(_raw(input_ids=IDS, prefix_text="")).wants_text
+def test_text_prompts_are_tokenized_once_here(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """text_input is encoded as the engine encodes a string (or through the chat template); input_ids pass as they
+    are; the prompt is echoed before the output as the vLLM backend does (unstreamed: unless excluded)."""
+    encoder = PromptEncoder(tokenizer)
+    inputs = parse_generate(_raw(text_input="Hello there"), encoder)
+    assert inputs.is_text and inputs.prompt_ids == tokenizer.encode("Hello there", add_special_tokens=True)
+    assert inputs.echo == "Hello there"
+    assert parse_generate(_raw(text_input="Hi", stream=True), encoder).echo == ""
+    assert parse_generate(_raw(text_input="Hi", exclude_input_in_output=True), encoder).echo == ""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+    chat = parse_generate(_raw({"apply_chat_template": "true"}, text_input="Hi"), encoder)
+    assert chat.prompt_ids == tokenizer.encode(rendered, add_special_tokens=False)
+    assert parse_generate(_raw(text_input="Hi"), PromptEncoder(tokenizer, chat_template=True)).prompt_ids == (
+        chat.prompt_ids
+    )
+    plain = parse_generate(_raw({"add_special_tokens": False}, text_input="Hi"), encoder)
+    assert plain.prompt_ids == tokenizer.encode("Hi", add_special_tokens=False)
+    tokens = parse_generate(_raw(input_ids=IDS), encoder)
+    assert not tokens.is_text and tokens.echo == "" and tokens.prompt_ids == [5, 6, 7]
+    with pytest.raises(InvalidRequestError, match="exclude_input_in_output=false is not supported with stream"):
+        parse_generate(_raw(text_input="Hi", stream=True, exclude_input_in_output=False), encoder)
+    with pytest.raises(InvalidRequestError, match="'text_input' or as 'input_ids', not both"):
+        parse_generate(_raw(text_input="Hi", input_ids=IDS), encoder)
+
+
+def test_a_server_without_tokenizer_says_how_to_serve_text() -> None:
+    with pytest.raises(InvalidRequestError, match="no tokenizer.*input_ids.*--tokenizer PATH"):
+        parse_generate(_raw(text_input="Hello"), PromptEncoder(None))
+    assert parse_generate(_raw(input_ids=IDS), PromptEncoder(None)).prompt_ids == [5, 6, 7]
 
 
 def test_sampling_merges_parameters_json_and_inputs() -> None:
@@ -79,7 +105,7 @@ def test_vllm_client_habits_are_accepted() -> None:
 @pytest.mark.parametrize(
     ("tensors", "message"),
     [
-        ({}, "input 'input_ids' .* is required"),
+        ({}, "the prompt is missing: give input 'text_input' .* or 'input_ids'"),
         ({"input_ids": np.asarray([[1, 2]], dtype=np.int32)}, "must be 1-D"),
         ({"input_ids": IDS, "sampling_parameters": "{nope"}, "is not valid JSON"),
         ({"input_ids": IDS, "sampling_parameters": '"text"'}, "must be a JSON object, got str"),
@@ -103,60 +129,55 @@ def test_adapter_commands() -> None:
         parse_adapter_command(_raw(adapter_command="unload"))
 
 
-def _output(tokens: list[int], span: TextSpan | None, reason: str | None = None) -> RequestOutput:
-    return RequestOutput("r", tokens, "", span, reason is not None, reason, num_prompt_tokens=3)
+def _output(tokens: list[int], text: str, reason: str | None = None) -> RequestOutput:
+    return RequestOutput("r", tokens, text, reason is not None, reason, num_prompt_tokens=3)
 
 
-def test_streamed_responses_carry_tokens_spans_and_the_prefix_once() -> None:
-    stream = ResponseStream(stream=True, arrival=0.0, prefix_text="P")
-    first = stream.add(_output([10], TextSpan([1, 10], 2, 3)), at=0.5)
-    second = stream.add(_output([11], None), at=0.7)
-    last = stream.add(_output([12], TextSpan([10, 11, 12], 4, 5), "length"), at=1.0)
+def test_streamed_responses_carry_tokens_text_and_the_echo_once() -> None:
+    stream = ResponseStream(stream=True, arrival=0.0, echo="P")
+    first = stream.add(_output([10], "ab"), at=0.5)
+    second = stream.add(_output([11], ""), at=0.7)
+    last = stream.add(_output([12], "cd", "length"), at=1.0)
     assert first is not None and second is not None and last is not None
     assert set(first.arrays) == set(OUTPUT_NAMES) and not first.final and last.final
-    assert first.arrays["prefix_text"].tolist() == [b"P"] and last.arrays["prefix_text"].tolist() == [b""]
-    assert second.arrays["text_spans"].shape == (0, 3) and second.arrays["text_span_ids"].size == 0
-    assert last.arrays["text_spans"].tolist() == [[3, 4, 5]] and last.arrays["finish_reason"].tolist() == [b"length"]
+    assert first.arrays["text_output"].tolist() == [b"Pab"] and second.arrays["text_output"].tolist() == [b""]
+    assert last.arrays["text_output"].tolist() == [b"cd"] and last.arrays["finish_reason"].tolist() == [b"length"]
     assert [k for k, _ in stream.latencies] == ["ttft", "itl", "itl"]
     assert stream.latencies[0][1] == pytest.approx(0.5) and stream.latencies[2][1] == pytest.approx(0.3)
 
 
-def test_unstreamed_request_gets_one_response_with_every_span() -> None:
-    stream = ResponseStream(stream=False, arrival=0.0)
-    assert stream.add(_output([10], TextSpan([10], 0, 2)), at=0.1) is None
-    reply = stream.add(_output([11], TextSpan([10, 11], 2, 3), "stop"), at=0.2)
+def test_unstreamed_request_gets_one_response_with_the_whole_text() -> None:
+    stream = ResponseStream(stream=False, arrival=0.0, echo="Say: ")
+    assert stream.add(_output([10], "Hé"), at=0.1) is None
+    reply = stream.add(_output([11], "llo", "stop"), at=0.2)
     assert reply is not None and reply.final
     assert reply.arrays["output_ids"].tolist() == [10, 11]
-    assert reply.arrays["text_span_ids"].tolist() == [10, 10, 11]
-    assert reply.arrays["text_spans"].tolist() == [[1, 0, 2], [2, 2, 3]]
+    assert reply.arrays["text_output"].tolist() == ["Say: Héllo".encode()]
     assert reply.arrays["num_output_tokens"].tolist() == [2] and reply.arrays["num_input_tokens"].tolist() == [3]
 
 
 def test_queued_outputs_of_a_stream_merge_into_one_response() -> None:
     """Outputs that queued up while the responder was busy: one response, every token, per-token latencies."""
-    stream = ResponseStream(stream=True, arrival=0.0, prefix_text="P")
-    reply = stream.add_many([(_output([10], TextSpan([10], 0, 2)), 0.5), (_output([11], None), 0.6),
-                             (_output([12], TextSpan([11, 12], 2, 3)), 0.8)])  # fmt: skip
+    stream = ResponseStream(stream=True, arrival=0.0, echo="P")
+    reply = stream.add_many([(_output([10], "a"), 0.5), (_output([11], ""), 0.6), (_output([12], "bc"), 0.8)])
     assert reply is not None and not reply.final
     assert reply.arrays["output_ids"].tolist() == [10, 11, 12] and reply.arrays["num_output_tokens"].tolist() == [3]
-    assert reply.arrays["text_span_ids"].tolist() == [10, 11, 12]
-    assert reply.arrays["text_spans"].tolist() == [[1, 0, 2], [2, 2, 3]]
-    assert reply.arrays["prefix_text"].tolist() == [b"P"]
+    assert reply.arrays["text_output"].tolist() == [b"Pabc"]
     assert [k for k, _ in stream.latencies] == ["ttft", "itl", "itl"]
     assert stream.latencies[2][1] == pytest.approx(0.2)
-    last = stream.add_many([(_output([13], None), 0.9), (_output([14], None, "length"), 1.0)])
+    last = stream.add_many([(_output([13], "d"), 0.9), (_output([14], "", "length"), 1.0)])
     assert last is not None and last.final and last.arrays["output_ids"].tolist() == [13, 14]
-    assert last.arrays["finish_reason"].tolist() == [b"length"] and last.arrays["prefix_text"].tolist() == [b""]
+    assert last.arrays["finish_reason"].tolist() == [b"length"] and last.arrays["text_output"].tolist() == [b"d"]
 
 
 def test_only_the_requested_outputs_are_built() -> None:
     stream = ResponseStream(stream=True, arrival=0.0, outputs=frozenset({"output_ids", "finish_reason"}))
-    reply = stream.add(_output([10], TextSpan([10], 0, 2), "stop"), at=0.1)
+    reply = stream.add(_output([10], "ab", "stop"), at=0.1)
     assert reply is not None and set(reply.arrays) == {"output_ids", "finish_reason"}
-    spans_only = ResponseStream(stream=True, arrival=0.0, outputs=frozenset({"text_spans"}))
-    reply = spans_only.add(_output([10], TextSpan([10], 0, 2)), at=0.1)
+    text_only = ResponseStream(stream=True, arrival=0.0, outputs=frozenset({"text_output"}))
+    reply = text_only.add(_output([10], "ab"), at=0.1)
     assert (
-        reply is not None and set(reply.arrays) == {"text_spans"} and reply.arrays["text_spans"].tolist() == [[1, 0, 2]]
+        reply is not None and set(reply.arrays) == {"text_output"} and reply.arrays["text_output"].tolist() == [b"ab"]
     )
 
 

@@ -8,9 +8,11 @@
 
 The engine runs in a process of its own by default (`engine_process=true`, engine_process.py), so that its
 Python work and the responder's do not share one GIL; `engine_process=false` runs it on a thread of the stub.
-Control requests (`adapter_command` input: list | load | unload) are answered from a worker thread with one
-response holding `adapter_result` (JSON). This module and the other `triton_*` modules are the only code that
-imports triton_python_backend_utils; the engine knows nothing of Triton. Before slora-serve stops the server, the
+Text requests (`text_input`, the I/O of Triton's vLLM backend) are tokenized here, once, and answered with the
+engine's own incremental text (`text_output`); token requests (`input_ids`) skip both ends. Control requests
+(`adapter_command` input: list | load | unload) are answered from a worker thread with one response holding
+`adapter_result` (JSON). This package (serving/triton/) holds the only code that imports
+triton_python_backend_utils; the engine knows nothing of Triton. Before slora-serve stops the server, the
 model drains (drain.py): it refuses new requests and ends every one in flight.
 """
 
@@ -27,12 +29,15 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from slora.backend.errors import EngineOverloadedError
+from slora.backend.model.default_model import resolve_model_path
+from slora.backend.model.tokenizer import load_tokenizer
 from slora.backend.runtime.engine_process import EngineProcess
 from slora.backend.runtime.engine_service import EngineService, LocalEngine
 from slora.backend.runtime.fresh_threads import FreshThreadExecutor
 from slora.backend.runtime.messages import Submission
 from slora.backend.serving.drain import DrainWatcher
 from slora.backend.serving.options import ServingOptions, model_config_parameters
+from slora.backend.serving.prompt import PromptEncoder
 from slora.backend.serving.request_inputs import (
     RawRequest,
     is_adapter_command,
@@ -47,6 +52,11 @@ from slora.backend.serving.triton.responder import Responder
 from slora.backend.stub_compat import prepare_stub
 
 logger = logging.getLogger(__name__)
+
+# Inputs read from a request (config.pbtxt declares them; the vLLM backend's return_* flags are accepted there and
+# need no reading: finish_reason and the token counts are always sent).
+INPUT_NAMES = ("text_input", "input_ids", "max_tokens", "adapter_id", "sampling_parameters", "stream",
+               "exclude_input_in_output", "adapter_command", "adapter_path")  # fmt: skip
 
 
 class TritonPythonModel:
@@ -64,6 +74,7 @@ class TritonPythonModel:
         where = "in a process of its own" if self.options.engine_process else "in the stub process"
         logger.info("starting the engine %s: %s", where, self.options.engine)
         started = time.monotonic()
+        self.encoder = _prompt_encoder(self.options)
         self.engine = _start_engine(self.options)
         self.metrics = _metrics(self.options)
         self.engine.on_stats(self.metrics.update_stats)
@@ -108,11 +119,13 @@ class TritonPythonModel:
         """Hand a well-formed request to the engine; what the engine refuses comes back through the responder."""
         if self.drain is not None and self.drain.draining:
             raise EngineOverloadedError("the server is shutting down")
-        inputs = parse_generate(raw, self.options.default_max_tokens)
+        inputs = parse_generate(raw, self.encoder, self.options.default_max_tokens)
         request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
-        stream = ResponseStream(inputs.stream, arrival, inputs.prefix_text, requested_outputs(request))
+        outputs = requested_outputs(request, inputs.is_text)
+        stream = ResponseStream(inputs.stream, arrival, inputs.echo, outputs)
         callback = self.responder.track(request_id, request, sender, stream)
-        job = Submission(request_id, inputs.prompt_ids, inputs.adapter, inputs.sampling, inputs.wants_text)
+        wants_text = "text_output" in outputs
+        job = Submission(request_id, inputs.prompt_ids, inputs.adapter, inputs.sampling, wants_text)
         self.engine.submit(job, callback)
 
     def _run_command(self, request: Any, sender: Any, command: Any) -> None:
@@ -132,6 +145,16 @@ def _start_engine(options: ServingOptions) -> EngineService:
     return LocalEngine.start(options.engine)
 
 
+def _prompt_encoder(options: ServingOptions) -> PromptEncoder:
+    """The tokenizer of text requests: the engine's (its `tokenizer` option, else the checkpoint's folder)."""
+    path = options.engine.tokenizer or str(resolve_model_path(options.engine.model))
+    tokenizer = load_tokenizer(path)
+    if tokenizer is None:
+        logger.warning("no tokenizer files in %s: serving token ids only; text requests (text_input, the ensemble) "
+                       "need a tokenizer: start slora-serve with --tokenizer PATH", path)  # fmt: skip
+    return PromptEncoder(tokenizer, options.apply_chat_template)
+
+
 def _metrics(options: ServingOptions) -> NullMetrics:
     try:
         return TritonMetrics(max_lora=options.engine.max_num_seqs, lora_info=options.lora_info_metric)
@@ -142,8 +165,7 @@ def _metrics(options: ServingOptions) -> NullMetrics:
 
 def _raw_request(request: Any) -> RawRequest:
     tensors = {}
-    for name in ("input_ids", "max_tokens", "adapter_id", "sampling_parameters", "stream", "prefix_text",
-                 "adapter_command", "adapter_path"):  # fmt: skip
+    for name in INPUT_NAMES:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is not None:
             tensors[name] = tensor.as_numpy()
@@ -159,7 +181,10 @@ def _send_error(sender: Any, exc: Exception) -> None:
     send_error(sender, str(exc), code)
 
 
-def requested_outputs(request: Any) -> frozenset[str]:
-    """The generation outputs the client asked for; all of them when it named none (or only unknown ones)."""
-    names = frozenset(request.requested_output_names() or ()) & frozenset(OUTPUT_NAMES)
-    return names or frozenset(OUTPUT_NAMES)
+def requested_outputs(request: Any, is_text: bool) -> frozenset[str]:
+    """The generation outputs the client asked for. When it named none (Triton then lists every output of the
+    model, adapter_result too) or only unknown ones: all of them for a text request, all but text_output for a
+    token request (its text is decoded only when asked for by name)."""
+    requested = frozenset(request.requested_output_names() or ())
+    names = requested & frozenset(OUTPUT_NAMES) if "adapter_result" not in requested else frozenset()
+    return names or frozenset(name for name in OUTPUT_NAMES if is_text or name != "text_output")
