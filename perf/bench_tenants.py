@@ -434,6 +434,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host-budget", help="host memory for adapters, e.g. 64GiB")
     parser.add_argument("--engine-opt", action="append", default=[], help="any EngineConfig field, KEY=VALUE")
     parser.add_argument("--suite", choices=("noisy", "overload", "all"), default="all")
+    parser.add_argument("--policies", nargs="+", choices=("fcfs", "fair", "priority"),
+                        help="noisy neighbour: the policies compared (default: fcfs fair)")  # fmt: skip
+    parser.add_argument("--modes", nargs="+", choices=tuple(MODES), help="overload: the modes (default: all)")
     parser.add_argument("--tenants", type=int)
     parser.add_argument("--duration", type=float, help="seconds of arrivals per run")
     parser.add_argument("--loads", type=float, nargs="+", help="overload runs, in units of the measured capacity")
@@ -453,7 +456,8 @@ def bench_options(args: argparse.Namespace) -> BenchOptions:
     options = SMOKE if args.smoke else BenchOptions()
     changes = {"tenants": args.tenants, "duration_s": args.duration, "slo_s": args.slo, "base_load": args.base_load,
                "time_limit_s": args.time_limit, "loads": tuple(args.loads) if args.loads else None,
-               "capacity_requests": args.capacity_requests}  # fmt: skip
+               "capacity_requests": args.capacity_requests, "policies": tuple(args.policies or ()) or None,
+               "modes": tuple(args.modes or ()) or None}  # fmt: skip
     return replace(options, progress=not args.no_progress, **{k: v for k, v in changes.items() if v is not None})
 
 

@@ -1,17 +1,18 @@
 """Iteration-level scheduling over the unified pool: who runs this step, with how many tokens.
 
-Each step: (1) running requests first, in the policy's order (fcfs: admission order): one token each when
-decoding, the next chunk when prefilling; if a request needs a page and none is free, unpinned adapters are
-evicted, then the last request of that order (fcfs: the most recently admitted) is preempted (its pages freed; it
-is recomputed later). (2) If nothing was preempted (and, with admit_interval > 1 while requests run, on every
+Each step: (1) running requests first, in admission order: one token each when decoding, the next chunk when
+prefilling; if a request needs a page and none is free, unpinned adapters are evicted, then a request not yet
+scheduled this step is preempted (its pages freed; it is recomputed later): the policy's choice, under fcfs the
+most recently admitted. (2) If nothing was preempted (and, with admit_interval > 1 while requests run, on every
 admit_interval-th step), waiting requests are admitted in the policy's order (fcfs: arrival order) while the
 token budget, the sequence limit and the pool allow: a request is admitted only when its adapter is (or can be
 made) resident and pinned and the pages for its whole prompt are allocated; with admit_when_copied, a request whose
 adapter copy is not issued yet is passed over while others run (it keeps its place at the head of the queue).
 (3) Adapters of the next waiting requests are copied into free pages ahead of time.
 
-The order is the scheduling policy's (scheduling_policy.py: fcfs, fair, priority). With first-token SLOs or a
-queue timeout, waiting requests that can no longer meet them are refused before they are admitted (slo.py).
+Admission order and preemption victims are the scheduling policy's (scheduling_policy.py: fcfs, fair,
+priority). With first-token SLOs or a queue timeout, waiting requests that can no longer meet them are refused
+before they are admitted (slo.py).
 
 The scheduler owns each request's pages and adapter pin; the pool only counts pages.
 """
@@ -107,7 +108,6 @@ class Scheduler:
         now = self.clock() if self._deadlines else 0.0
         if self._deadlines:
             self._refuse_late(out, now)
-        self.policy.order_running(self.running)
         budget = self._schedule_running(out, self.limits.max_batch_tokens)
         admitted = 0
         if not out.preempted and self._admission_due():
@@ -179,14 +179,16 @@ class Scheduler:
         return budget
 
     def _grow(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
-        """Give `request` pages for `num_tokens`, preempting from the tail; False if it preempted itself."""
+        """Give `request` pages for `num_tokens`, preempting the policy's victims; False if it preempted itself."""
         need = self.pages_for(num_tokens) - len(request.pages)
         while need > 0:
             pages = self._alloc(need, request)
             if pages is not None:
                 request.pages += pages
                 return True
-            victim = self.running[-1]
+            # Among the requests not scheduled yet this step (`request` and those after it): none is in `out`.
+            start = self.running.index(request)
+            victim = self.policy.victim(self.running[start:])
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is request:

@@ -6,12 +6,14 @@
               counter admitted next, a newly backlogged tenant's counter lifted so that idle time earns no credit.
     priority  higher `priority` first, aged so that low priority never starves.
 
-The scheduler (scheduler.py) owns admission, pages and preemption; a policy only orders. Its calls, per step:
-`order_running` (the running requests, most entitled first: the scheduler gives its token budget in that order
-and preempts from the tail), then while admitting `peek` → `take` (admitted), or `set_aside` … `put_back` (passed
-over this step: its adapter copy is not issued yet), then `served` (the step's plan, for service counters). Off
-the step: `push` (arrival), `push_preempted`, `remove` (abort or SLO refusal), `upcoming` (adapter prefetch) and
-`positions` (how many admissions come before each waiting request: the SLO estimate, slo.py).
+The scheduler (scheduler.py) owns admission, pages and preemption; a policy only chooses. Its calls, per step:
+while admitting `peek` → `take` (admitted), or `set_aside` … `put_back` (passed over this step: its adapter copy
+is not issued yet); `victim` when the pool is full (which running request to preempt); `served` (the step's plan,
+for service counters). Off the step: `push` (arrival), `push_preempted`, `remove` (abort or SLO refusal),
+`upcoming` (adapter prefetch) and `positions` (how many admissions come before each waiting request: the SLO
+estimate, slo.py). Running requests stay in admission order under every policy (the token budget goes to them
+in that order), so that consecutive decode steps keep one batch order (executor/decode_batch.py builds each from
+the one before).
 """
 
 from __future__ import annotations
@@ -76,8 +78,9 @@ class SchedulingPolicy(ABC):
     def remove(self, request: Request) -> None:
         """`request` leaves the queue without being admitted (abort, refusal)."""
 
-    def order_running(self, running: list[Request]) -> None:  # noqa: B027 (a hook: most policies need nothing here)
-        """Sort `running` in place, most entitled first (default: admission order, unchanged)."""
+    def victim(self, candidates: list[Request]) -> Request:
+        """The running request to preempt among `candidates` (in admission order): by default the last admitted."""
+        return candidates[-1]
 
     def served(self, seqs: list[ScheduledSeq]) -> None:  # noqa: B027 (a hook: most policies need nothing here)
         """A step was planned with these seqs (default: nothing to count)."""
@@ -156,7 +159,7 @@ class PriorityPolicy(SchedulingPolicy):
     q > p goes ahead of it for (q - p) / aging_rate seconds at most: low priority never starves. Every waiting
     request ages at the same rate, so the ranking never changes while they wait: p + a·(now - arrival) orders as
     p - a·arrival, a key fixed at arrival, and the queue is a heap on it. A preempted request keeps its key (it
-    has aged since it arrived), and the running requests are ordered by it too: the lowest is preempted first.
+    has aged since it arrived); the running request with the lowest is preempted first.
     """
 
     name = "priority"
@@ -209,8 +212,9 @@ class PriorityPolicy(SchedulingPolicy):
     def remove(self, request: Request) -> None:
         del self._live[request]  # its heap entry goes stale; peek drops it when it reaches the top
 
-    def order_running(self, running: list[Request]) -> None:
-        running.sort(key=self.key)
+    def victim(self, candidates: list[Request]) -> Request:
+        """The lowest effective priority; the last admitted among equals."""
+        return max(reversed(candidates), key=self.key)
 
     def upcoming(self) -> Iterable[Request]:
         """The first UPCOMING waiting requests (popped off the heap, then pushed back)."""
@@ -242,8 +246,7 @@ class FairPolicy(SchedulingPolicy):
     What the paper leaves open, on an engine of chunked prefill and preemption: the prompt is counted once, at its
     first admission, whatever the chunks it is computed in; a preempted request's recomputation is the engine's
     loss, not service, so its readmission counts nothing and does not lift its tenant (it goes back to the head of
-    its tenant's queue). The running requests are ordered by their tenant's counter: the least served get the step's
-    token budget first, and the most served are preempted first.
+    its tenant's queue). When the pool is full, a request of the most-served running tenant is preempted first.
     """
 
     name = "fair"
@@ -314,9 +317,10 @@ class FairPolicy(SchedulingPolicy):
     def counter(self, tenant: str) -> float | None:
         return self.counters.get(tenant)
 
-    def order_running(self, running: list[Request]) -> None:
+    def victim(self, candidates: list[Request]) -> Request:
+        """A request of the most-served tenant; its last admitted."""
         counters = self.counters
-        running.sort(key=lambda r: counters.get(r.tenant, 0.0))
+        return max(reversed(candidates), key=lambda r: counters.get(r.tenant, 0.0))
 
     def forget_idle(self, busy: set[str]) -> None:
         """Past MAX_IDLE_COUNTERS counters, drop those of idle tenants at or below the least backlogged counter:

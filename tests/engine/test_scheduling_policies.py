@@ -20,6 +20,7 @@ import pytest
 from slora.backend.config import EngineConfig
 from slora.backend.engine.llm_engine import LLMEngine
 from slora.backend.engine.outputs import RequestOutput
+from slora.backend.engine.request import Request
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.engine.scheduler import SchedulerOutput
 from slora.backend.engine.scheduling_policy import FairPolicy
@@ -171,6 +172,42 @@ def test_preemption_requeues_at_the_tenant_head_without_charging_again() -> None
     assert isinstance(policy, FairPolicy)
     for tenant in ("a", "b"):  # each prompt counted once, each output token once
         assert policy.counters[tenant] == 4 * 8 * 1.0 + 4 * 40 * 2.0
+
+
+@pytest.mark.parametrize("policy", ["fair", "priority"])
+def test_running_requests_stay_in_admission_order(policy: str) -> None:
+    """No policy reorders the running requests (consecutive decode steps keep one batch, decode_batch.py):
+    each step's running list is the last one's survivors, in their order, then the new admissions."""
+    sim = make_sim(policy, pages=40, max_batch_tokens=48, max_num_seqs=6)
+    flood(sim, "a", 60, PROMPT, OUTPUT, seed=14)
+    flood(sim, "b", 60, PROMPT, OUTPUT, seed=15)
+    before: list[object] = []
+    while sim.scheduler.has_work():
+        sim.step()
+        now = list(sim.scheduler.running)
+        kept = [r for r in before if r in now]
+        assert now[: len(kept)] == kept
+        before = now
+    assert sim.scheduler.num_preemptions > 0
+
+
+def test_fair_preempts_a_request_of_the_most_served_tenant() -> None:
+    sim = make_sim("fair", pages=30, max_num_seqs=8)
+    policy = sim.scheduler.policy
+    assert isinstance(policy, FairPolicy)
+    flood(sim, "a", 40, PROMPT, OUTPUT, seed=16)
+    flood(sim, "b", 40, PROMPT, OUTPUT, seed=17)
+    choose = policy.victim
+    chosen: list[tuple[float, float]] = []
+
+    def recorded(candidates: list[Request]) -> Request:
+        victim = choose(candidates)
+        chosen.append((policy.counters[victim.tenant], max(policy.counters[r.tenant] for r in candidates)))
+        return victim
+
+    policy.victim = recorded  # type: ignore[method-assign]
+    sim.run()
+    assert chosen and all(mine == most for mine, most in chosen)
 
 
 # ---- priority --------------------------------------------------------------------------------------------------
