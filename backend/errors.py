@@ -26,6 +26,11 @@ class AdapterNotFoundError(AdapterError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class AdapterExistsError(AdapterError):
+    """`register` (admin `load` with a path) of a name that is already registered or a folder of the adapter root,
+    without replace=True; nothing changed."""
+
+
 class ModelLoadError(SloraError, ValueError):
     """A base-model checkpoint cannot be loaded; the message names the file and the reason."""
 

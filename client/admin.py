@@ -1,8 +1,13 @@
-"""Operator requests: adapter list / load / unload (control requests to `slora`), health, metrics."""
+"""Operator requests: adapter list / load / unload and tenant weights (admin requests to `slora`), health, metrics.
+
+On a server started with --admin-token-file, admin requests carry its token: the `admin_token` argument, or the
+environment variable SLORA_ADMIN_TOKEN.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -11,6 +16,7 @@ from typing import Any
 from slora.client.generate import ServerError
 
 MODELS = ("slora", "ensemble")
+TOKEN_ENV = "SLORA_ADMIN_TOKEN"
 
 
 @dataclass(frozen=True)
@@ -20,20 +26,52 @@ class Health:
     models: dict[str, bool]
 
 
-def adapter_command(http_url: str, op: str, name: str | None = None, path: str | None = None) -> list[dict[str, Any]]:
+def adapter_command(
+    http_url: str,
+    op: str,
+    name: str | None = None,
+    path: str | None = None,
+    admin_token: str | None = None,
+    replace: bool = False,
+) -> list[dict[str, Any]]:
     """Run an adapter command through HTTP generate on `slora`; returns the adapters it reports."""
     body: dict[str, Any] = {"adapter_command": op}
     if name:
         body["adapter_id"] = name
     if path:
         body["adapter_path"] = path
+    parameters: dict[str, Any] = {"replace": True} if replace else {}
+    adapters = admin_request(http_url, body, parameters, admin_token).get("adapters", [])
+    return list(adapters)
+
+
+def set_tenant_weights(
+    http_url: str, weights: dict[str, float], replace: bool = False, admin_token: str | None = None
+) -> dict[str, float]:
+    """Merge (or with `replace`, set) the tenants' weights of the `fair` policy; returns every weight now set."""
+    parameters = {"tenant_weights": json.dumps(weights), "replace": replace}
+    result = admin_request(http_url, {"adapter_command": "tenant_weights"}, parameters, admin_token)
+    return dict(result.get("tenant_weights", {}))
+
+
+def admin_request(
+    http_url: str, body: dict[str, Any], parameters: dict[str, Any], admin_token: str | None = None
+) -> dict[str, Any]:
+    """POST an admin request (its inputs in `body`, request parameters beside them) and return its JSON answer."""
+    token = admin_token or os.environ.get(TOKEN_ENV)
+    if token:
+        parameters = {**parameters, "admin_token": token}
+    if parameters:
+        body = {**body, "parameters": parameters}
     payload = _post_json(f"http://{http_url}/v2/models/slora/generate", body)
     result = payload.get("adapter_result")
     result = result[0] if isinstance(result, list) else result
     if not isinstance(result, str):
         raise ServerError(f"the server sent no adapter_result: {payload}")
-    adapters = json.loads(result).get("adapters", [])
-    return list(adapters)
+    answer = json.loads(result)
+    if not isinstance(answer, dict):
+        raise ServerError(f"unexpected adapter_result: {answer!r}")
+    return answer
 
 
 def health(http_url: str) -> Health:

@@ -2,7 +2,8 @@
 
 slora-client generate "Tell me a joke" --adapter demo-qv-r4 --max-tokens 64 --temperature 0
 slora-client generate "Hi" --protocol http            # HTTP generate_stream instead of gRPC streaming
-slora-client adapters list | adapters load NAME [--path DIR] | adapters unload NAME
+slora-client adapters list | adapters load NAME [--path DIR] [--replace] | adapters unload NAME
+slora-client tenants set TENANT=WEIGHT ... [--replace]   # the `fair` policy's weights
 slora-client health
 slora-client metrics [--all]
 """
@@ -15,7 +16,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from slora.client.admin import adapter_command, health, metrics
+from slora.client.admin import adapter_command, health, metrics, set_tenant_weights
 from slora.client.generate import Chunk, GenerateRequest, ServerError, grpc_generate, http_generate
 
 logger = logging.getLogger("slora.client")
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--url", default="localhost:8001", help="gRPC endpoint (host:port)")
     parser.add_argument("--http-url", default="localhost:8000", help="HTTP endpoint (host:port)")
     parser.add_argument("--metrics-url", default="localhost:8002", help="metrics endpoint (host:port)")
+    parser.add_argument("--admin-token-file", help="file holding the server's admin token (else $SLORA_ADMIN_TOKEN)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="generate text, printing it as it arrives")
@@ -49,8 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     load = action.add_parser("load", help="register NAME (with --path) or read it from the adapter root")
     load.add_argument("name")
     load.add_argument("--path", help="adapter folder on the server's disk")
+    load.add_argument("--replace", action="store_true", help="re-point NAME if it exists (refused otherwise)")
     unload = action.add_parser("unload", help="unregister NAME")
     unload.add_argument("name")
+
+    tenants = commands.add_parser("tenants", help="tenants' weights under scheduling_policy=fair")
+    tenants_action = tenants.add_subparsers(dest="action", required=True)
+    weights = tenants_action.add_parser("set", help="merge TENANT=WEIGHT pairs into the weights")
+    weights.add_argument("weights", nargs="+", metavar="TENANT=WEIGHT")
+    weights.add_argument("--replace", action="store_true", help="replace every weight instead of merging")
 
     commands.add_parser("health", help="server liveness/readiness and each model's readiness")
     metrics_parser = commands.add_parser("metrics", help="the slora_ metrics of the server")
@@ -88,13 +97,37 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def admin_token(args: argparse.Namespace) -> str | None:
+    if not args.admin_token_file:
+        return None
+    with open(args.admin_token_file) as handle:
+        return handle.read().strip()
+
+
 def run_adapters(args: argparse.Namespace) -> int:
-    rows = adapter_command(args.http_url, args.action, getattr(args, "name", None), getattr(args, "path", None))
+    rows = adapter_command(args.http_url, args.action, getattr(args, "name", None), getattr(args, "path", None),
+                           admin_token(args), getattr(args, "replace", False))  # fmt: skip
     width = max((len(r["name"]) for r in rows), default=4)
     sys.stdout.write(f"{'name':<{width}}  state  rank  path\n")
     for row in rows:
         rank = "-" if row.get("rank") is None else str(row["rank"])
         sys.stdout.write(f"{row['name']:<{width}}  {row['state']:<5}  {rank:>4}  {row['path']}\n")
+    return 0
+
+
+def run_tenants(args: argparse.Namespace) -> int:
+    weights: dict[str, float] = {}
+    for pair in args.weights:
+        tenant, sep, value = pair.rpartition("=")
+        if not sep or not tenant:
+            raise ServerError(f"expected TENANT=WEIGHT, got {pair!r}")
+        try:
+            weights[tenant] = float(value)
+        except ValueError:
+            raise ServerError(f"the weight of {tenant!r} must be a number, got {value!r}") from None
+    now = set_tenant_weights(args.http_url, weights, args.replace, admin_token(args))
+    for tenant, weight in sorted(now.items()):
+        sys.stdout.write(f"{tenant}  {weight:g}\n")
     return 0
 
 
@@ -114,7 +147,8 @@ def run_metrics(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     args = build_parser().parse_args(argv)
-    handlers = {"generate": run_generate, "adapters": run_adapters, "health": run_health, "metrics": run_metrics}
+    handlers = {"generate": run_generate, "adapters": run_adapters, "tenants": run_tenants, "health": run_health,
+                "metrics": run_metrics}  # fmt: skip
     try:
         return handlers[args.command](args)
     except ServerError as exc:

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from slora.backend.adapters.host_adapter import CONFIG_FILE, WEIGHTS_FILE, HostAdapter
-from slora.backend.errors import AdapterError, AdapterNotFoundError
+from slora.backend.errors import AdapterError, AdapterExistsError, AdapterNotFoundError
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +74,6 @@ def _intra_op_threads(count: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
-
-
-class AdapterExistsError(AdapterError):
-    """`register` (admin `load` with a path) of a name that is already registered or a folder of the adapter root,
-    without replace=True; nothing changed."""
 
 
 def validate_adapter_name(name: object) -> str:

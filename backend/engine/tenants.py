@@ -29,7 +29,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-:@]{0,127}$")  # adapter names, 
 
 def check_tenant(tenant: object) -> str:
     """`tenant` as given by a request; raises InvalidRequestError naming the field."""
-    if isinstance(tenant, str) and (tenant == BASE_TENANT or _NAME.match(tenant)):
+    if isinstance(tenant, str) and (tenant == BASE_TENANT or _NAME.fullmatch(tenant)):
         return tenant
     raise InvalidRequestError(
         f"tenant {tenant!r} is invalid: use 1-128 letters, digits, '_', '.', '-', ':', '@', not starting with "

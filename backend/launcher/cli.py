@@ -37,6 +37,7 @@ from slora.backend.launcher.model_repository import render_repository
 from slora.backend.launcher.server_locator import TritonInstall, locate_server
 from slora.backend.model.default_model import resolve_model_path
 from slora.backend.serving import drain
+from slora.backend.serving.admin_guard import read_token
 from slora.backend.stub_compat import numpy_problem, stub_numpy_version
 
 logger = logging.getLogger("slora.serve")
@@ -66,6 +67,7 @@ class LaunchOptions:
     cancel_check_s: float | None = None
     adapter_admin: bool = True
     lora_registry_write_back: bool = False  # runtime adapter loads/unloads written to the --lora-registry file
+    admin_token_file: str | None = None  # admin commands need its token (serving/admin_guard.py)
     engine_process: bool = True
     workspace: str | None = None
     log_verbose: int = 0
@@ -86,6 +88,8 @@ class LaunchOptions:
                 raise ValueError(f"{name}: {path} does not exist")
         if self.ready_timeout_s <= 0:
             raise ValueError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
+        if self.admin_token_file:
+            read_token(Path(self.admin_token_file))  # refuses a missing or empty file before the server starts
         if self.lora_registry_write_back and not (self.lora_registry and self.engine_process):
             raise ValueError("lora_registry_write_back needs --lora-registry and the engine in its own process")
 
@@ -114,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cancel-check-s", type=float,
                         help="seconds between cancellation checks of each in-flight request (0.2)")  # fmt: skip
     parser.add_argument("--no-adapter-admin", action="store_true", help="refuse adapter load/unload/list requests")
+    parser.add_argument("--admin-token-file", metavar="PATH",
+                        help="admin commands must carry this file's token (admin_token)")  # fmt: skip
     parser.add_argument("--lora-registry-write-back", action="store_true",
                         help="write adapters loaded/unloaded at runtime back to the --lora-registry file")  # fmt: skip
     parser.add_argument("--engine-in-stub", action="store_true",
@@ -150,6 +156,7 @@ def parse_options(argv: Sequence[str] | None = None) -> LaunchOptions:
         cancel_check_s=args.cancel_check_s,
         adapter_admin=not args.no_adapter_admin,
         lora_registry_write_back=args.lora_registry_write_back,
+        admin_token_file=args.admin_token_file,
         engine_process=not args.engine_in_stub,
         workspace=args.workspace,
         log_verbose=args.log_verbose,
@@ -184,6 +191,8 @@ def repository_parameters(
         slora["cancel_check_s"] = str(options.cancel_check_s)
     if drain_file is not None:
         slora["drain_file"] = str(drain_file)
+    if options.admin_token_file:
+        slora["admin_token_file"] = str(Path(options.admin_token_file).resolve())
     if options.lora_registry_write_back:  # only when asked: a serving layer without it refuses the key
         slora["lora_registry_write_back"] = "true"
     slora["apply_chat_template"] = str(options.chat_template).lower()

@@ -1,4 +1,5 @@
-"""Adapter control requests (list / load / unload) against a running engine, answered as JSON-ready dicts.
+"""Admin requests (adapters: list / load / unload; tenants' weights) against a running engine, answered as
+JSON-ready dicts.
 
 Each adapter is reported with its highest tier: `gpu` when resident in the engine's page pool (device memory),
 `host` when its weights are in host memory, `disk` when it is only known (registered, or a folder under the
@@ -45,6 +46,8 @@ def run_adapter_command(loop: EngineLoop, command: AdapterCommand) -> dict[str, 
         adapters = loop.call(adapter_table)
         logger.debug("adapter admin: list (%d adapters)", len(adapters))
         return {"adapters": adapters, "skipped": skipped_entries(loop.engine.store)}
+    if command.op == "tenant_weights":
+        return {"tenant_weights": _set_tenant_weights(loop, command)}
     try:
         name = validate_adapter_name(command.name)
         if command.op == "unload":
@@ -58,6 +61,18 @@ def run_adapter_command(loop: EngineLoop, command: AdapterCommand) -> dict[str, 
         return {"adapters": [_row(name, str(command.path), "disk", None)]}
     resident = loop.call(lambda engine: any(r.host.name == name for r in engine.cache.resident()))
     return {"adapters": [_row(name, str(adapter.path), "gpu" if resident else "host", adapter_ranks(adapter))]}
+
+
+def _set_tenant_weights(loop: EngineLoop, command: AdapterCommand) -> dict[str, float]:
+    """Merge (or with `replace`, set) the tenants' weights; returns every weight now set."""
+    weights = command.tenant_weights or {}
+    try:
+        now = loop.call(lambda engine: engine.set_tenant_weights(weights, command.replace))
+    except Exception as exc:
+        logger.info("admin: tenant weights %s refused: %s", weights, exc)
+        raise
+    logger.info("admin: tenant weights %s %s; now %s", "set to" if command.replace else "merged", weights, now)
+    return now
 
 
 def adapter_ranks(adapter: HostAdapter) -> dict[str, int]:

@@ -15,7 +15,7 @@ from typing import Any, TypeAlias
 from slora.backend.engine.outputs import EngineStats, RequestOutput
 from slora.backend.engine.sampling_params import SamplingParams
 
-ADAPTER_OPS = ("list", "load", "unload")
+ADAPTER_OPS = ("list", "load", "unload", "tenant_weights")
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class Submission:
 
 @dataclass(frozen=True)
 class AdapterCommand:
-    """An admin request: list the adapters, or register (load) / unregister (unload) one.
+    """An admin request: list the adapters, register (load) / unregister (unload) one, or set tenants' weights.
 
     `load` with a path of a name that exists (registered, or a folder of the adapter root) is refused with
     AdapterExistsError unless `replace`. `read=False` registers without reading the weights now: what a new
@@ -46,6 +46,7 @@ class AdapterCommand:
     path: str | None = None
     replace: bool = False
     read: bool = True
+    tenant_weights: dict[str, Any] | None = None  # {tenant: weight} for op "tenant_weights" (merged, or all: replace)
 
 
 @dataclass(frozen=True)

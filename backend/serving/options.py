@@ -26,6 +26,8 @@ class ServingOptions:
     engine_process: bool = True  # run the engine in a process of its own (else on a thread of the stub)
     drain_file: str | None = None  # slora-serve writes it before it stops Triton (drain.py)
     apply_chat_template: bool = False  # text requests that do not say are rendered with the chat template
+    lora_registry_write_back: bool = False  # runtime loads/unloads written to the adapter_registry file
+    admin_token_file: str | None = None  # admin commands need the token this file holds (admin_guard.py)
 
     def __post_init__(self) -> None:
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
@@ -40,13 +42,20 @@ class ServingOptions:
         if "default_max_tokens" in values:
             text = values.pop("default_max_tokens")
             serving["default_max_tokens"] = _int(text, "default_max_tokens") if text else None
-        for key in ("adapter_admin", "lora_info_metric", "engine_process", "apply_chat_template"):
+        for key in (
+            "adapter_admin",
+            "lora_info_metric",
+            "engine_process",
+            "apply_chat_template",
+            "lora_registry_write_back",
+        ):
             if key in values:
                 serving[key] = _bool(values.pop(key), key)
         if "cancel_check_s" in values:
             serving["cancel_check_s"] = _float(values.pop("cancel_check_s"), "cancel_check_s")
-        if "drain_file" in values:
-            serving["drain_file"] = values.pop("drain_file") or None
+        for key in ("drain_file", "admin_token_file"):
+            if key in values:
+                serving[key] = values.pop(key) or None
         registry = version_dir / MULTI_LORA_FILE if version_dir is not None else None
         if not values.get("adapter_registry") and registry is not None and registry.is_file():
             values["adapter_registry"] = str(registry)

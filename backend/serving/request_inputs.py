@@ -16,6 +16,8 @@ Where things may come from (the I/O of Triton's vLLM backend, plus our token-lev
                           values is an error. Numbers sent as strings ("max_tokens": "128", as genai-perf does)
                           are read as numbers.
     max_tokens            `max_tokens` input, or the sampling field of that name
+    tenant, priority,     request parameters or sampling_parameters fields of those names (the engine checks
+    ttft_slo_s            them: backend/engine/tenants.py, scheduling_policy.py, slo.py); never sampling fields
     stream                `stream` BOOL input (default false: one response with every token)
     echo                  for text prompts, `exclude_input_in_output` (prompt.py): the prompt text put before
                           the first `text_output`
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,9 +39,12 @@ from slora.backend.serving.prompt import PromptEncoder, parse_flag, prompt_echo
 
 ADAPTER_KEYS = ("adapter_id", "lora_name")
 # Request parameters that say how to read the prompt or run a command, never sampling parameters.
-NOT_SAMPLING = frozenset({"apply_chat_template", "add_special_tokens", "adapter_path"})
-_INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "min_tokens", "n", "best_of"})
-_FLOAT_FIELDS = frozenset({"temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"})
+NOT_SAMPLING = frozenset({"apply_chat_template", "add_special_tokens", "adapter_path", "admin_token", "replace",
+                          "tenant_weights"})  # fmt: skip
+SCHEDULING_KEYS = ("tenant", "priority", "ttft_slo_s")  # taken out of the sampling fields for the scheduler
+_INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "min_tokens", "n", "best_of", "priority"})
+_FLOAT_FIELDS = frozenset({"temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                           "ttft_slo_s"})  # fmt: skip
 _BOOL_FIELDS = frozenset({"ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"})
 
 
@@ -52,6 +57,15 @@ class RawRequest:
 
 
 @dataclass(frozen=True)
+class Scheduling:
+    """Who a request is served for and how urgently; checked by the engine, which names a bad value."""
+
+    tenant: str | None = None
+    priority: Any = 0
+    ttft_slo_s: Any = None
+
+
+@dataclass(frozen=True)
 class GenerateInputs:
     prompt_ids: list[int]
     adapter: str | None
@@ -59,6 +73,7 @@ class GenerateInputs:
     stream: bool
     is_text: bool = False  # the prompt came as text_input: the answer is text_output too
     echo: str = ""  # text to put before the first text_output (the prompt, for exclude_input_in_output=false)
+    scheduling: Scheduling = field(default_factory=Scheduling)
 
 
 def is_adapter_command(raw: RawRequest) -> bool:
@@ -76,9 +91,10 @@ def parse_generate(
     if "max_tokens" not in sampling and default_max_tokens is not None:
         sampling["max_tokens"] = default_max_tokens
     stream = bool(_scalar(raw.tensors["stream"], "stream", bool)) if "stream" in raw.tensors else False
+    scheduling = Scheduling(**{key: sampling.pop(key) for key in SCHEDULING_KEYS if sampling.get(key) is not None})
     params = SamplingParams.from_dict(_vllm_compatible(sampling))
     if "text_input" not in raw.tensors:
-        return GenerateInputs(_token_ids(raw), adapter, params, stream)
+        return GenerateInputs(_token_ids(raw), adapter, params, stream, scheduling=scheduling)
     if "input_ids" in raw.tensors:
         raise InvalidRequestError("give the prompt as 'text_input' or as 'input_ids', not both")
     text = _text(raw.tensors["text_input"], "text_input")
@@ -86,7 +102,7 @@ def parse_generate(
         "exclude_input_in_output" in raw.tensors) else None  # fmt: skip
     echo = prompt_echo(text, stream, exclude)
     ids = (encoder or PromptEncoder(None)).encode(text, *_encoding_flags(raw))
-    return GenerateInputs(ids, adapter, params, stream, is_text=True, echo=echo)
+    return GenerateInputs(ids, adapter, params, stream, is_text=True, echo=echo, scheduling=scheduling)
 
 
 def parse_adapter_command(raw: RawRequest) -> AdapterCommand:
@@ -99,10 +115,44 @@ def parse_adapter_command(raw: RawRequest) -> AdapterCommand:
         raise InvalidRequestError("adapter_command 'unload' needs the adapter name (adapter_id)")
     if op == "load" and not name:
         raise InvalidRequestError("adapter_command 'load' needs the adapter name (adapter_id)")
-    return AdapterCommand(op, name, path or None)
+    replace = parse_flag(raw.parameters.get("replace", False), "replace")
+    return AdapterCommand(op, name, path or None, replace=replace, tenant_weights=_tenant_weights(raw, op))
+
+
+def admin_token(raw: RawRequest) -> str | None:
+    """The `admin_token` request parameter of a control request (checked by the glue against the server's)."""
+    value = raw.parameters.get("admin_token")
+    if value is not None and not isinstance(value, str):
+        raise InvalidRequestError("request parameter 'admin_token' must be a string")
+    return value
 
 
 # ---- pieces ---------------------------------------------------------------------------------------------------
+
+
+def _tenant_weights(raw: RawRequest, op: str) -> dict[str, Any] | None:
+    """The `tenant_weights` request parameter (a JSON object {tenant: weight}) of a `tenant_weights` command."""
+    value = raw.parameters.get("tenant_weights")
+    if op != "tenant_weights":
+        if value is not None:
+            raise InvalidRequestError("request parameter 'tenant_weights' belongs to adapter_command 'tenant_weights'")
+        return None
+    if isinstance(value, str):
+        value = _json_object(value, "request parameter 'tenant_weights'")
+    if not isinstance(value, dict):
+        raise InvalidRequestError("adapter_command 'tenant_weights' needs the request parameter 'tenant_weights': "
+                                  'a JSON object {"tenant": weight, ...}')  # fmt: skip
+    return value
+
+
+def _json_object(text: str, where: str) -> Any:
+    """Parsed JSON of `text`; bad or too deeply nested JSON is the client's error, named after `where`."""
+    try:
+        return json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"{where} is not valid JSON ({exc})") from exc
+    except RecursionError:
+        raise InvalidRequestError(f"{where} is nested too deeply") from None
 
 
 def _encoding_flags(raw: RawRequest) -> tuple[bool | None, bool]:
@@ -171,10 +221,7 @@ def _sampling_dict(raw: RawRequest) -> dict[str, Any]:
     }
     if "sampling_parameters" in raw.tensors:
         text = _text(raw.tensors["sampling_parameters"], "sampling_parameters")
-        try:
-            values = json.loads(text) if text.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise InvalidRequestError(f"input 'sampling_parameters' is not valid JSON ({exc})") from exc
+        values = _json_object(text, "input 'sampling_parameters'")
         if not isinstance(values, dict):
             raise InvalidRequestError(f"input 'sampling_parameters' must be a JSON object, got {type(values).__name__}")
         for key, value in values.items():

@@ -18,12 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from slora.backend.adapters.store import AdapterExistsError
 from slora.backend.config import EngineConfig
 from slora.backend.engine.llm_engine import LLMEngine
 from slora.backend.engine.outputs import RequestOutput
 from slora.backend.engine.sampling_params import SamplingParams
-from slora.backend.errors import AdapterError, AdapterNotFoundError, EngineOverloadedError, InvalidRequestError
+from slora.backend.errors import (
+    AdapterError,
+    AdapterExistsError,
+    AdapterNotFoundError,
+    EngineOverloadedError,
+    InvalidRequestError,
+)
 from slora.backend.model.spec import ModelSpec
 from slora.backend.runtime.adapter_admin import RuntimeRegistry
 from slora.backend.runtime.engine_process import EngineProcess

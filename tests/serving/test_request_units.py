@@ -12,9 +12,10 @@ import pytest
 from slora.backend.engine.outputs import RequestOutput
 from slora.backend.errors import InvalidRequestError
 from slora.backend.serving import drain
+from slora.backend.serving.admin_guard import AdminGuard, read_token
 from slora.backend.serving.options import ServingOptions, model_config_parameters
 from slora.backend.serving.prompt import PromptEncoder
-from slora.backend.serving.request_inputs import RawRequest, parse_adapter_command, parse_generate
+from slora.backend.serving.request_inputs import RawRequest, admin_token, parse_adapter_command, parse_generate
 from slora.backend.serving.response_stream import OUTPUT_NAMES, ResponseStream
 
 
@@ -123,7 +124,7 @@ def test_adapter_commands() -> None:
     command = parse_adapter_command(_raw(adapter_command="load", adapter_id="x", adapter_path="/a/x"))
     assert (command.op, command.name, command.path) == ("load", "x", "/a/x")
     assert parse_adapter_command(_raw(adapter_command="LIST")).op == "list"
-    with pytest.raises(InvalidRequestError, match="one of list, load, unload, got 'drop'"):
+    with pytest.raises(InvalidRequestError, match="one of list, load, unload, tenant_weights, got 'drop'"):
         parse_adapter_command(_raw(adapter_command="drop"))
     with pytest.raises(InvalidRequestError, match="'unload' needs the adapter name"):
         parse_adapter_command(_raw(adapter_command="unload"))
@@ -232,3 +233,56 @@ def test_drain_ends_every_request_in_flight_then_acknowledges(tmp_path: Path) ->
         watcher.close()
     drain.clear(drain_file)  # what slora-serve does before it starts a server in a reused workspace
     assert not drain_file.exists() and not drain.done_file(drain_file).exists()
+
+
+def test_scheduling_fields_come_from_parameters_or_sampling_and_never_reach_sampling() -> None:
+    inputs = parse_generate(_raw({"tenant": "acme", "priority": "3"}, input_ids=IDS,
+                                 sampling_parameters='{"ttft_slo_s": "2.5", "temperature": 0}'))  # fmt: skip
+    assert inputs.scheduling.tenant == "acme" and inputs.scheduling.priority == 3
+    assert inputs.scheduling.ttft_slo_s == 2.5 and inputs.sampling.temperature == 0
+    assert parse_generate(_raw(input_ids=IDS)).scheduling.tenant is None
+    with pytest.raises(InvalidRequestError, match="'tenant' is given twice"):
+        parse_generate(_raw({"tenant": "a"}, input_ids=IDS, sampling_parameters='{"tenant": "b"}'))
+
+
+def test_deeply_nested_sampling_json_is_the_clients_error() -> None:
+    nested = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(InvalidRequestError, match="'sampling_parameters' is nested too deeply"):
+        parse_generate(_raw(input_ids=IDS, sampling_parameters=nested))
+    with pytest.raises(InvalidRequestError, match="must be a JSON object, got list"):
+        parse_generate(_raw(input_ids=IDS, sampling_parameters="[[1]]"))
+
+
+def test_admin_commands_carry_replace_token_and_tenant_weights() -> None:
+    raw = _raw({"replace": "true"}, adapter_command="load", adapter_id="a", adapter_path="/x")
+    command = parse_adapter_command(raw)
+    assert (command.op, command.name, command.path, command.replace) == ("load", "a", "/x", True)
+    assert not parse_adapter_command(_raw(adapter_command="load", adapter_id="a")).replace
+    weights = parse_adapter_command(_raw({"tenant_weights": '{"acme": 2}'}, adapter_command="tenant_weights"))
+    assert weights.op == "tenant_weights" and weights.tenant_weights == {"acme": 2}
+    with pytest.raises(InvalidRequestError, match="needs the request parameter 'tenant_weights'"):
+        parse_adapter_command(_raw(adapter_command="tenant_weights"))
+    with pytest.raises(InvalidRequestError, match="'replace' must be a boolean"):
+        parse_adapter_command(_raw({"replace": "maybe"}, adapter_command="load", adapter_id="a"))
+    assert admin_token(_raw({"admin_token": "s3cret"}, adapter_command="list")) == "s3cret"
+    with pytest.raises(InvalidRequestError, match="'admin_token' must be a string"):
+        admin_token(_raw({"admin_token": 5}, adapter_command="list"))
+
+
+def test_admin_guard_needs_the_token_when_one_is_configured(tmp_path: Path) -> None:
+    open_guard = AdminGuard(enabled=True, token=None)
+    open_guard.check(None, "list")
+    guard = AdminGuard(enabled=True, token="s3cret")
+    guard.check("s3cret", "load")
+    for given in (None, "wrong", "s3cret "):
+        with pytest.raises(PermissionError, match="'load' needs the server's admin token"):
+            guard.check(given, "load")
+    with pytest.raises(PermissionError, match="disabled"):
+        AdminGuard(enabled=False).check("s3cret", "list")
+    (tmp_path / "token").write_text("  s3cret\n")
+    assert read_token(tmp_path / "token") == "s3cret"
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="admin_token_file .* is empty"):
+        read_token(tmp_path / "empty")
+    with pytest.raises(ValueError, match="cannot be read"):
+        read_token(tmp_path / "missing")

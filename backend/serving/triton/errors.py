@@ -7,7 +7,7 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from slora.backend.errors import AdapterNotFoundError, EngineOverloadedError, SloraError
+from slora.backend.errors import AdapterExistsError, AdapterNotFoundError, EngineOverloadedError, SloraError
 
 logger = logging.getLogger(__name__)
 
@@ -15,11 +15,14 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 def error_code(exc: BaseException) -> Any:
-    """UNAVAILABLE for overload, NOT_FOUND for unknown adapters, INVALID_ARG for bad input, else INTERNAL."""
+    """UNAVAILABLE for overload (a full queue, an SLO refusal), NOT_FOUND for unknown adapters, ALREADY_EXISTS for
+    a load of a name in use, INVALID_ARG for bad input, UNSUPPORTED for a refused admin command, else INTERNAL."""
     if isinstance(exc, EngineOverloadedError):
         return pb_utils.TritonError.UNAVAILABLE
     if isinstance(exc, AdapterNotFoundError):
         return pb_utils.TritonError.NOT_FOUND
+    if isinstance(exc, AdapterExistsError):
+        return pb_utils.TritonError.ALREADY_EXISTS
     if isinstance(exc, (SloraError, ValueError)):
         return pb_utils.TritonError.INVALID_ARG
     if isinstance(exc, PermissionError):

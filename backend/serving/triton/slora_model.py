@@ -35,11 +35,13 @@ from slora.backend.runtime.engine_process import EngineProcess
 from slora.backend.runtime.engine_service import EngineService, LocalEngine
 from slora.backend.runtime.fresh_threads import FreshThreadExecutor
 from slora.backend.runtime.messages import Submission
+from slora.backend.serving.admin_guard import AdminGuard
 from slora.backend.serving.drain import DrainWatcher
 from slora.backend.serving.options import ServingOptions, model_config_parameters
 from slora.backend.serving.prompt import PromptEncoder
 from slora.backend.serving.request_inputs import (
     RawRequest,
+    admin_token,
     is_adapter_command,
     parse_adapter_command,
     parse_generate,
@@ -81,6 +83,7 @@ class TritonPythonModel:
         self.responder = Responder(self.engine, self.metrics, self.options.cancel_check_s)
         self.drain = DrainWatcher(Path(self.options.drain_file), self.responder) if self.options.drain_file else None
         self.admin = FreshThreadExecutor(max_workers=1, thread_name_prefix="slora-admin")  # adapter reads: see there
+        self.admin_guard = AdminGuard.from_options(self.options)
         self._ids = itertools.count()
         info = self.engine.info
         logger.info("engine ready in %.1f s: %d pool pages, context %d tokens, %d adapters known",
@@ -109,6 +112,7 @@ class TritonPythonModel:
             raw = _raw_request(request)
             if is_adapter_command(raw):
                 command = parse_adapter_command(raw)  # errors answered at once
+                self.admin_guard.check(admin_token(raw), command.op)
                 self.admin.submit(self._run_command, request, sender, command)
                 return
             self._submit(request, sender, raw, arrival)
@@ -125,13 +129,13 @@ class TritonPythonModel:
         stream = ResponseStream(inputs.stream, arrival, inputs.echo, outputs)
         callback = self.responder.track(request_id, request, sender, stream)
         wants_text = "text_output" in outputs
-        job = Submission(request_id, inputs.prompt_ids, inputs.adapter, inputs.sampling, wants_text)
+        order = inputs.scheduling
+        job = Submission(request_id, inputs.prompt_ids, inputs.adapter, inputs.sampling, wants_text,
+                         tenant=order.tenant, priority=order.priority, ttft_slo_s=order.ttft_slo_s)  # fmt: skip
         self.engine.submit(job, callback)
 
     def _run_command(self, request: Any, sender: Any, command: Any) -> None:
         try:
-            if not self.options.adapter_admin:
-                raise PermissionError("adapter commands are disabled on this server (adapter_admin=false)")
             result = self.engine.command(command)
             tensor = pb_utils.Tensor("adapter_result", np.asarray([json.dumps(result).encode()], dtype=np.object_))
             sender.send(pb_utils.InferenceResponse(output_tensors=[tensor]), flags=FINAL)
@@ -141,7 +145,7 @@ class TritonPythonModel:
 
 def _start_engine(options: ServingOptions) -> EngineService:
     if options.engine_process:
-        return EngineProcess(options.engine)
+        return EngineProcess(options.engine, write_back_registry=options.lora_registry_write_back)
     return LocalEngine.start(options.engine)
 
 
