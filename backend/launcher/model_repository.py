@@ -39,14 +39,22 @@ def render_repository(target: Path, parameters: dict[str, dict[str, str]], templ
         shutil.rmtree(target)
     shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for model, values in parameters.items():
-        config = target / model / "config.pbtxt"
-        if not config.is_file():
-            raise FileNotFoundError(f"{config}: no such model in the repository template {source}")
-        with config.open("a") as handle:
-            handle.write("\n# Rendered by slora-serve\n")
-            for key, value in values.items():
-                handle.write(pbtxt_parameter(key, value) + "\n")
+        render_model(target, model, values, source)
     return target
+
+
+def render_model(target: Path, model: str, values: dict[str, str], template: Path | None = None) -> None:
+    """Write `model`'s config.pbtxt in the rendered repository `target` again: the template's, then `values`
+    (slora-serve does this before it loads a model again with other parameters)."""
+    source = (template or template_dir()) / model / "config.pbtxt"
+    config = target / model / "config.pbtxt"
+    if not source.is_file() or not config.parent.is_dir():
+        raise FileNotFoundError(f"{config}: no such model in the repository template {source.parent.parent}")
+    lines = [source.read_text(), "\n# Rendered by slora-serve\n"]
+    lines += [pbtxt_parameter(key, value) + "\n" for key, value in values.items()]
+    staged = config.with_name(".config.pbtxt.tmp")
+    staged.write_text("".join(lines))
+    staged.replace(config)
 
 
 def pbtxt_parameter(key: str, value: str) -> str:

@@ -147,13 +147,16 @@ class RuntimeRegistry:
 
     With `file` (the server's multi_lora.json), each recorded change is also written to it at once (name → absolute
     path added or replaced, or removed), so that a server started again from it has them; a file that cannot be
-    read as a JSON object is left alone (logged). Thread-safe.
+    read as a JSON object is left alone (logged). With `journal` (a file of the server's workspace), the
+    registrations are kept there too and read back by the next RuntimeRegistry of that journal: what a model that
+    the server loads again (launcher/supervisor.py) starts from. Thread-safe.
     """
 
-    def __init__(self, file: str | Path | None = None) -> None:
+    def __init__(self, file: str | Path | None = None, journal: str | Path | None = None) -> None:
         self._lock = threading.Lock()
-        self._commands: dict[str, AdapterCommand] = {}
         self.file = Path(file) if file is not None else None
+        self.journal = Path(journal) if journal is not None else None
+        self._commands: dict[str, AdapterCommand] = _read_journal(self.journal) if self.journal else {}
 
     def record(self, command: AdapterCommand) -> None:
         """Remember `command` if it changed a registration (call once it succeeded, in the order they did)."""
@@ -167,15 +170,46 @@ class RuntimeRegistry:
             self._commands[command.name] = replay  # the last change of each name is all that counts
             if self.file is not None:
                 _write_back(self.file, replay)
+            self._save_journal()
 
     def forget(self, name: str) -> None:
         with self._lock:
             self._commands.pop(name, None)
+            self._save_journal()
+
+    def _save_journal(self) -> None:
+        if self.journal is None:
+            return
+        rows = [{"op": c.op, "name": c.name, "path": c.path} for c in self._commands.values()]
+        try:
+            _replace_file(self.journal, json.dumps(rows, indent=2) + "\n")
+        except OSError as exc:
+            logger.error("runtime adapter registrations not kept in %s: %s", self.journal, exc)
 
     def replay(self) -> list[AdapterCommand]:
         """The commands that give a new engine the same registrations (one per name: any order will do)."""
         with self._lock:
             return list(self._commands.values())
+
+
+def _read_journal(journal: Path) -> dict[str, AdapterCommand]:
+    """The registrations a journal holds (none when it is missing; an unreadable one is logged and ignored)."""
+    if not journal.exists():
+        return {}
+    try:
+        rows = json.loads(journal.read_text())
+        commands = [AdapterCommand(r["op"], r["name"], r["path"], replace=True, read=False) for r in rows]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        logger.error("runtime adapter registrations in %s cannot be read (%s); starting without them", journal, exc)
+        return {}
+    return {c.name: c for c in commands if c.name is not None}
+
+
+def _replace_file(file: Path, text: str) -> None:
+    """Write `text` to `file` atomically: readers see the old file or the new one, never half of one."""
+    staged = file.with_name(f".{file.name}.tmp")
+    staged.write_text(text)
+    os.replace(staged, file)
 
 
 def _write_back(file: Path, command: AdapterCommand) -> None:
@@ -194,10 +228,8 @@ def _write_back(file: Path, command: AdapterCommand) -> None:
         entries[command.name] = command.path
     else:
         entries.pop(command.name, None)
-    staged = file.with_name(f".{file.name}.tmp")
     try:
-        staged.write_text(json.dumps(entries, indent=2) + "\n")
-        os.replace(staged, file)  # readers see the old file or the new one, never half of one
+        _replace_file(file, json.dumps(entries, indent=2) + "\n")
     except OSError as exc:
         logger.error("adapter registry %s not updated (%s %r): %s", file, command.op, command.name, exc)
         return

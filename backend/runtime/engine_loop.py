@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="slora-engine", daemon=True)
         self._stopping = threading.Event()
         self._stats = engine.stats()
+        self._beat = time.monotonic()
         self.step_listeners: list[Callable[[LLMEngine, list[RequestOutput]], None]] = []
 
     def start(self) -> None:
@@ -104,8 +106,17 @@ class EngineLoop:
         """The statistics as of the last step (no wait)."""
         return self._stats
 
+    def beat_age(self) -> float:
+        """Seconds since the loop last went round (a step, or an idle wait of idle_wait_s): how a watchdog tells a
+        hung engine thread from a busy one."""
+        return time.monotonic() - self._beat
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _run(self) -> None:
         while not self._stopping.is_set():
+            self._beat = time.monotonic()
             self._drain(block=not self.engine.has_unfinished())
             if self._stopping.is_set():
                 break

@@ -24,6 +24,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
@@ -34,7 +35,7 @@ from slora.backend.engine.outputs import STATS_COUNTERS, EngineStats, RequestOut
 from slora.backend.errors import AdapterError, AdapterNotFoundError, EngineOverloadedError
 from slora.backend.runtime.adapter_admin import RuntimeRegistry
 from slora.backend.runtime.engine_loop import OutputCallback
-from slora.backend.runtime.engine_service import StatsListener
+from slora.backend.runtime.engine_service import EngineHealth, StatsListener
 from slora.backend.runtime.engine_worker import worker_main
 from slora.backend.runtime.messages import (
     AbortMsg,
@@ -42,6 +43,7 @@ from slora.backend.runtime.messages import (
     CommandMsg,
     EngineInfo,
     FailedMsg,
+    HeartbeatMsg,
     LogMsg,
     LogRecord,
     OutputsMsg,
@@ -81,7 +83,15 @@ class EngineProcess:
         command_timeout_s: float = 300.0,
         max_restarts: int = MAX_RESTARTS,
         write_back_registry: bool = False,
+        watchdog_s: float | None = None,
+        registry_journal: str | Path | None = None,
+        restarts_before: int = 0,
     ) -> None:
+        """`watchdog_s`: kill an engine process whose loop has not gone round for that long, or that has sent
+        nothing (not even a heartbeat) for that long: hung, deadlocked or stopped; it then fails its requests and
+        is restarted like one that died. `registry_journal`: a file that keeps the runtime registrations for an
+        EngineProcess started again later (a reloaded model), given back once the first engine is ready.
+        `restarts_before`: restarts counted before this EngineProcess (its engine_restarts statistic goes on)."""
         if write_back_registry and not config.adapter_registry:
             raise ValueError("write_back_registry needs the multi_lora.json to write to: set adapter_registry")
         self._config = config
@@ -89,19 +99,29 @@ class EngineProcess:
         self._context.set_executable(python or interpreter())
         self._command_timeout_s = command_timeout_s
         self._restarts_left = max_restarts
-        self.restarts = 0
+        self.restarts = restarts_before
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._callbacks: dict[str, OutputCallback] = {}
         self._calls: dict[int, tuple[Future, AdapterCommand]] = {}
         # Runtime registrations, given back to every new engine process (and written to the multi_lora.json)
-        self.registry = RuntimeRegistry(config.adapter_registry if write_back_registry else None)
+        self.registry = RuntimeRegistry(config.adapter_registry if write_back_registry else None, registry_journal)
         self._call_ids = itertools.count()
         self._listeners: list[StatsListener] = []
         self._closed: str | None = None  # why requests are refused while no engine process serves them
         self._stopping = False
         self._counted_before = {key: 0 for key in STATS_COUNTERS}  # by engine processes that exited
+        self._watchdog_s = watchdog_s
+        self._heard_at = time.monotonic()  # the last message from the engine process
+        self._loop_beat_age = 0.0  # as of that message
+        self._kill_reason: str | None = None  # why the watchdog killed the engine process
+        self._starting = True
+        self._failed: str | None = None  # why no engine process will serve again
         self._start()
+        self._give_back_registrations()
+        self._starting = False
+        if watchdog_s is not None:
+            threading.Thread(target=self._watch, name="slora-engine-watchdog", daemon=True).start()
 
     @property
     def pid(self) -> int | None:
@@ -120,6 +140,7 @@ class EngineProcess:
         with self._send_lock:
             self._process, self._requests, self._outputs = process, requests, outputs
         self.info, stats = self._wait_ready()
+        self._heard_at, self._loop_beat_age, self._kill_reason = time.monotonic(), 0.0, None
         self._stats = self._cumulative(stats)
         self._receiver = threading.Thread(target=self._receive, name="slora-engine-receiver", daemon=True)
         self._receiver.start()
@@ -196,7 +217,10 @@ class EngineProcess:
                 message = self._outputs.recv()
             except (EOFError, OSError):
                 break
-            if isinstance(message, OutputsMsg):
+            self._heard_at = time.monotonic()
+            if isinstance(message, HeartbeatMsg):
+                self._loop_beat_age = message.loop_beat_age_s
+            elif isinstance(message, OutputsMsg):
                 self._deliver(message.outputs, message.stats)
             elif isinstance(message, LogMsg):
                 _relay(message.records)
@@ -208,6 +232,8 @@ class EngineProcess:
         self._close()
         if not self._stopping and self._restarts_left > 0:
             self._restart()
+        elif not self._stopping:
+            self._failed = self._closed
 
     def _deliver(self, outputs: list[RequestOutput], stats: EngineStats | None) -> None:
         for output in outputs:
@@ -241,7 +267,7 @@ class EngineProcess:
         if self._stopping:
             reason = "the engine has stopped"
         else:
-            reason = f"the engine process exited unexpectedly (exit code {self._process.exitcode})"
+            reason = self._kill_reason or f"the engine process exited unexpectedly (exit code {self._process.exitcode})"
             reason += "; restarting it" if self._restarts_left else ""
             logger.error("%s; failing the requests in flight", reason)
         with self._lock:
@@ -259,6 +285,7 @@ class EngineProcess:
         they are refused (UNAVAILABLE) until it is ready and has the runtime registrations back."""
         self._restarts_left -= 1
         self.restarts += 1
+        self._starting = True
         self._counted_before = {key: getattr(self._stats, key) for key in STATS_COUNTERS}
         logger.warning("starting a new engine process (%d more restarts allowed)", self._restarts_left)
         try:
@@ -267,8 +294,10 @@ class EngineProcess:
         except Exception as exc:
             logger.error("the engine could not be restarted: %s", exc)
             with self._lock:
-                self._closed = f"the engine process exited and could not be restarted: {exc}"
+                self._closed = self._failed = f"the engine process exited and could not be restarted: {exc}"
             return
+        finally:
+            self._starting = False
         with self._lock:
             self._closed = None
         logger.info("the engine process is serving again (restart %d)", self.restarts)
@@ -294,6 +323,34 @@ class EngineProcess:
         self.registry.forget(command.name)
         logger.error("adapter %r, registered at runtime (%s %s), is lost with the restart: %s", command.name,
                      command.op, command.path or "", reason)  # fmt: skip
+
+    def health(self) -> EngineHealth:
+        if self._stopping:
+            return EngineHealth("stopped", "the engine has stopped")
+        if self._failed is not None:
+            return EngineHealth("failed", self._failed)
+        closed = self._closed
+        if closed is not None or self._starting:
+            return EngineHealth("restarting", closed or "the engine process is starting")
+        return EngineHealth("serving")
+
+    def _watch(self) -> None:
+        """The watchdog: kill an engine process that stopped going round its loop or stopped talking."""
+        assert self._watchdog_s is not None
+        while not self._stopping and self._failed is None:
+            time.sleep(min(1.0, self._watchdog_s / 4))
+            if self._starting or self._closed is not None or self._kill_reason is not None:
+                continue
+            silent = time.monotonic() - self._heard_at
+            stuck = max(silent, self._loop_beat_age)
+            if stuck > self._watchdog_s:
+                self._kill_hung(stuck)
+
+    def _kill_hung(self, stuck: float) -> None:
+        self._kill_reason = (f"the engine process did not respond for {stuck:.0f} s (watchdog_timeout_s="
+                             f"{self._watchdog_s:g}) and was killed")  # fmt: skip
+        logger.error("%s; its requests fail", self._kill_reason)
+        self._process.kill()  # SIGKILL ends a stopped (SIGSTOP) process too; the receiver sees the pipe close
 
     def _cumulative(self, stats: EngineStats) -> EngineStats:
         """`stats` with the counters continued from engine processes that exited, and the restart count."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from slora.backend.config import EngineConfig
@@ -31,8 +32,23 @@ INTAKE_THREADS = 4  # requests whose adapter must first be read from disk are ta
 StatsListener = Callable[[EngineStats], None]
 
 
+@dataclass(frozen=True)
+class EngineHealth:
+    """Whether the engine serves: "serving", "restarting" (an engine process is being started again), "failed"
+    (it will not serve again: dead past its restarts, or hung), or "stopped"; `reason` says why when not serving."""
+
+    state: str
+    reason: str = ""
+
+    @property
+    def serving(self) -> bool:
+        return self.state == "serving"
+
+
 class EngineService(Protocol):
     info: EngineInfo
+
+    def health(self) -> EngineHealth: ...
 
     def submit(self, job: Submission, callback: OutputCallback) -> None: ...
 
@@ -51,15 +67,18 @@ class LocalEngine:
     """The engine loop on a thread of this process; cold adapters are read in a small intake pool."""
 
     @classmethod
-    def start(cls, config: EngineConfig) -> LocalEngine:
+    def start(cls, config: EngineConfig, watchdog_s: float | None = None) -> LocalEngine:
         """A server's engine: built on a thread that ends afterwards (fresh_threads.py says why), then the
         start-up objects frozen out of the garbage collector's reach (gc_freeze.py)."""
-        service = cls(run_in_fresh_thread(lambda: LLMEngine(config)))
+        service = cls(run_in_fresh_thread(lambda: LLMEngine(config)), watchdog_s=watchdog_s)
         freeze_startup_objects()
         return service
 
-    def __init__(self, engine: LLMEngine, intake_threads: int = INTAKE_THREADS) -> None:
+    def __init__(
+        self, engine: LLMEngine, intake_threads: int = INTAKE_THREADS, watchdog_s: float | None = None
+    ) -> None:
         self.loop = EngineLoop(engine)
+        self._watchdog_s = watchdog_s
         self.info = EngineInfo(engine.pool.num_pages, engine.max_model_len, len(engine.list_adapters()))
         # Adapter reads run torch CPU ops: on threads that end with them (fresh_threads.py says why)
         self._intake = FreshThreadExecutor(max_workers=intake_threads, thread_name_prefix="slora-intake")
@@ -75,6 +94,18 @@ class LocalEngine:
 
     def abort(self, request_id: str) -> None:
         self.loop.abort(request_id)
+
+    def health(self) -> EngineHealth:
+        """Failed when the engine thread has died, or has not gone round its loop for watchdog_s (a thread cannot
+        be killed: the server replaces the whole model)."""
+        if not self.loop.alive():
+            return EngineHealth("failed", "the engine thread has stopped")
+        age = self.loop.beat_age()
+        if self._watchdog_s is not None and age > self._watchdog_s:
+            return EngineHealth(
+                "failed", f"the engine did not respond for {age:.0f} s (watchdog {self._watchdog_s:g} s)"
+            )
+        return EngineHealth("serving")
 
     def command(self, command: AdapterCommand) -> dict[str, Any]:
         return run_adapter_command(self.loop, command)

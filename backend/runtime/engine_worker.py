@@ -24,6 +24,7 @@ from slora.backend.runtime.messages import (
     CommandMsg,
     FailedMsg,
     FromEngine,
+    HeartbeatMsg,
     LogMsg,
     LogRecord,
     OutputsMsg,
@@ -39,6 +40,7 @@ from slora.backend.stub_compat import hide_packages_broken_by_numpy
 logger = logging.getLogger(__name__)
 
 MAX_BATCH = 4096  # queued items taken at once
+HEARTBEAT_S = 0.5
 PumpItem: TypeAlias = RequestOutput | EngineStats | LogRecord | FromEngine
 
 
@@ -132,14 +134,23 @@ def worker_main(config: EngineConfig, requests: Connection, outputs: Connection)
         return
     service.on_stats(pump.stats)
     pump.post(ReadyMsg(service.info, service.stats()))
+    beating = threading.Event()
+    threading.Thread(target=_heartbeat, args=(service, pump, beating), name="slora-heartbeat", daemon=True).start()
     admin = FreshThreadExecutor(max_workers=1, thread_name_prefix="slora-admin")  # adapter reads: fresh_threads.py
     try:
         _serve(requests, service, pump, admin)
     finally:
+        beating.set()
         service.stop()  # aborts what is left: those outputs go out before "stopped"
         admin.shutdown(wait=True)
         pump.post(StoppedMsg())
         pump.close()
+
+
+def _heartbeat(service: LocalEngine, pump: OutputPump, stop: threading.Event) -> None:
+    """Tell the server, every HEARTBEAT_S, how long ago the engine loop last went round (its watchdog's input)."""
+    while not stop.wait(HEARTBEAT_S):
+        pump.post(HeartbeatMsg(service.loop.beat_age()))
 
 
 def _serve(requests: Connection, service: LocalEngine, pump: OutputPump, admin: FreshThreadExecutor) -> None:

@@ -1,7 +1,7 @@
 """Every message that crosses the engine-process boundary, one dataclass each (engine_process.py ⇄ engine_worker.py).
 
     server ── requests pipe ──► SubmitMsg  AbortMsg  CommandMsg  StopMsg
-    server ◄── outputs pipe ─── LogMsg  ReadyMsg  FailedMsg  OutputsMsg  ResultMsg  StoppedMsg
+    server ◄── outputs pipe ─── LogMsg  ReadyMsg  FailedMsg  OutputsMsg  ResultMsg  HeartbeatMsg  StoppedMsg
 
 Messages are pickled by multiprocessing; every field is plain data, an engine dataclass or an exception that
 pickles (engine_worker.py replaces one that does not by a RuntimeError with its message).
@@ -123,8 +123,13 @@ class ResultMsg:
 
 
 @dataclass(frozen=True)
+class HeartbeatMsg:
+    loop_beat_age_s: float  # how long ago the engine loop last went round (EngineLoop.beat_age)
+
+
+@dataclass(frozen=True)
 class StoppedMsg:
     pass
 
 
-FromEngine: TypeAlias = LogMsg | ReadyMsg | FailedMsg | OutputsMsg | ResultMsg | StoppedMsg
+FromEngine: TypeAlias = LogMsg | ReadyMsg | FailedMsg | OutputsMsg | ResultMsg | HeartbeatMsg | StoppedMsg

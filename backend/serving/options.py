@@ -28,12 +28,27 @@ class ServingOptions:
     apply_chat_template: bool = False  # text requests that do not say are rendered with the chat template
     lora_registry_write_back: bool = False  # runtime loads/unloads written to the adapter_registry file
     admin_token_file: str | None = None  # admin commands need the token this file holds (admin_guard.py)
+    health_file: str | None = None  # where the engine's health is written for slora-serve (health.py)
+    registry_journal: str | None = None  # runtime adapter registrations kept for the model loaded again
+    watchdog_timeout_s: float = 60.0  # an engine whose loop stops going round this long is killed (0: never)
+    in_stub_restarts: int = 3  # engine processes started again by the model itself (slora-serve: 0, it reloads)
+    engine_restarts: int = 0  # restarts before this model was loaded (slora-serve counts them across reloads)
+    failed_reason: str | None = None  # set by slora-serve for an engine that will not serve again: refuse to load
 
     def __post_init__(self) -> None:
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if not 0.0 < self.cancel_check_s <= 60.0:
             raise ValueError(f"cancel_check_s must be in (0, 60], got {self.cancel_check_s}")
+        if not 0.0 <= self.watchdog_timeout_s < float("inf"):
+            raise ValueError(f"watchdog_timeout_s must be >= 0 (0: off), got {self.watchdog_timeout_s}")
+        for name in ("in_stub_restarts", "engine_restarts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def watchdog_s(self) -> float | None:
+        return self.watchdog_timeout_s or None
 
     @classmethod
     def from_parameters(cls, parameters: dict[str, str], version_dir: Path | None = None) -> ServingOptions:
@@ -51,9 +66,13 @@ class ServingOptions:
         ):
             if key in values:
                 serving[key] = _bool(values.pop(key), key)
-        if "cancel_check_s" in values:
-            serving["cancel_check_s"] = _float(values.pop("cancel_check_s"), "cancel_check_s")
-        for key in ("drain_file", "admin_token_file"):
+        for key in ("cancel_check_s", "watchdog_timeout_s"):
+            if key in values:
+                serving[key] = _float(values.pop(key), key)
+        for key in ("in_stub_restarts", "engine_restarts"):
+            if key in values:
+                serving[key] = _int(values.pop(key), key)
+        for key in ("drain_file", "admin_token_file", "health_file", "registry_journal", "failed_reason"):
             if key in values:
                 serving[key] = values.pop(key) or None
         registry = version_dir / MULTI_LORA_FILE if version_dir is not None else None

@@ -378,3 +378,63 @@ def test_a_registry_file_that_cannot_be_read_is_left_alone(tmp_path: Path, caplo
     registry.record(AdapterCommand("list"))
     registry.record(AdapterCommand("load", "y"))  # into host memory only: no registration changed
     assert [c.name for c in registry.replay()] == ["x"]
+
+
+# ---- issue 25: a hung engine process is killed by the watchdog; registrations kept in a journal ----------------
+
+
+def test_a_hung_engine_process_is_killed_by_the_watchdog(llama: ModelWithAdapters) -> None:
+    """SIGSTOP (a hang the process cannot report) past watchdog_s: the in-flight request fails naming the
+    watchdog, health says so, and with no restart left the engine is failed, not serving."""
+    engine = EngineProcess(_config(llama), max_restarts=0, watchdog_s=2.0)
+    got = Collector()
+    try:
+        assert engine.health().serving
+        engine.submit(Submission("hung", [4, 5, 6], None, replace(GREEDY, max_tokens=200)), got.callback)
+        got.wait_started()
+        assert engine.pid is not None
+        os.kill(engine.pid, signal.SIGSTOP)
+        got.wait(1, timeout=30)
+        hung = got.last("hung")
+        assert hung.finish_reason == "error" and "watchdog_timeout_s=2" in (hung.error or ""), hung
+        deadline = time.monotonic() + 10
+        while engine.health().state != "failed":
+            assert time.monotonic() < deadline, engine.health()
+            time.sleep(0.05)
+        assert "did not respond" in engine.health().reason
+    finally:
+        engine.stop(timeout=5)
+
+
+def test_a_busy_engine_is_not_taken_for_a_hung_one(llama: ModelWithAdapters) -> None:
+    """Requests that keep the engine busy for longer than watchdog_s finish: its loop goes round every step."""
+    engine = EngineProcess(_config(llama), max_restarts=0, watchdog_s=1.0)
+    got = Collector()
+    try:
+        for i in range(3):
+            engine.submit(Submission(f"busy-{i}", PROMPTS[0], None, replace(GREEDY, max_tokens=100)), got.callback)
+        got.wait(3, timeout=120)
+        assert all(got.last(f"busy-{i}").finish_reason == "length" for i in range(3))
+        assert engine.health().serving
+    finally:
+        engine.stop(timeout=5)
+
+
+def test_registrations_kept_in_a_journal_come_back_in_a_new_engine_process(
+    llama: ModelWithAdapters, tmp_path: Path
+) -> None:
+    """What a model loaded again by slora-serve does: a new EngineProcess with the same journal serves the
+    adapters registered at runtime by the one before it."""
+    root, journal = llama.adapter_root, tmp_path / "registrations.json"
+    first = EngineProcess(_config(llama), max_restarts=0, registry_journal=journal)
+    try:
+        first.command(AdapterCommand("load", "tenant-a", str(root / "r5-ko")))
+        before = _finish_one(first, "before", "tenant-a").tokens("before")
+    finally:
+        first.stop(timeout=5)
+    assert json.loads(journal.read_text()) == [{"op": "load", "name": "tenant-a", "path": str(root / "r5-ko")}]
+    second = EngineProcess(_config(llama), max_restarts=0, registry_journal=journal)
+    try:
+        assert _finish_one(second, "after", "tenant-a").tokens("after") == before
+    finally:
+        second.stop(timeout=5)

@@ -12,6 +12,8 @@
     slora_preemptions_total                         counter    requests preempted (pool full) and recomputed
     slora_generated_tokens_total                    counter    tokens sampled
     slora_engine_restarts_total                     counter    engine processes started again after a crash
+    slora_engine_serving                            gauge      1 while the engine serves, 0 while it restarts or
+                                                               has failed (the model's readiness follows it)
     slora_requests_finished_total{reason=...}       counter    reason: length|stop|abort|error|rejected
     slora_time_to_first_token_seconds               histogram  arrival at the model → first token
     slora_inter_token_latency_seconds               histogram  between two tokens of one request
@@ -58,6 +60,9 @@ class NullMetrics:
     def count_finished(self, reason: str) -> None:
         pass
 
+    def set_serving(self, serving: bool) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -101,6 +106,9 @@ class TritonMetrics(NullMetrics):
         self.itl = self._family("slora_inter_token_latency_seconds", "Time between two tokens", histogram).Metric(
             labels={}, buckets=ITL_BUCKETS
         )
+        self.serving = self._family("slora_engine_serving", "1 while the engine serves, else 0", gauge).Metric(
+            labels={}
+        )
         self._lora_info = lora_info
         self._lora_family: Any = None
         self._lora_labels: tuple[str, str] | None = None
@@ -129,12 +137,15 @@ class TritonMetrics(NullMetrics):
     def count_finished(self, reason: str) -> None:
         self._events.put(("finished", reason))
 
+    def set_serving(self, serving: bool) -> None:
+        self._events.put(("serving", serving))
+
     def close(self) -> None:
         self._events.put(None)
         self._thread.join(5.0)
         # Metrics must go before their families.
         self.pages = self.adapters = self.requests = self.counters = self.finished = {}
-        self.kv_usage = self.ttft = self.itl = self._lora_metric = self._lora_family = None
+        self.kv_usage = self.ttft = self.itl = self.serving = self._lora_metric = self._lora_family = None
         self._families.clear()
 
     # ---- the metrics thread -----------------------------------------------------------------------------------
@@ -165,6 +176,8 @@ class TritonMetrics(NullMetrics):
             self.itl.observe(value)
         elif kind == "finished" and value in self.finished:
             self.finished[value].increment(1)
+        elif kind == "serving":
+            self.serving.set(1 if value else 0)
 
     def _publish(self, stats: EngineStats) -> None:
         self.pages["kv"].set(stats.pages_kv)

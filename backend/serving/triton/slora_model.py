@@ -37,6 +37,7 @@ from slora.backend.runtime.fresh_threads import FreshThreadExecutor
 from slora.backend.runtime.messages import Submission
 from slora.backend.serving.admin_guard import AdminGuard
 from slora.backend.serving.drain import DrainWatcher
+from slora.backend.serving.health import HealthReporter
 from slora.backend.serving.options import ServingOptions, model_config_parameters
 from slora.backend.serving.prompt import PromptEncoder
 from slora.backend.serving.request_inputs import (
@@ -73,6 +74,8 @@ class TritonPythonModel:
             raise ValueError("the slora model must be decoupled (model_transaction_policy { decoupled: true })")
         version_dir = Path(args["model_repository"]) / str(args["model_version"])
         self.options = ServingOptions.from_parameters(model_config_parameters(model_config), version_dir)
+        if self.options.failed_reason:  # slora-serve keeps a model whose engine will not serve again unloadable
+            raise pb_utils.TritonModelException(f"the engine does not serve: {self.options.failed_reason}")
         where = "in a process of its own" if self.options.engine_process else "in the stub process"
         logger.info("starting the engine %s: %s", where, self.options.engine)
         started = time.monotonic()
@@ -80,6 +83,8 @@ class TritonPythonModel:
         self.engine = _start_engine(self.options)
         self.metrics = _metrics(self.options)
         self.engine.on_stats(self.metrics.update_stats)
+        health_file = Path(self.options.health_file) if self.options.health_file else None
+        self.health = HealthReporter(self.engine.health, health_file, self.metrics.set_serving)
         self.responder = Responder(self.engine, self.metrics, self.options.cancel_check_s)
         self.drain = DrainWatcher(Path(self.options.drain_file), self.responder) if self.options.drain_file else None
         self.admin = FreshThreadExecutor(max_workers=1, thread_name_prefix="slora-admin")  # adapter reads: see there
@@ -99,6 +104,7 @@ class TritonPythonModel:
         if self.drain is not None:
             self.drain.close()
         self.admin.shutdown(wait=True)
+        self.health.close()
         self.engine.stop()
         self.responder.stop()
         self.metrics.close()
@@ -145,8 +151,15 @@ class TritonPythonModel:
 
 def _start_engine(options: ServingOptions) -> EngineService:
     if options.engine_process:
-        return EngineProcess(options.engine, write_back_registry=options.lora_registry_write_back)
-    return LocalEngine.start(options.engine)
+        return EngineProcess(
+            options.engine,
+            max_restarts=options.in_stub_restarts,
+            write_back_registry=options.lora_registry_write_back,
+            watchdog_s=options.watchdog_s,
+            registry_journal=options.registry_journal,
+            restarts_before=options.engine_restarts,
+        )
+    return LocalEngine.start(options.engine, watchdog_s=options.watchdog_s)
 
 
 def _prompt_encoder(options: ServingOptions) -> PromptEncoder:
