@@ -38,6 +38,7 @@ from slora.backend.launcher.server_locator import TritonInstall, locate_server
 from slora.backend.model.default_model import resolve_model_path
 from slora.backend.serving import drain
 from slora.backend.serving.admin_guard import read_token
+from slora.backend.serving.openai_api.launch import OpenAIFrontend, OpenAILaunch, check_openai_port
 from slora.backend.stub_compat import numpy_problem, stub_numpy_version
 
 logger = logging.getLogger("slora.serve")
@@ -74,6 +75,8 @@ class LaunchOptions:
     ready_timeout_s: float = 900.0
     server_args: tuple[str, ...] = ()
     dry_run: bool = False
+    openai_port: int | None = None  # the OpenAI API (serving/openai_api/), off unless given
+    openai_args: tuple[str, ...] = ()  # more options of the OpenAI server
 
     def __post_init__(self) -> None:
         ports = {"http_port": self.http_port, "grpc_port": self.grpc_port, "metrics_port": self.metrics_port}
@@ -88,6 +91,8 @@ class LaunchOptions:
                 raise ValueError(f"{name}: {path} does not exist")
         if self.ready_timeout_s <= 0:
             raise ValueError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
+        if self.openai_port is not None:
+            check_openai_port(self.openai_port, ports)
         if self.admin_token_file:
             read_token(Path(self.admin_token_file))  # refuses a missing or empty file before the server starts
         if self.lora_registry_write_back and not (self.lora_registry and self.engine_process):
@@ -129,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the models")
     parser.add_argument("--server-arg", action="append", default=[], help="extra tritonserver argument (repeatable)")
     parser.add_argument("--dry-run", action="store_true", help="render the repository, show the command, stop")
+    parser.add_argument("--openai-port", type=int, help="also serve the OpenAI API on this port (docs/openai.md)")
+    parser.add_argument("--openai-arg", action="append", default=[],
+                        help="an OpenAI server option, e.g. --openai-arg=--lora-separator=: (repeatable)")  # fmt: skip
     return parser
 
 
@@ -162,6 +170,8 @@ def parse_options(argv: Sequence[str] | None = None) -> LaunchOptions:
         log_verbose=args.log_verbose,
         ready_timeout_s=args.ready_timeout,
         server_args=tuple(args.server_arg),
+        openai_port=args.openai_port,
+        openai_args=tuple(args.openai_arg),
         dry_run=args.dry_run,
     )
 
@@ -305,15 +315,30 @@ def _run(
     logger.info("starting: %s", " ".join(command))
     process = subprocess.Popen(command, env=env, preexec_fn=_child_setup)
     ready = False
+    frontend: OpenAIFrontend | None = None
     try:
         ready = _wait_ready(process, options, requests.stop)
         if ready and not requests.stop.is_set():
+            frontend = _start_openai(options, requests.stop)
             _announce(options)
-            while process.poll() is None and not requests.stop.wait(0.5):
+            while process.poll() is None and not requests.stop.wait(0.5) and (frontend is None or frontend.alive()):
                 pass
+            if frontend is not None and not frontend.alive() and not requests.stop.is_set():
+                raise RuntimeError(f"the OpenAI API exited with status {frontend.process.returncode}")
     finally:
+        if frontend is not None:
+            frontend.stop()  # first: its open streams end, aborting their requests, before Triton drains
         code = _shutdown(process, requests.force, drain_file if ready else None)
     return code
+
+
+def _start_openai(options: LaunchOptions, stop: threading.Event) -> OpenAIFrontend | None:
+    """The OpenAI API's process, ready (serving/openai_api/launch.py), or None without --openai-port."""
+    if options.openai_port is None:
+        return None
+    launch = OpenAILaunch(options.openai_port, options.host, options.grpc_port, options.model, options.tokenizer,
+                          options.admin_token_file, options.openai_args)  # fmt: skip
+    return OpenAIFrontend.start(launch, stop)
 
 
 def _child_setup() -> None:
