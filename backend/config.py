@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from slora.kernels.settings import KernelSettings, settings_from
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 GiB = 1 << 30
 MiB = 1 << 20
@@ -44,10 +46,31 @@ class EngineConfig:
     # eagerly (no CUDA graph) and costs a fixed host time to launch: fewer, larger such steps cost less, for a
     # first token later by up to N - 1 steps. Adapter prefetch still runs every step. (vLLM's delay factor.)
     # 0 (auto): AUTO_ADMIT_INTERVAL with cuda_graphs, where decode steps are graphs and cheap next to eager ones
-    # (S1 n = 2000 on the H200: 24.79 req/s at 2 against 23.52 at 1 and 23.70 at 4, perf/RESULTS.md), else 1.
+    # (the interval that served S-LoRA's S1 trace fastest, perf/RESULTS.md), else 1.
     admit_interval: int = 0
     kernel_backend: str = "auto"  # auto | torch | triton | bmm (S-LoRA's padded-rank baseline)
     cuda_graphs: bool = False  # replay decode steps as captured CUDA graphs (CUDA + triton kernels; cuda_graphs.py)
+    # How the Triton kernels run a step (kernel_backend triton, or auto on CUDA; the torch references ignore these).
+    # They reach the kernels as one kernels.settings.KernelSettings (kernel_settings()), built where the engine
+    # builds its ops. Defaults: the rules that served the H200 benchmarks best (perf/RESULTS.md).
+    # A LoRA step whose adapter tokens are at least few_adapters_min_tokens, over at most few_adapters_max
+    # adapters, runs on the 16-token tensor-core tiles even when all are decodes: a tile reads its adapter's rows
+    # once per 16 tokens, the GEMV kernels once per token. A decode graph of such steps sizes its tile grid for
+    # few_adapters_max partial tiles beyond its full ones (executor/static_lora.py). few_adapters_max=0: never.
+    few_adapters_min_tokens: int = 32
+    few_adapters_max: int = 8
+    # An eager step's decodes in LoRA launches of their own (GEMV kernels), apart from its prompts (prompt tiles),
+    # instead of one launch pair for both on decode-shaped tensor-core tiles. Off: the faster kernels did not pay
+    # for the second launch pair's host time (perf/RESULTS.md).
+    lora_split: bool = False
+    # Base projections of steps of up to 64 rows (decodes of up to 64 requests) on the Triton GEMM of
+    # kernels/triton/gemm.py, which lets the LoRA shrink behind it start early; larger steps stay on cuBLAS.
+    triton_gemm: bool = True
+    # Programmatic dependent launch of the LoRA kernels (Hopper and later; ignored elsewhere): each kernel starts
+    # while the one in front of it ends (kernels/triton/pdl.py). shrink_pdl: the shrink too, behind the Triton GEMM
+    # (the expand keeps it behind the shrink); needs lora_pdl.
+    lora_pdl: bool = True
+    shrink_pdl: bool = True
     # Launch each step before reading the previous step's tokens back, so that the host's work for a step overlaps
     # the GPU's for the one before (backend/engine/inflight.py). None (auto): on for CUDA devices, off on CPU, where the
     # host does the computing itself and outputs would only come a step later.
@@ -55,7 +78,7 @@ class EngineConfig:
     # A waiting request whose adapter copy into the pool the copier thread has not issued yet is passed over at
     # admission (it keeps its place at the head of the queue; the requests behind it may go first) while other
     # requests run, instead of the step waiting on the host for that copy. None (auto): on for CUDA devices, where
-    # S2 n = 2000's mixed steps waited 1.6 ms each for copies (perf/RESULTS.md, session 11).
+    # copies run beside the steps and a step that waits for one holds every running request up.
     admit_when_copied: bool | None = None
     warmup: bool = False  # run synthetic batches at start, so kernels compile before the first request (warmup.py)
     seed: int = 0  # for requests that give no seed
@@ -83,6 +106,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _positive(self, "page_size", "max_batch_tokens", "max_num_seqs", "max_waiting", "host_budget_bytes")
         _positive(self, "max_lora_rank")
+        self.kernel_settings()  # validates the kernel fields, naming the field
         _integer_at_least(self, 0, "0 (auto) or a positive integer", "admit_interval")
         if self.pool_bytes is not None:
             _positive(self, "pool_bytes")
@@ -118,6 +142,10 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
+
+    def kernel_settings(self) -> KernelSettings:
+        """The kernel fields (few_adapters_* .. shrink_pdl) as the frozen value the kernels take."""
+        return settings_from(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineConfig:

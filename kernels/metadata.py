@@ -7,12 +7,13 @@ so that it needs no device-to-host synchronization.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+
+from slora.kernels.settings import KernelSettings
 
 TILE_COLUMNS = 4  # segment, first row, end row (of the segment), tag
 
@@ -58,39 +59,6 @@ def alignment_of(offsets_or: int, cap: int = 16) -> int:
 
 
 SHORT_SEGMENT = 16  # segments of up to this many tokens (decodes) get decode-shaped tiles
-# A step whose adapter tokens are at least FEW_ADAPTERS_MIN_TOKENS over at most FEW_ADAPTERS_MAX adapters gets the
-# LoRA kernels' 16-token tensor-core tiles even when it is all decodes: they read an adapter's rows once per 16
-# tokens, where the GEMV kernels read them once per token (from cache after the first). H200, one 7B layer's LoRA
-# calls behind the engine's projections (perf.bench_lora_kinds --behind-gemm, perf/RESULTS.md #88), tensor-core
-# tiles against GEMV, µs: 16 decodes of 4 adapters r64 29.5 / 35.6, of 24 S2 adapters 16.0 / 21.0; 64 decodes of
-# 5 S2 adapters 24.5 / 34.1, of 24 S2 adapters 27.9 / 35.9; GEMV ahead at 16 of 5 S1 adapters (2.9 / 4.7) and at
-# 64 of 64 S2 adapters. Behind the Triton GEMM of up to 64 rows the tensor-core shrink overlaps the GEMM
-# (triton/pdl.py). Whole decode steps in CUDA graphs decide the rule (perf/run_gpu.sh few, #90-#91), since a graph
-# sizes its tile grid for FEW_ADAPTERS_MAX partial tiles (executor/static_lora.py). Against #68's rule (64 tokens, 8
-# adapters): this one (32, 8) took 3.8% off S2 steps of 32 decodes of 4 adapters (5.683 against 5.911 ms) and added
-# 1.0% to S1 steps of 32 of 5 (5.489 against 5.436), the rest within 0.5%; 16 tokens changed nothing on S2 and lost
-# 2.3-2.7% on S1 at 16; 24 adapters also took 3.9% off 32 of 24 S2 adapters but added 0.6% at 64 of 4.
-# SLORA_FEW_ADAPTERS="MIN_TOKENS,MAX_ADAPTERS" sets another rule (to compare: perf/run_gpu.sh few).
-FEW_ADAPTERS_ENV = "SLORA_FEW_ADAPTERS"
-
-
-def few_adapters_rule(value: str | None) -> tuple[int, int]:
-    """(FEW_ADAPTERS_MIN_TOKENS, FEW_ADAPTERS_MAX) from the value of SLORA_FEW_ADAPTERS (None: the default)."""
-    if value is None:
-        return 32, 8
-    try:
-        tokens, adapters = (int(part) for part in value.split(","))
-    except ValueError:
-        raise ValueError(f"{FEW_ADAPTERS_ENV}={value!r}: expected MIN_TOKENS,MAX_ADAPTERS such as 32,8") from None
-    return tokens, adapters
-
-
-FEW_ADAPTERS_MIN_TOKENS, FEW_ADAPTERS_MAX = few_adapters_rule(os.environ.get(FEW_ADAPTERS_ENV))
-
-
-def few_adapters(num_tokens: int, num_adapters: int) -> bool:
-    """Whether num_tokens adapter tokens of num_adapters adapters get 16-token tensor-core tiles (see above)."""
-    return num_tokens >= FEW_ADAPTERS_MIN_TOKENS and num_adapters <= FEW_ADAPTERS_MAX
 
 
 @dataclass
@@ -123,21 +91,21 @@ class SegmentGroup:
             return min(self.max_segment_len, SHORT_SEGMENT)
         return self.max_segment_len
 
-    @property
-    def kind(self) -> str:
+    def kind(self, settings: KernelSettings) -> str:
         """What the group's segments are, which picks the LoRA kernels' configs: "decode" (every segment of up to
         SHORT_SEGMENT rows: GEMV kernels), "mixed" (some of them, or all of them but for few adapters with many
-        rows each: 16-row tensor-core tiles) or "prompts" (none: prompt-sized tiles). A graph's: its bounds'."""
+        rows each, settings.few_adapters: 16-row tensor-core tiles) or "prompts" (none: prompt-sized tiles). A
+        graph's: its bounds'."""
         if self.static is not None:
             return self.static.kind
         if self.max_segment_len <= SHORT_SEGMENT:
-            return "mixed" if self.of_few_adapters else "decode"
+            return "mixed" if self.of_few_adapters(settings) else "decode"
         return "mixed" if self.tile_len <= SHORT_SEGMENT else "prompts"
 
-    @property
-    def of_few_adapters(self) -> bool:
-        """Whether the group's rows belong to few adapters (few_adapters), for LoRA, whose segments are adapters."""
-        return few_adapters(sum(end - start for _, start, end, _ in self.segments), len(self.segments))
+    def of_few_adapters(self, settings: KernelSettings) -> bool:
+        """Whether the group's rows belong to few adapters (settings.few_adapters), for LoRA, whose segments are
+        adapters."""
+        return settings.few_adapters(sum(end - start for _, start, end, _ in self.segments), len(self.segments))
 
     def tiles(self, block: int) -> torch.Tensor:
         """Tiles of up to `block` rows of one segment, with its tag (see tiles_of), built once."""
@@ -261,9 +229,10 @@ class LoraMeta:
     def num_segments(self) -> int:
         return len(self.seg_adapter_host)
 
-    def of_few_adapters(self) -> bool:
-        """Whether the step's adapter tokens belong to few adapters (few_adapters): 16-token tensor-core tiles."""
-        return self.whole().of_few_adapters
+    def of_few_adapters(self, settings: KernelSettings) -> bool:
+        """Whether the step's adapter tokens belong to few adapters (settings.few_adapters): 16-token tensor-core
+        tiles."""
+        return self.whole().of_few_adapters(settings)
 
     def targeted_modules(self) -> frozenset[int]:
         """The modules some adapter of the step targets (rank > 0)."""

@@ -7,6 +7,7 @@ in kernels/triton/ops.py, and S-LoRA's padded-bmm LoRA baseline in kernels/refer
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import torch
@@ -19,6 +20,9 @@ from slora.kernels.reference.lora import lora_ref
 from slora.kernels.reference.lora_padded import lora_padded_bmm
 from slora.kernels.reference.norm import rms_norm_ref
 from slora.kernels.reference.rotary import apply_rotary_ref
+from slora.kernels.settings import KernelSettings
+
+logger = logging.getLogger(__name__)
 
 
 class Ops(Protocol):
@@ -152,24 +156,31 @@ class PaddedBmmOps(PaddedLora, TorchOps):
     """The padded-bmm LoRA with the torch references for the rest (CPU, or CUDA without triton)."""
 
 
-def make_ops(backend: str, device: torch.device) -> Ops:
+KERNELS_EXTRA = "pip install 'slora-triton[kernels]'"  # what installs the triton package
+
+
+def make_ops(backend: str, device: torch.device, settings: KernelSettings) -> Ops:
     """'torch', 'triton', 'auto' (Triton on CUDA when importable, else torch), or 'bmm': S-LoRA's padded LoRA
     baseline with the Triton kernels for everything else on CUDA (so that only the LoRA differs from 'triton'),
-    with the torch references elsewhere."""
+    with the torch references elsewhere. The Triton-language kernels are imported here, only when picked: the torch
+    path runs without the triton package. `settings` tune the Triton kernels; the torch references ignore them."""
     if backend == "bmm":
         if device.type != "cuda":
             return PaddedBmmOps()
         try:
             from slora.kernels.triton.ops import TritonPaddedBmmOps
-        except ImportError:
+        except ImportError as exc:
+            logger.warning("kernel_backend='bmm': no Triton kernels (%s), the torch references run the rest", exc)
             return PaddedBmmOps()
-        return TritonPaddedBmmOps()
+        return TritonPaddedBmmOps(settings)
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return TorchOps()
     try:
         from slora.kernels.triton.ops import TritonOps
     except ImportError as exc:
         if backend == "triton":
-            raise ValueError(f"kernel_backend='triton' needs the triton package ({exc})") from exc
+            raise ValueError(f"kernel_backend='triton' needs the triton package ({exc}): {KERNELS_EXTRA}") from exc
+        logger.warning("kernel_backend='auto' on %s: no Triton kernels (%s), running the torch references; "
+                       "%s for the Triton kernels", device, exc, KERNELS_EXTRA)  # fmt: skip
         return TorchOps()
-    return TritonOps()
+    return TritonOps(settings)

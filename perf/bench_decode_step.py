@@ -7,6 +7,9 @@ included, since that is what graphs remove).
 
     python -m perf.bench_decode_step --model /tmp/slora-perf/model --load-format dummy \\
         --adapter-root /tmp/slora-perf/adapters/S1 --batch 1 8 64 --out decode_step.json
+
+`--engine-option KEY=VALUE` sets any other EngineConfig field, e.g. the kernels' `triton_gemm=false` (cuBLAS
+projections), `shrink_pdl=false` or `few_adapters_min_tokens=64`.
 """
 
 from __future__ import annotations
@@ -152,13 +155,27 @@ def graph_modes(device: str, graphs_only: bool) -> tuple[bool, ...]:
     return (True,) if graphs_only else (False, True)
 
 
+def engine_options(items: list[str]) -> dict[str, str]:
+    """--engine-option KEY=VALUE items as EngineConfig.from_dict values."""
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--engine-option expects KEY=VALUE, got {item!r}")
+        options[key.strip()] = value.strip()
+    return options
+
+
 def run(args: argparse.Namespace) -> list[StepTiming]:
     timings: list[StepTiming] = []
     adapter_names = adapter_dirs(args.adapter_root, max(args.batch)) if args.adapter_root else []
+    options = engine_options(getattr(args, "engine_option", None) or [])
     for graphs in graph_modes(args.device, args.graphs_only):
-        config = EngineConfig(model=args.model, load_format=args.load_format, device=args.device,
-                              adapter_root=args.adapter_root, cuda_graphs=graphs, max_num_seqs=max(args.batch),
-                              kernel_backend=args.kernel_backend, pool_bytes=args.pool_bytes)  # fmt: skip
+        values = {"model": args.model, "load_format": args.load_format, "device": args.device,
+                  "adapter_root": args.adapter_root, "cuda_graphs": graphs, "max_num_seqs": max(args.batch),
+                  "kernel_backend": args.kernel_backend, "pool_bytes": args.pool_bytes}  # fmt: skip
+        config = EngineConfig.from_dict({**values, **options})
+        logger.info("kernel settings: %s", config.kernel_settings())
         engine = LLMEngine(config)
         weight_bytes = engine.model.weights.nbytes()
         read_ms = weight_bytes / copy_bandwidth(engine.device) * 2 * 1000  # a read is half a copy
@@ -202,6 +219,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--profile", type=Path, help="append torch.profiler and cProfile tables of a few steps here")
     parser.add_argument("--profile-steps", type=int, default=2)
+    parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="any other EngineConfig field, e.g. triton_gemm=false (repeatable)")  # fmt: skip
     args = parser.parse_args()
     timings = run(args)
     if args.out:

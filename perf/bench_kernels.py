@@ -51,7 +51,8 @@ from slora.kernels.metadata import AttentionMeta, LoraMeta
 from slora.kernels.reference.attention import paged_attention_ref, write_kv_ref
 from slora.kernels.reference.lora import lora_ref
 from slora.kernels.reference.lora_padded import lora_padded_bmm
-from slora.kernels.triton import lora_call, lora_expand, lora_shrink, paged_attention, paged_decode, pdl
+from slora.kernels.settings import KernelSettings
+from slora.kernels.triton import lora_expand, lora_shrink, paged_attention, paged_decode, pdl
 from slora.kernels.triton.lora_expand import ExpandConfig
 from slora.kernels.triton.lora_shrink import ShrinkConfig
 from slora.kernels.triton.ops import TritonOps
@@ -308,6 +309,8 @@ class LoraCase:
 # 0: just the pages the case needs, a few hundred MB at most.
 spread_pages = 0
 
+kernel_settings = KernelSettings()  # main() sets it from --engine-option (EngineConfig's kernel fields)
+
 
 def lora_case(
     name: str, model: Model, ranks: list[tuple[int, ...]], step: Sequence[tuple[int | None, int]]
@@ -390,13 +393,8 @@ def bench_lora(case: LoraCase, device: Device) -> list[Row]:
 
 
 def lora_split(y: torch.Tensor, *args: Any) -> None:
-    """TritonOps.lora with the step's decodes and prompts launched apart (kernels/lora_call.SPLIT)."""
-    saved = lora_call.SPLIT
-    lora_call.SPLIT = True
-    try:
-        TritonOps().lora(y, *args)
-    finally:
-        lora_call.SPLIT = saved
+    """TritonOps.lora with the step's decodes and prompts launched apart (KernelSettings.lora_split)."""
+    TritonOps(dataclasses.replace(kernel_settings, lora_split=True)).lora(y, *args)
 
 
 GRAPH_MAX_SEQS = EngineConfig.max_num_seqs  # the default: its decode graphs' buckets (cuda_graphs.bucket_sizes)
@@ -413,7 +411,8 @@ def graph_meta(case: LoraCase) -> tuple[LoraMeta, int] | None:
     size = bucket_for(bucket_sizes(GRAPH_MAX_SEQS), n)
     bound = rank_bound(meta.max_rank, GRAPH_MAX_RANK)
     device = meta.token_adapter.device
-    static = StaticLora(size, meta.targeted_modules(), bound, meta.row_align, device, meta.of_few_adapters())
+    few = kernel_settings.few_adapters_max if meta.of_few_adapters(kernel_settings) else None
+    static = StaticLora(size, meta.targeted_modules(), bound, meta.row_align, device, few)
     static.fill(meta, n)
     return static.meta, size
 
@@ -434,17 +433,17 @@ def bench_lora_call(
     args = (x, case.flat_layer, case.meta, modules, offsets, widths)
     # impl -> (function, y before the call, its arguments after y)
     impls: dict[str, tuple[Callable[..., None], torch.Tensor, tuple[Any, ...]]] = {
-        "triton": (TritonOps().lora, y0, args),
+        "triton": (TritonOps(kernel_settings).lora, y0, args),
         "torch_ref": (lora_ref, y0, args),
         "padded_bmm": (lora_padded_bmm, y0, args),
     }
-    if len(case.meta.groups(split=True)) > 1:  # decodes and prompts: also launched apart (SLORA_LORA_SPLIT=1)
+    if len(case.meta.groups(split=True)) > 1:  # decodes and prompts: also launched apart (lora_split)
         impls["triton_split"] = (lora_split, y0, args)
     graph = graph_meta(case)
     if graph is not None:  # a decode step: also as a CUDA graph replays it (padded to its bucket, static metadata)
         meta, size = graph
         impls["triton_graph"] = (
-            TritonOps().lora,
+            TritonOps(kernel_settings).lora,
             padded(y0, size),
             (padded(x, size), case.flat_layer, meta, *args[3:]),
         )
@@ -502,7 +501,7 @@ def attention_minimum(case: AttentionCase) -> tuple[int, int]:
 
 def bench_attention(case: AttentionCase, device: Device) -> list[Row]:
     kv_layer, scale = case.pool.kv_layer(0), case.model.head_dim**-0.5
-    ops = TritonOps()
+    ops = TritonOps(kernel_settings)
     expected = paged_attention_ref(case.q, kv_layer, case.meta, scale)
     nbytes, flops = attention_minimum(case)
     kernel = "attention_decode" if case.meta.decode_only else "attention_prefill"
@@ -523,7 +522,7 @@ def bench_kv_write(case: AttentionCase, device: Device) -> list[Row]:
     v = torch.randn_like(k)
     kv_layer = case.pool.kv_layer(0)
     nbytes = 2 * 2 * k.numel() * 2  # k and v, read and written
-    ops = TritonOps()
+    ops = TritonOps(kernel_settings)
     rows = []
     impls = {"triton": lambda: ops.write_kv(k, v, kv_layer, case.meta),
              "torch_ref": lambda: write_kv_ref(k, v, kv_layer, case.meta.slot_mapping)}  # fmt: skip
@@ -716,13 +715,13 @@ def tune_lora(label: str, case: LoraCase, call: int = 0) -> list[dict[str, Any]]
     offsets, widths = call_outputs(case.model, modules)
     x = torch.randn((case.num_tokens, in_features), device=DEVICE).to(torch.bfloat16)
     y = torch.zeros((case.num_tokens, sum(widths)), device=DEVICE).to(torch.bfloat16)
-    ops = TritonOps()
+    ops = TritonOps(kernel_settings)
 
     def lora() -> None:
         case.meta.launches.clear()  # the launches a step keeps were built with the previous variant
         ops.lora(y, x, case.flat_layer, case.meta, modules, offsets, widths)
 
-    kind = case.meta.whole().kind
+    kind = case.meta.whole().kind(kernel_settings)
     attr = {"decode": "DECODE", "mixed": "MIXED", "prompts": "PREFILL"}[kind]  # the config it uses
     if len(modules) == 1:
         if kind != "decode":
@@ -795,7 +794,7 @@ def tune(smoke: bool, only: str | None = None) -> list[dict[str, Any]]:
     rng = random.Random(1)
     decode = attention_case("tune", mha, [(1, rng.randint(ctx // 8, ctx)) for _ in range(n)])
     prefill = attention_case("tune", mha, [(ctx // 4, ctx // 4)] * 4)
-    ops, scale = TritonOps(), mha.head_dim**-0.5
+    ops, scale = TritonOps(kernel_settings), mha.head_dim**-0.5
     dec_configs = [{**paged_decode.CONFIGS, 2: DecodeConfig(bn, 256, 64, pps, w, st)}
                    for bn in (32, 64, 128) for pps in (4, 8, 16) for w in (4, 8) for st in (2, 3)]  # fmt: skip
     pre_configs = [{**paged_attention.CONFIGS, (2, False): AttentionConfig(bm, bn, w, 2)}
@@ -824,8 +823,22 @@ def tune_table(results: list[dict[str, Any]], top: int = 3) -> str:
     return "\n".join(lines) + "\n"
 
 
+def settings_of(options: list[str], parser: argparse.ArgumentParser) -> KernelSettings:
+    """The kernel settings of --engine-option KEY=VALUE items (EngineConfig's fields and validation)."""
+    values = {}
+    for item in options:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--engine-option expects KEY=VALUE, got {item!r}")
+        values[key.strip()] = value.strip()
+    try:
+        return EngineConfig.from_dict(values).kernel_settings()
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def main(argv: list[str] | None = None) -> int:
-    global DEVICE, flush_mode, spread_pages
+    global DEVICE, flush_mode, spread_pages, kernel_settings
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="JSON file for the results")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one call each (CPU: Triton interpreter)")
@@ -840,7 +853,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spread-pages", type=int, default=0,
                         help="LoRA cases: scatter the adapters' pages over a pool of at least this many pages "
                              "(the engine's: results.json pool_pages), against the default compact pool")  # fmt: skip
+    parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a kernel field of EngineConfig (few_adapters_min_tokens, few_adapters_max, lora_split, "
+                             "triton_gemm, lora_pdl, shrink_pdl), e.g. lora_pdl=false")  # fmt: skip
     args = parser.parse_args(argv)
+    kernel_settings = settings_of(args.engine_option, parser)
     flush_mode = args.flush
     if args.spread_pages < 0:
         parser.error(f"--spread-pages must be >= 0, got {args.spread_pages}")
@@ -853,8 +870,8 @@ def main(argv: list[str] | None = None) -> int:
         DEVICE = torch.device("cpu")
     torch.manual_seed(0)
     logger.info(
-        "LoRA expand launched with PDL: %s (%s=0 turns it off), shrink: %s (%s=0)",
-        pdl.pdl_enabled(DEVICE), pdl.ENV, pdl.shrink_pdl(DEVICE), pdl.SHRINK_ENV,
+        "LoRA expand launched with PDL: %s (--engine-option lora_pdl=false turns it off), shrink: %s "
+        "(shrink_pdl=false)", pdl.pdl_enabled(DEVICE, kernel_settings), pdl.shrink_pdl(DEVICE, kernel_settings),
     )  # fmt: skip
     device, rows = run_all(args.smoke, args.only)
     checks = check_targets(rows)
@@ -865,8 +882,9 @@ def main(argv: list[str] | None = None) -> int:
     payload: dict[str, Any] = {
         "device": asdict(device),
         "flush": flush_mode,
-        "lora_pdl": pdl.pdl_enabled(DEVICE),
-        "shrink_pdl": pdl.shrink_pdl(DEVICE),
+        "settings": asdict(kernel_settings),
+        "lora_pdl": pdl.pdl_enabled(DEVICE, kernel_settings),
+        "shrink_pdl": pdl.shrink_pdl(DEVICE, kernel_settings),
         "rows": [asdict(r) for r in rows],
         "targets": checks,
     }

@@ -83,6 +83,7 @@ def gemm_sweep(model: Model, copy_gbps: float, gen: torch.Generator) -> list[dic
     """Part 1: every projection and row count, cuBLAS and each config (best first per shape in the log)."""
     results: list[dict[str, Any]] = []
     w = weights(model, gen)
+    shrink_pdl = pdl.shrink_pdl(bench_kernels.DEVICE, bench_kernels.kernel_settings)  # as the engine's projections
     for name, modules, k, n in projections(model):
         widths = call_outputs(model, modules)[1]
         for m in ROWS:
@@ -92,7 +93,8 @@ def gemm_sweep(model: Model, copy_gbps: float, gen: torch.Generator) -> list[dic
             nbytes = weight.numel() * 2 + x.numel() * 2 + y.numel() * 2
             runs: dict[str, Callable[[], object]] = {"cublas": functools.partial(torch.mm, x, weight.t(), out=y)}
             for cfg in CONFIGS:
-                runs[repr(cfg)] = functools.partial(gemm_launch(x, weight, y, cfg=cfg, widths=widths), x, weight, y)
+                launch = gemm_launch(x, weight, y, cfg=cfg, widths=widths, pdl=shrink_pdl)
+                runs[repr(cfg)] = functools.partial(launch, x, weight, y)
             shape: list[dict[str, Any]] = []
             for impl, fn in runs.items():
                 ms = timed_ms(fn)
@@ -129,7 +131,7 @@ def layer_paths(case: LoraCase, w: dict[str, torch.Tensor], gen: torch.Generator
     """Part 2's paths on one layer, as functions of no argument, and the calls they run (for
     check_against_engine)."""
     model, device = case.model, bench_kernels.DEVICE
-    ops = TritonOps()
+    ops = TritonOps(bench_kernels.kernel_settings)
     calls = []
     for name, modules, k, n in projections(model):
         offsets, widths = call_outputs(model, modules)
@@ -228,7 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one call each (CPU: Triton interpreter)")
     parser.add_argument("--rows", type=int, nargs="+", help="part 1's row counts (default 1 16 64 128)")
     parser.add_argument("--skip-layer", action="store_true", help="part 1 only")
+    parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a kernel field of EngineConfig (triton_gemm, lora_pdl, shrink_pdl, ...), e.g. "
+                             "shrink_pdl=false")  # fmt: skip
     args = parser.parse_args(argv)
+    bench_kernels.kernel_settings = bench_kernels.settings_of(args.engine_option, parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if not torch.cuda.is_available():
         if not args.smoke:
@@ -245,9 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device=bench_kernels.DEVICE).manual_seed(0)
     device = measure_device(copy_bytes=1 << 20, n=64) if args.smoke else measure_device()
     logger.info("%s: copy %.0f GB/s", device.name, device.copy_gbps)
-    shrink_pdl = pdl.shrink_pdl(bench_kernels.DEVICE)
-    logger.info("LoRA shrink launched with PDL: %s (%s=0 turns it off)", shrink_pdl, pdl.SHRINK_ENV)
-    payload: dict[str, Any] = {"device": dataclasses.asdict(device), "shrink_pdl": shrink_pdl}
+    settings = bench_kernels.kernel_settings
+    shrink_pdl = pdl.shrink_pdl(bench_kernels.DEVICE, settings)
+    logger.info("LoRA shrink launched with PDL: %s (--engine-option shrink_pdl=false turns it off)", shrink_pdl)
+    payload: dict[str, Any] = {"device": dataclasses.asdict(device), "shrink_pdl": shrink_pdl,
+                               "settings": dataclasses.asdict(settings)}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload["gemm"] = gemm_sweep(model, device.copy_gbps, gen) if args.sweep else []
     args.out.write_text(json.dumps(payload, indent=1))

@@ -38,8 +38,8 @@ from perf.bench_kernels import (
     timed,
 )
 from perf.bench_lora_gemm import few, projections, weights
-from slora.kernels import metadata
 from slora.kernels.metadata import SHORT_SEGMENT
+from slora.kernels.settings import DEFAULT_SETTINGS, KernelSettings
 from slora.kernels.triton import lora_expand, lora_shrink
 from slora.kernels.triton.ops import TritonOps
 
@@ -50,15 +50,17 @@ GEMV_TILES = {"gemv": (1, 1), "gemv2": (2, 2), "gemv4": (4, 4), "shrink1_expand4
 KINDS = (*GEMV_TILES, "tensor")
 
 
+# Steps of few adapters stay decode steps (no KernelSettings.few_adapters rule), so that each kind runs them.
+NO_FEW_ADAPTERS_RULE = KernelSettings(few_adapters_max=0)
+
+
 @contextlib.contextmanager
 def decode_kernels(kind: str) -> Iterator[None]:
     """Decode steps through the GEMV kernels on tiles of GEMV_TILES[kind] tokens for the shrink and the expand (each
     program runs its tile's tokens one after the other; the default: one-token tiles), or the tensor-core ones.
-    Steps of few adapters stay decode steps meanwhile (no metadata.few_adapters rule), so each kind runs them."""
+    Time them with NO_FEW_ADAPTERS_RULE, so that steps of few adapters take the decode configs too."""
     saved = [(m, name, getattr(m, name)) for m in (lora_shrink, lora_expand) for name in ("DECODE", "DECODE_ONE")]
-    few_max = metadata.FEW_ADAPTERS_MAX
     try:
-        metadata.FEW_ADAPTERS_MAX = 0
         for module, name, config in saved:
             if kind == "tensor":
                 setattr(module, name, module.MIXED)
@@ -67,7 +69,6 @@ def decode_kernels(kind: str) -> Iterator[None]:
                 setattr(module, name, dataclasses.replace(config, block_m=block))
         yield
     finally:
-        metadata.FEW_ADAPTERS_MAX = few_max
         for module, name, value in saved:
             setattr(module, name, value)
 
@@ -82,11 +83,16 @@ class LayerFns:
     calls: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
 
 
-def layer_fns(case: LoraCase, weights: dict[tuple[int, ...], torch.Tensor] | None = None) -> LayerFns:
-    """The layer's four LoRA calls as one function, launches built afresh. With `weights` (by the call's modules),
-    each call runs behind its base projection on the engine's projections (TritonOps.projections: the Triton GEMM up
-    to 64 rows, whose LoRA shrink is launched with PDL, triton/pdl.py), and `base` runs the projections alone."""
-    ops = TritonOps()
+def layer_fns(
+    case: LoraCase,
+    weights: dict[tuple[int, ...], torch.Tensor] | None = None,
+    settings: KernelSettings = DEFAULT_SETTINGS,
+) -> LayerFns:
+    """The layer's four LoRA calls as one function, launches built afresh, on ops of `settings`. With `weights` (by
+    the call's modules), each call runs behind its base projection on the engine's projections (TritonOps.projections:
+    the Triton GEMM up to 64 rows, whose LoRA shrink is launched with PDL, triton/pdl.py), and `base` runs the
+    projections alone."""
+    ops = TritonOps(settings)
     calls = []
     for _, modules, in_features in lora_calls(case.model):
         offsets, widths = call_outputs(case.model, modules)
@@ -109,10 +115,10 @@ def layer_fns(case: LoraCase, weights: dict[tuple[int, ...], torch.Tensor] | Non
     return LayerFns(layer, base, calls)
 
 
-def layer_ms(case: LoraCase, weights: dict[tuple[int, ...], torch.Tensor] | None = None) -> float:
+def layer_ms(case: LoraCase, weights: dict[tuple[int, ...], torch.Tensor] | None, settings: KernelSettings) -> float:
     """Device time of the layer's four LoRA calls (graph replay); with `weights`, behind their projections, less
     the projections' own time (layer_fns)."""
-    fns = layer_fns(case, weights)
+    fns = layer_fns(case, weights, settings)
     return timed(fns.layer)[0] - (timed(fns.base)[0] if weights is not None else 0.0)
 
 
@@ -147,7 +153,7 @@ def run(tokens: list[int], behind_gemm: bool = False) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"case": name, "behind_gemm": behind_gemm}
             for kind in KINDS:
                 with decode_kernels(kind):
-                    row[f"{kind}_ms"] = layer_ms(case, weights)
+                    row[f"{kind}_ms"] = layer_ms(case, weights, NO_FEW_ADAPTERS_RULE)
             logger.info("%-44s %s", name, "  ".join(f"{kind} {row[f'{kind}_ms']:.4f}" for kind in KINDS))
             rows.append(row)
             del case

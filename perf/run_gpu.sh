@@ -28,15 +28,15 @@
 #               FLOOR_SETTING: the adapters' setting, S2 or Sall)
 #   projections perf.bench_lora_gemm --sweep (the Triton projection GEMM's configs against cuBLAS at 1-128 rows, and a
 #               decoder layer's LoRA behind cuBLAS and behind the Triton GEMM), then perf.bench_decode_step at batch
-#               1/8/16 with the Triton GEMM for small steps (SLORA_TRITON_GEMM=1) and with cuBLAS (0)   [~6 min]
+#               1/8/16 with the Triton GEMM for small steps (triton_gemm=true) and with cuBLAS (false)  [~6 min]
 #   pdl         the LoRA shrink launched with PDL behind the base projection (kernels/triton/pdl.py): a decoder layer's
 #               LoRA (perf.bench_lora_gemm, no sweep), the decode LoRA kernels' kinds behind the projections
 #               (perf.bench_lora_kinds --behind-gemm, 16 and 64 decodes), then perf.bench_decode_step at batch
-#               1/16/32/64 (S1 adapters) with it (pdl), without it (SLORA_SHRINK_PDL=0: no-pdl) and on cuBLAS
-#               (SLORA_TRITON_GEMM=0)                                                                  [~5 min]
-#   few         the rule that sends decodes of few adapters to the tensor-core LoRA tiles (kernels/metadata.py):
+#               1/16/32/64 (S1 adapters) with it (pdl), without it (shrink_pdl=false: no-pdl) and on cuBLAS
+#               (triton_gemm=false)                                                                    [~5 min]
+#   few         the rule that sends decodes of few adapters to the tensor-core LoRA tiles (few_adapters_*):
 #               perf.bench_decode_step with CUDA graphs at batch FEW_BATCHES ("16 32 64"), S2 adapters (4, 24,
-#               one per request) and S1 (5, one per request), under each of FEW_RULES (SLORA_FEW_ADAPTERS values,
+#               one per request) and S1 (5, one per request), under each of FEW_RULES (MIN_TOKENS,MAX_ADAPTERS:
 #               "32,8 64,8": the rule and #68's)                                                      [~2 min a rule]
 #   checks      kernel and engine tests on the GPU, then perf.bench_decode_step (CUDA graphs, batch 1/8/64),
 #               perf.bench_host_step (host time of a 256-sequence decode step) and perf.bench_host_forward
@@ -171,11 +171,11 @@ adapters() {  # adapters SETTING: n=N_BIG adapter directories, built once per wa
   echo "$root"
 }
 
-pdl_settings() {  # pdl_settings TAG: the environment of the pdl suite's decode-step run TAG
+pdl_settings() {  # pdl_settings TAG: the engine options of the pdl suite's decode-step run TAG
   case $1 in
-    pdl) echo "SLORA_TRITON_GEMM=1" ;;
-    no-pdl) echo "SLORA_TRITON_GEMM=1 SLORA_SHRINK_PDL=0" ;;
-    cublas) echo "SLORA_TRITON_GEMM=0" ;;
+    pdl) echo "--engine-option triton_gemm=true" ;;
+    no-pdl) echo "--engine-option triton_gemm=true --engine-option shrink_pdl=false" ;;
+    cublas) echo "--engine-option triton_gemm=false" ;;
   esac
 }
 
@@ -384,16 +384,16 @@ suite() {
         step -m perf.bench_host_forward --model "$WORK/deep" --adapter-root "$WORK/deep-adapters" --seqs 128 \
           --out "$OUT/host_forward.json"
       fi ;;
-    projections)  # the projection GEMM against cuBLAS, then decode steps with it (SLORA_TRITON_GEMM=1) and without
-      local s1_root
+    projections)  # the projection GEMM against cuBLAS, then decode steps with it (triton_gemm=true) and without
+      local s1_root gemm_option
       s1_root=$(adapters S1)
       step -m perf.bench_lora_gemm --sweep --out "$OUT/lora_gemm.json"
       for gemm in 1 0; do
-        export SLORA_TRITON_GEMM=$gemm
-        step -m perf.bench_decode_step --model "$MODEL" --load-format dummy --adapter-root "$s1_root" \
-          --batch 1 8 16 --steps 30 --out "$OUT/decode_step_gemm$gemm.json"
-      done
-      unset SLORA_TRITON_GEMM ;;
+        gemm_option=$([[ $gemm == 1 ]] && echo true || echo false)
+        step -m perf.bench_decode_step --engine-option "triton_gemm=$gemm_option" --model "$MODEL" \
+          --load-format dummy --adapter-root "$s1_root" --batch 1 8 16 --steps 30 \
+          --out "$OUT/decode_step_gemm$gemm.json"
+      done ;;
     pdl)  # the shrink launched with PDL: one layer's LoRA, then whole decode steps with it, without it, on cuBLAS
       local s1_root tag
       s1_root=$(adapters S1)
@@ -401,19 +401,19 @@ suite() {
       step -m perf.bench_lora_kinds --tokens 16 64 --behind-gemm --out "$OUT/lora_kinds_gemm.json"
       for tag in pdl no-pdl cublas; do
         # shellcheck disable=SC2046
-        (export $(pdl_settings "$tag"); step -m perf.bench_decode_step --model "$MODEL" --load-format dummy \
-          --adapter-root "$s1_root" --batch 1 16 32 64 --steps 30 --out "$OUT/decode_step_$tag.json")
+        step -m perf.bench_decode_step $(pdl_settings "$tag") --model "$MODEL" --load-format dummy \
+          --adapter-root "$s1_root" --batch 1 16 32 64 --steps 30 --out "$OUT/decode_step_$tag.json"
       done ;;
-    few)  # the few-adapters rule (kernels/metadata.py): decode steps of few adapters under it and under #68's
+    few)  # the few-adapters rule (EngineConfig.few_adapters_*): decode steps of few adapters under it and under #68's
       local s1_root s2_root rule
       s1_root=$(adapters S1)
       s2_root=$(adapters S2)
       for rule in $FEW_RULES; do
         # shellcheck disable=SC2086
-        (export SLORA_FEW_ADAPTERS=$rule
-          step -m perf.bench_decode_step --model "$MODEL" --load-format dummy --adapter-root "$s2_root" \
+        (few=(--engine-option "few_adapters_min_tokens=${rule%,*}" --engine-option "few_adapters_max=${rule#*,}")
+          step -m perf.bench_decode_step "${few[@]}" --model "$MODEL" --load-format dummy --adapter-root "$s2_root" \
             --batch $FEW_BATCHES --adapter-counts 4 24 -1 --graphs-only --steps 30 --out "$OUT/few_s2_${rule/,/-}.json"
-          step -m perf.bench_decode_step --model "$MODEL" --load-format dummy --adapter-root "$s1_root" \
+          step -m perf.bench_decode_step "${few[@]}" --model "$MODEL" --load-format dummy --adapter-root "$s1_root" \
             --batch $FEW_BATCHES --adapter-counts 5 -1 --graphs-only --steps 30 --out "$OUT/few_s1_${rule/,/-}.json")
       done ;;
     s2-floor)  # whole decode steps at the S2 runs' batch: does a LoRA step pay more than its adapters' bytes?

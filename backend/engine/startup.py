@@ -22,7 +22,8 @@ from slora.backend.model.decoder import DecoderModel
 from slora.backend.model.default_model import resolve_model_path
 from slora.backend.model.spec import LORA_MODULES, ModelSpec
 from slora.backend.model.tokenizer import load_tokenizer
-from slora.kernels.ops import make_ops
+from slora.kernels.ops import KERNELS_EXTRA, Ops, make_ops
+from slora.kernels.settings import triton_interpreted, warn_retired_environment
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class Components:
 
 def build_components(config: EngineConfig) -> Components:
     device = config.torch_device()
-    if config.kernel_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if config.kernel_backend == "triton" and device.type != "cuda" and not triton_interpreted():
         raise ValueError("kernel_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 to interpret on CPU)")
     if config.cuda_graphs and (device.type != "cuda" or config.kernel_backend not in ("auto", "triton")):
         raise ValueError("cuda_graphs needs a CUDA device and the triton kernel backend")
@@ -63,7 +64,7 @@ def build_components(config: EngineConfig) -> Components:
         weights = random_weights(spec, dtype, device, seed=config.seed)
     else:
         weights = load_checkpoint(model_path, spec, dtype, device)
-    model = DecoderModel(spec, weights, make_ops(config.kernel_backend, device), max_model_len)
+    model = DecoderModel(spec, weights, _ops(config, device), max_model_len)
     geometry = PoolGeometry(spec.num_layers, config.page_size, spec.num_kv_heads, spec.head_dim)
     geometry.validate(max(spec.hidden_size, spec.intermediate_size, spec.q_size))
     pool = PagePool(geometry, _num_pages(config, geometry, dtype, device), dtype, device)
@@ -73,11 +74,7 @@ def build_components(config: EngineConfig) -> Components:
     tokenizer = load_tokenizer(tokenizer_path)
     if tokenizer is None:
         logger.info("no tokenizer files in %s: prompts must be token ids", tokenizer_path)
-    graphs = None
-    if config.cuda_graphs:
-        limits = GraphLimits(config.max_num_seqs, max_model_len, config.max_lora_rank)
-        graphs = DecodeGraphs(model, pool, limits)
-        graphs.capture_all()
+    graphs = _decode_graphs(config, model, pool, max_model_len)
     return Components(
         config=config,
         device=device,
@@ -93,6 +90,27 @@ def build_components(config: EngineConfig) -> Components:
         cache=AdapterCache(pool),
         graphs=graphs,
     )
+
+
+def _ops(config: EngineConfig, device: torch.device) -> Ops:
+    """The model's ops, with the kernel settings of `config` (the one place they are built)."""
+    warn_retired_environment()
+    ops = make_ops(config.kernel_backend, device, config.kernel_settings())
+    if config.cuda_graphs and ops.name != "triton":
+        raise ValueError(f"cuda_graphs needs the Triton kernels, not {ops.name!r}: {KERNELS_EXTRA}")
+    return ops
+
+
+def _decode_graphs(
+    config: EngineConfig, model: DecoderModel, pool: PagePool, max_model_len: int
+) -> DecodeGraphs | None:
+    """With config.cuda_graphs, every bucket's decode graph, captured (the model's ops' settings pick their kinds)."""
+    if not config.cuda_graphs:
+        return None
+    limits = GraphLimits(config.max_num_seqs, max_model_len, config.max_lora_rank)
+    graphs = DecodeGraphs(model, pool, limits, settings=config.kernel_settings())
+    graphs.capture_all()
+    return graphs
 
 
 def _max_model_len(config: EngineConfig, spec: ModelSpec) -> int:

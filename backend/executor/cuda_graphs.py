@@ -13,8 +13,8 @@ module, and the context bound max_model_len for the split of decode attention. E
 beyond the real ranks, tiles and lengths, so padding costs launches of idle programs, not wrong results.
 
 Graphs are keyed by bucket, by the LoRA modules the step's adapters target, by a power-of-two bound on their
-ranks and by whether the step's tokens belong to few adapters (metadata.few_adapters: its LoRA kernels then run on
-tensor-core tiles of 16 tokens). A graph launches the LoRA kernels of those modules only (an attention-only
+ranks and by whether the step's tokens belong to few adapters (KernelSettings.few_adapters: its LoRA kernels then
+run on tensor-core tiles of 16 tokens). A graph launches the LoRA kernels of those modules only (an attention-only
 adapter set, S-LoRA's S1, skips the MLP calls) with grids sized for that bound, not for max_lora_rank (256 by
 default: rank-8 adapters would run in grids of idle rank programs and no K split). At start each bucket is
 captured without LoRA and with all seven modules at max_lora_rank, and for the adapters in host memory
@@ -38,7 +38,8 @@ from slora.backend.executor.static_lora import StaticLora
 from slora.backend.memory.page_pool import PagePool
 from slora.backend.model.decoder import DecoderModel
 from slora.backend.model.spec import LORA_MODULES
-from slora.kernels.metadata import FEW_ADAPTERS_MIN_TOKENS, AttentionMeta, row_alignment
+from slora.kernels.metadata import AttentionMeta, row_alignment
+from slora.kernels.settings import KernelSettings
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,9 @@ class GraphLimits:
 class StaticDecode:
     """The static buffers of one bucket and the ForwardBatch built on them."""
 
-    def __init__(self, key: GraphKey, limits: GraphLimits, pool: PagePool, row_align: int) -> None:
+    def __init__(self, key: GraphKey, limits: GraphLimits, pool: PagePool, row_align: int, few_adapters: int) -> None:
+        """few_adapters: the most adapters of a step of few adapters (KernelSettings.few_adapters_max), which a graph
+        of key.few sizes its tile buffer for."""
         size = key.size
         device = pool.storage.device
         block_size = pool.geometry.block_size
@@ -114,7 +117,8 @@ class StaticDecode:
             seq_lens_host=[1] * size,
             block_tables_host=[[] for _ in range(size)],
         )
-        self._lora = StaticLora(size, key.modules, key.max_rank, row_align, device, key.few) if key.modules else None
+        few = few_adapters if key.few else None
+        self._lora = StaticLora(size, key.modules, key.max_rank, row_align, device, few) if key.modules else None
         self.lora = self._lora.meta if self._lora is not None else None
         self.batch = ForwardBatch(
             input_ids=self.input_ids,
@@ -149,10 +153,20 @@ class StaticDecode:
 class DecodeGraphs:
     """Captured decode forwards by bucket; `forward` replays the smallest bucket that holds the step."""
 
-    def __init__(self, model: DecoderModel, pool: PagePool, limits: GraphLimits, capture: bool = True) -> None:
+    def __init__(
+        self,
+        model: DecoderModel,
+        pool: PagePool,
+        limits: GraphLimits,
+        *,
+        settings: KernelSettings,
+        capture: bool = True,
+    ) -> None:
+        """settings: the kernels' (the model's ops'), whose rule for steps of few adapters picks their graphs."""
         self.model = model
         self.pool = pool
         self.limits = limits
+        self.settings = settings
         self.capture = capture  # False: run the static batches eagerly (tests the padding on any device)
         spec = model.spec
         widths = [pool.geometry.page_elems, spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size]
@@ -203,7 +217,7 @@ class DecodeGraphs:
         if self.capture:
             for size in reversed(self.sizes):
                 self._capture(GraphKey(size, *family))
-                if size >= FEW_ADAPTERS_MIN_TOKENS:
+                if size >= self.settings.few_adapters_min_tokens:
                     self._capture(GraphKey(size, *family, few=True))
             logger.info("captured decode graphs for LoRA modules %s, ranks up to %d", sorted(family[0]), family[1])
 
@@ -217,11 +231,12 @@ class DecodeGraphs:
         covering = [f for f in self._families if f[0] >= modules and f[1] >= bound]
         best = min(covering, key=lambda f: (len(f[0]) * f[1], f[1]))
         family_modules, family_bound = (modules, bound) if best == self.generic else best
-        return GraphKey(size, family_modules, family_bound, batch.lora.of_few_adapters())
+        return GraphKey(size, family_modules, family_bound, batch.lora.of_few_adapters(self.settings))
 
     def _buffers(self, key: GraphKey) -> StaticDecode:
         if key not in self._static:
-            self._static[key] = StaticDecode(key, self.limits, self.pool, self.row_align)
+            few_adapters = self.settings.few_adapters_max
+            self._static[key] = StaticDecode(key, self.limits, self.pool, self.row_align, few_adapters)
         return self._static[key]
 
     def _capture(self, key: GraphKey) -> None:

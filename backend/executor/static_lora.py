@@ -9,8 +9,9 @@ LoraMeta is copied into buffers sized for the bucket (`size` sequences) and the 
     token_adapter              the step's tokens, -1 (no adapter) for the padding rows
 
 A graph for steps of many adapters launches the GEMV kernels on one-token tiles (`size` of them at most); one for
-steps of few adapters (`few`: metadata.few_adapters) the tensor-core kernels on 16-token tiles of one adapter, at
-most size / 16 + FEW_ADAPTERS_MAX of them, so its grids stay sized for its tiles instead of one per token.
+steps of at most `few_adapters` adapters (KernelSettings.few_adapters) the tensor-core kernels on 16-token tiles of
+one adapter, at most size / 16 + few_adapters of them, so its grids stay sized for its tiles instead of one per
+token.
 """
 
 from __future__ import annotations
@@ -18,22 +19,35 @@ from __future__ import annotations
 import torch
 
 from slora.backend.model.spec import LORA_MODULES
-from slora.kernels.metadata import FEW_ADAPTERS_MAX, TILE_COLUMNS, LoraMeta, StaticBounds
-from slora.kernels.triton import lora_shrink
+from slora.kernels.metadata import TILE_COLUMNS, LoraMeta, StaticBounds
 from slora.kernels.triton.launch import cdiv
 
-TILE_BLOCK = lora_shrink.DECODE.block_m  # tokens per decode tile (the LoRA kernels' decode configs)
-FEW_TILE_BLOCK = lora_shrink.MIXED.block_m  # tokens per tile of a graph for few adapters (the mixed configs)
+
+def tile_blocks() -> tuple[int, int]:
+    """Tokens per tile of a graph for many adapters (the LoRA kernels' decode configs) and of one for few adapters
+    (their mixed configs). Graphs run the Triton kernels only, so their configs are imported here, when one is
+    built: the engine without graphs runs without the triton package."""
+    from slora.kernels.triton import lora_shrink
+
+    return lora_shrink.DECODE.block_m, lora_shrink.MIXED.block_m
 
 
 class StaticLora:
-    """`meta`: the LoraMeta a graph is captured with; `fill` copies a step's metadata into it before a replay."""
+    """`meta`: the LoraMeta a graph is captured with; `fill` copies a step's metadata into it before a replay.
+    few_adapters: None for a graph of one-token GEMV tiles, else the most adapters of the steps it replays on
+    16-token tensor-core tiles."""
 
     def __init__(
-        self, size: int, modules: frozenset[int], max_rank: int, row_align: int, device: torch.device, few: bool = False
+        self,
+        size: int,
+        modules: frozenset[int],
+        max_rank: int,
+        row_align: int,
+        device: torch.device,
+        few_adapters: int | None = None,
     ) -> None:
         self.size = size
-        self.meta = _static_meta(size, modules, max_rank, row_align, device, few)
+        self.meta = _static_meta(size, modules, max_rank, row_align, device, few_adapters)
         self._filled: tuple[LoraMeta, int] | None = None  # the step metadata the buffers hold now
 
     def fill(self, meta: LoraMeta, n: int) -> None:
@@ -63,10 +77,13 @@ class StaticLora:
 
 
 def _static_meta(
-    size: int, modules: frozenset[int], max_rank: int, row_align: int, device: torch.device, few: bool
+    size: int, modules: frozenset[int], max_rank: int, row_align: int, device: torch.device, few_adapters: int | None
 ) -> LoraMeta:
-    tile_block, kind = (FEW_TILE_BLOCK, "mixed") if few else (TILE_BLOCK, "decode")
-    max_tiles = cdiv(size, FEW_TILE_BLOCK) + FEW_ADAPTERS_MAX if few else size
+    decode_block, few_block = tile_blocks()
+    if few_adapters is None:
+        tile_block, kind, max_tiles = decode_block, "decode", size
+    else:  # a full tile per few_block tokens, and a partial one per adapter at most
+        tile_block, kind, max_tiles = few_block, "mixed", cdiv(size, few_block) + few_adapters
     columns = len(LORA_MODULES)
     tiles = torch.zeros((max_tiles, TILE_COLUMNS), dtype=torch.int32, device=device)
     tiles[:, 3] = size

@@ -1,17 +1,11 @@
 """A Triton GEMM for decode steps' projections, y = x·Wᵀ (+ bias) (gemm_launch).
 
-Where it stands (H200, perf.bench_lora_gemm, perf/RESULTS.md sessions 15-16): it reads the 7B projections 2-8%
-faster than cuBLAS at up to 16 rows and as fast at 64, and serves steps of up to 64 rows (kernels/triton/projection.py),
-where it also lets the LoRA shrink behind it start early (kernels/triton/pdl.py): each program lets the dependent launch
-start as it begins.
+It serves steps of up to 64 rows (kernels/triton/projection.py), where a projection reads its weight once and does
+little arithmetic, and it lets the LoRA shrink behind it start early (kernels/triton/pdl.py): each program lets the
+dependent launch start as it begins, which cuBLAS's launches do not.
 
 Columns: the call's modules side by side from column 0, each column block inside one module (block_n divides every
 width), as the LoRA's expand splits them.
-
-Until session 17 this file also held the projection with its LoRA in one launch (shrink programs, and an epilogue
-adding v·Bᵀ for each tile). It was slower than the GEMM followed by the separate LoRA launches on decode steps of few
-adapters (perf/RESULTS.md, sessions 15-16: 64 decodes of 4 rank-64 adapters, 0.102 against 0.062 ms of LoRA a
-layer), the engine never used it, and it was removed (git history: kernels/lora_gemm.py at 1ae6602).
 """
 
 from __future__ import annotations
@@ -25,7 +19,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from slora.kernels.triton.launch import cdiv, dot_precision, next_power_of_2
-from slora.kernels.triton.pdl import shrink_pdl
 from slora.kernels.triton.relaunch import Relaunch
 
 
@@ -39,9 +32,8 @@ class GemmConfig:
 
 
 def gemm_config(m: int, n: int, k: int) -> GemmConfig:
-    """The config for x [m, k] · Wᵀ [k, n], from the H200 sweeps of perf.bench_lora_gemm (perf/RESULTS.md): at up to
-    16 rows the fastest of its configs per 7B projection (2-8% ahead of cuBLAS); at up to 64 within 1-4% of
-    cuBLAS (down 4% ahead); at 128 rows 15-32% behind cuBLAS."""
+    """The config for x [m, k] · Wᵀ [k, n]: per row range, the fastest of perf.bench_lora_gemm's sweep for each 7B
+    projection on the H200 (perf/RESULTS.md)."""
     if m <= 16:
         if n >= 16384:
             return GemmConfig(16, 64, 128, 4, 3)
@@ -105,10 +97,11 @@ def gemm_launch(
     bias: torch.Tensor | None = None,
     cfg: GemmConfig | None = None,
     widths: tuple[int, ...] | None = None,
+    pdl: bool = False,
 ) -> Relaunch:
     """The launch of y = x·Wᵀ (+ bias), called as launch(x, weight, y) (launch(x, weight, y, bias) with a bias) for
     tensors shaped like these (every layer of a step); widths (default: one module of N columns) only limits the
-    column block (see top)."""
+    column block (see top). pdl: let a LoRA shrink launched with PDL behind this GEMM start early (pdl.shrink_pdl)."""
     widths = widths or (weight.shape[0],)
     _check(x, weight, y, bias, widths)
     m, k = x.shape
@@ -121,7 +114,7 @@ def gemm_launch(
         x_ptr=x, stride_x=x.stride(0), w_ptr=weight, stride_w=weight.stride(0),
         bias_ptr=weight if bias is None else bias, y_ptr=y, stride_y=y.stride(0), M=m, K=k, n_blocks=n_blocks,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
-        DOT_PRECISION=dot_precision(x.dtype), USE_PDL=shrink_pdl(x.device),
+        DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl,
     )  # fmt: skip
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     changing = ("x_ptr", "w_ptr", "y_ptr") + (() if bias is None else ("bias_ptr",))

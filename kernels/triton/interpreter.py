@@ -7,15 +7,16 @@ the GPU's and would make any bf16 result wrong or off by an ulp on CPU: the kern
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
+from slora.kernels.settings import triton_interpreted
+
 
 def patch_interpreter() -> None:
     """Apply both fixes once, if this process runs Triton's interpreter."""
-    if os.environ.get("TRITON_INTERPRET") != "1" or _PATCHED:
+    if not triton_interpreted() or _PATCHED:
         return
     _patch_interpreter_bf16_dot()
     _patch_interpreter_bf16_rounding()

@@ -2,7 +2,7 @@
 in for all of them at once (kernels_replaced, for benchmarks and tests that time or record launches).
 
 Triton compiles a kernel once per specialization (constexprs, integer-argument classes, dtypes). A compile inside
-a measured run costs ~0.5-2 s on the H200 host, so the benchmarks record this count before and after each run:
+a measured run stalls it for far longer than a step, so the benchmarks record this count before and after each run:
 a non-zero difference means the warm-up missed a launch shape. Reads Triton's per-device kernel caches; where
 the Triton version lays them out differently, or under the interpreter (nothing is compiled), it counts 0.
 """

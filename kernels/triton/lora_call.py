@@ -8,32 +8,17 @@ kernel launches (kernels/triton/relaunch.py) instead of re-deriving tiles, grids
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import torch
 
 from slora.kernels.metadata import LoraMeta
+from slora.kernels.settings import KernelSettings
 from slora.kernels.triton.lora_expand import expand_launch
 from slora.kernels.triton.lora_shrink import shrink_launch
 from slora.kernels.triton.relaunch import Relaunch
 
 MAX_FUSED = 3  # modules the expand kernel adds in one launch
-# "1": an eager step's decodes (GEMV kernels) apart from its prompts (prompt tiles), one launch pair each, instead of
-# one pair on 16-token tensor-core tiles for both. In the S2 n = 2000 replay's profile (H200, perf/RESULTS.md,
-# session 10) those tiles cost 73.7 + 35.9 us a call in mixed steps against 24.1 + 25.2 for the decode steps' GEMV
-# kernels on a similar batch. Measured in session 11, it gained nothing (S2 n = 2000: 25.85 against 25.70 req/s in one
-# call; the mixed steps' decodes alone took 3.9 ms a step on the GEMV kernels), so it is off. Read once (each layer's
-# call would pay for an environment lookup); benchmarks set SPLIT itself to compare both ways in one process.
-SPLIT_ENV = "SLORA_LORA_SPLIT"
-
-
-def split_steps() -> bool:
-    """Whether SLORA_LORA_SPLIT=1 asks LoRA launches to split a step of decodes and prompts in two."""
-    return os.environ.get(SPLIT_ENV, "0") == "1"
-
-
-SPLIT = split_steps()
 
 
 class LoraCall:
@@ -56,6 +41,7 @@ def lora_calls(
     modules: tuple[int, ...],
     out_offsets: tuple[int, ...],
     out_widths: tuple[int, ...],
+    settings: KernelSettings,
     pdl_shrink: bool = False,
 ) -> list[LoraCall]:
     """The launches of one call site, in order: one shrink and one expand per run of consecutive modules and per
@@ -63,14 +49,15 @@ def lora_calls(
     shrinks may be launched with PDL behind it (kernels/triton/pdl.py)."""
     calls = []
     # By default one launch pair for decodes and prompts together (SegmentGroup.tile_len picks decode-shaped tiles
-    # when a step has both): each launch costs host time on an eager step. SLORA_LORA_SPLIT=1 splits them.
-    groups = meta.groups(SPLIT)
+    # when a step has both): each launch costs host time on an eager step. settings.lora_split splits them: the
+    # decodes on the GEMV kernels, the prompts on prompt tiles, one launch pair each.
+    groups = meta.groups(settings.lora_split)
     for first, offsets, widths in consecutive_runs(modules, out_offsets, out_widths):
         if meta.fused_rank(first, len(widths)) == 0:
             continue  # no adapter of the step targets these modules
         for group in groups:
-            v, shrink = shrink_launch(x, flat_layer, meta, first, len(widths), group, pdl=pdl_shrink)
-            expand = expand_launch(y, v, flat_layer, meta, first, offsets, widths, group)
+            v, shrink = shrink_launch(x, flat_layer, meta, first, len(widths), group, pdl=pdl_shrink, settings=settings)
+            expand = expand_launch(y, v, flat_layer, meta, first, offsets, widths, group, settings=settings)
             if shrink is not None and expand is not None:
                 calls.append(LoraCall(shrink, expand))
     return calls

@@ -24,6 +24,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from slora.kernels.metadata import LoraMeta, SegmentGroup
+from slora.kernels.settings import DEFAULT_SETTINGS, KernelSettings
 from slora.kernels.triton.launch import cdiv, dot_precision, next_power_of_2
 from slora.kernels.triton.lora_shrink import MODULES, NUM_MODULES, tile_bounds
 from slora.kernels.triton.pdl import pdl_enabled
@@ -44,19 +45,20 @@ class ExpandConfig:
 
 
 DECODE = ExpandConfig(1, 16, (1024,), 1024, 4, 2, gemv=True)  # picked as the shrink's (shrink_config)
-# Calls of one module (o, down): 32-row rank chunks in 512-column blocks, 2 warps: 1.14-1.18× the default above on
-# mixed ranks 1-128, even (0.96-1.0×) on rank 16, in the H200 sweep (perf/RESULTS.md). The fused calls lost with
-# 32-row chunks: a rank-16 call of gate/up ran 1.19× slower (registers for the wider chunk: fewer programs resident).
+# Calls of one module (o, down): 32-row rank chunks in 512-column blocks, 2 warps, ahead of DECODE on mixed ranks in
+# the H200 sweep (perf/RESULTS.md). The fused calls keep 16-row chunks: a wider chunk takes more registers, so fewer
+# programs are resident.
 DECODE_ONE = ExpandConfig(1, 32, (512,), 1024, 2, 2, gemv=True)
 MIXED = ExpandConfig(16, 16, (256,), 512, 4, 2)  # one width: no variant compiled for a new tile count
 PREFILL = ExpandConfig(64, 16, (128,), 512, 4, 2)
 
 
-def expand_config(group: SegmentGroup, num_slices: int) -> ExpandConfig:
+def expand_config(group: SegmentGroup, num_slices: int, settings: KernelSettings = DEFAULT_SETTINGS) -> ExpandConfig:
     """The config of a call of num_slices fused modules, picked as the shrink's (shrink_config)."""
-    if group.kind == "decode":
+    kind = group.kind(settings)
+    if kind == "decode":
         return DECODE_ONE if num_slices == 1 else DECODE
-    return MIXED if group.kind == "mixed" else PREFILL
+    return MIXED if kind == "mixed" else PREFILL
 
 
 @triton.jit(do_not_specialize=["stride_v_tok"])  # as the shrink: rank-dependent
@@ -211,6 +213,8 @@ def expand_launch(
     out_offsets: tuple[int, ...],
     out_widths: tuple[int, ...],
     group: SegmentGroup | None = None,
+    *,
+    settings: KernelSettings,
 ) -> Relaunch | None:
     """The launch that adds (v·Bᵀ)·scale of modules first_module .. + len(out_widths) - 1 into y's columns (see
     top), called as launch(flat_layer, y) for any pool layer and y shaped like these (every layer of a step; v
@@ -222,7 +226,7 @@ def expand_launch(
     num_slices = len(out_widths)
     _check(y, v, flat_layer, meta, first_module, out_offsets, out_widths)
     group = meta.whole() if group is None else group
-    cfg = expand_config(group, num_slices)
+    cfg = expand_config(group, num_slices, settings)
     tiles = group.tiles(cfg.block_m)
     num_tiles = int(tiles.shape[0])
     if num_tiles == 0:
@@ -238,7 +242,7 @@ def expand_launch(
         offset0=offsets[0], offset1=offsets[1], offset2=offsets[2],
         width0=widths[0], width1=widths[1], width2=widths[2],
         FIRST_MODULE=first_module, NUM_SLICES=num_slices, ROW_ALIGN=meta.row_align,
-        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=block_n, USE_PDL=pdl_enabled(y.device),
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=block_n, USE_PDL=pdl_enabled(y.device, settings),
     )  # fmt: skip
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if args["USE_PDL"]:

@@ -31,6 +31,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from slora.kernels.metadata import LoraMeta, SegmentGroup, to_device
+from slora.kernels.settings import DEFAULT_SETTINGS, KernelSettings
 from slora.kernels.triton.launch import cdiv, dot_precision
 from slora.kernels.triton.pdl import pdl_enabled, shrink_pdl
 from slora.kernels.triton.relaunch import Relaunch
@@ -57,21 +58,22 @@ MAX_SPLIT_K = 16  # K splits at most: each adds a partial sum of v that the expa
 # Picked by the step's segments (shrink_config): the GEMV kernel for a step of decodes only, tensor-core tiles of
 # decode shape for a step that mixes decodes with prompts, prompt-shaped ones for a step of prompts only.
 # GEMV: tiles of one token, one K block per program. With a few adapters for the whole batch (many tokens each),
-# one-token tiles ran a layer's LoRA 1.19-1.55x faster than tiles of 4 on the H200 (perf/bench_lora_kinds, ㊷):
-# more programs, each a short chain, where a 4-token tile ran its tokens one after the other.
-DECODE = ShrinkConfig(1, 16, 1024, 1 << 20, 4, 2, gemv=True)  # H200 sweep (perf/RESULTS.md)
-# Decode calls of one module (o, down), swept apart from the fused ones: no config beat DECODE on them by more than
-# 1.03× on the H200 (perf/RESULTS.md, ㉗), so they share it; their expand config differs (lora_expand.DECODE_ONE).
+# one-token tiles make more programs, each a short chain, where a tile of several tokens runs them one after the
+# other. The configs' numbers are those of the kernel sweeps on the H200 (perf/RESULTS.md).
+DECODE = ShrinkConfig(1, 16, 1024, 1 << 20, 4, 2, gemv=True)
+# Decode calls of one module (o, down) share DECODE: no config of their own swept ahead of it; their expand config
+# differs (lora_expand.DECODE_ONE).
 DECODE_ONE = DECODE
-MIXED = ShrinkConfig(16, 32, 128, 512, 4, 3)  # swept on the H200 (perf/RESULTS.md, kernel tuning)
+MIXED = ShrinkConfig(16, 32, 128, 512, 4, 3)
 PREFILL = ShrinkConfig(64, 16, 64, 512, 4, 3)
 
 
-def shrink_config(group: SegmentGroup, num_slices: int) -> ShrinkConfig:
-    """The config of a call of num_slices fused modules on the group's segments."""
-    if group.kind == "decode":
+def shrink_config(group: SegmentGroup, num_slices: int, settings: KernelSettings = DEFAULT_SETTINGS) -> ShrinkConfig:
+    """The config of a call of num_slices fused modules on the group's segments (their kind: settings' rule)."""
+    kind = group.kind(settings)
+    if kind == "decode":
         return DECODE_ONE if num_slices == 1 else DECODE
-    return MIXED if group.kind == "mixed" else PREFILL
+    return MIXED if kind == "mixed" else PREFILL
 
 
 @triton.jit
@@ -93,8 +95,8 @@ def fused_rows(ranks_ptr, row_start_ptr, table, NUM_SLICES: tl.constexpr):
 
 
 # stride_v_split (num_tokens × rank) changes every step; stride_v_tok is v's width, the step's largest fused rank:
-# specialized, a step whose adapters all have ranks not divisible by 16 (S2's rank 8: 24 for q, k, v) compiled
-# variants of its own while serving (S2 n = 2000 on the H200, perf/RESULTS.md ㉕).
+# specialized, a step whose adapters all have ranks not divisible by 16 (S2's rank 8: 24 for q, k, v) would compile
+# variants of its own while serving.
 @triton.jit(do_not_specialize=["stride_v_split", "stride_v_tok"])
 def _lora_shrink_kernel(
     x_ptr,  # [num_tokens, in_features], unit column stride
@@ -248,6 +250,8 @@ def shrink_launch(
     num_slices: int,
     group: SegmentGroup | None = None,
     pdl: bool = False,
+    *,
+    settings: KernelSettings,
 ) -> tuple[torch.Tensor, Relaunch | None]:
     """v [splits, num_tokens, R] (allocated here) and the launch that writes into it the partial sums of x·Aᵀ for
     modules first_module .. + num_slices - 1 (see top), called as launch(x, flat_layer) for any x and pool layer
@@ -255,12 +259,12 @@ def shrink_launch(
     v's splits are the K splits for the GEMV kernel, one (their sum) for the tensor-core kernel.
 
     Every segment of `group` (default: the whole step) in one launch (kernel and tile shape: shrink_config); rows of
-    other tokens are left unwritten. pdl: launched with PDL (where kernels/triton/pdl.py allows it), for a shrink right
-    behind the Triton projection GEMM that wrote the y its expand adds into.
+    other tokens are left unwritten. pdl: launched with PDL (where `settings` and kernels/triton/pdl.py allow it), for
+    a shrink right behind the Triton projection GEMM that wrote the y its expand adds into.
     """
     _check(x, flat_layer, meta, first_module, num_slices)
     group = meta.whole() if group is None else group
-    cfg = shrink_config(group, num_slices)
+    cfg = shrink_config(group, num_slices, settings)
     fused_rank = meta.fused_rank(first_module, num_slices)
     tiles = group.tiles(cfg.block_m)
     num_tiles = int(tiles.shape[0])
@@ -275,7 +279,7 @@ def shrink_launch(
         tiles_ptr=tiles, ranks_ptr=meta.ranks, row_start_ptr=meta.row_start, a_rows_ptr=meta.a_rows,
         in_features=in_features, k_per_split=k_per_split,
         FIRST_MODULE=first_module, NUM_SLICES=num_slices, ROW_ALIGN=meta.row_align,
-        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, USE_PDL=pdl_enabled(x.device),
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, USE_PDL=pdl_enabled(x.device, settings),
     )  # fmt: skip
     kernel = _lora_shrink_gemv_kernel
     v_out = v
@@ -286,7 +290,7 @@ def shrink_launch(
         args.update(arrivals_ptr=arrivals, DOT_PRECISION=dot_precision(x.dtype))
         v_out = v[:1]  # the expand reads the sums in split 0 only
     options: dict[str, object] = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if pdl and shrink_pdl(x.device):
+    if pdl and shrink_pdl(x.device, settings):
         options.update(launch_pdl=True)
     grid = (num_tiles, rank_programs, split_k)
     return v_out, Relaunch(kernel, grid, args, options, changing=("x_ptr", "pool_ptr"))

@@ -11,11 +11,13 @@ steps of prompts only (metadata.SegmentGroup.tile_len).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from slora.kernels.metadata import AttentionMeta, LoraMeta
 from slora.kernels.ops import PaddedLora
-from slora.kernels.triton import lora_call
+from slora.kernels.settings import DEFAULT_SETTINGS, KernelSettings
 from slora.kernels.triton.activation import silu_mul
 from slora.kernels.triton.kv_write import write_kv
 from slora.kernels.triton.lora_call import lora_calls
@@ -29,8 +31,10 @@ from slora.kernels.triton.rotary import apply_rotary_, apply_rotary_write_kv_
 class TritonOps:
     name = "triton"
 
-    def __init__(self) -> None:
-        self.projections = Projections()  # the base projections (the Triton GEMM of small steps, else cuBLAS)
+    def __init__(self, settings: KernelSettings = DEFAULT_SETTINGS) -> None:
+        self.settings = settings
+        self._settings_key = dataclasses.astuple(settings)  # in the launches' key: a tuple hashes faster
+        self.projections = Projections(settings)  # the base projections (the Triton GEMM of small steps, else cuBLAS)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.projections(x, weight, bias)
@@ -80,12 +84,13 @@ class TritonOps:
         out_widths: tuple[int, ...],
     ) -> None:
         behind_gemm = self.projections.wrote_last(y)  # the shrink may then be launched with PDL (kernels/triton/pdl.py)
-        key = (modules, out_offsets, out_widths, x.shape, x.stride(0), y.shape, y.stride(0), x.dtype, lora_call.SPLIT,
-               behind_gemm)  # fmt: skip
+        # the settings too: ops of other settings (benchmarks comparing them) may run the same step's metadata
+        key = (modules, out_offsets, out_widths, x.shape, x.stride(0), y.shape, y.stride(0), x.dtype,
+               self._settings_key, behind_gemm)  # fmt: skip
         calls = meta.launches.get(key)
         if calls is None:
             calls = meta.launches[key] = lora_calls(
-                y, x, flat_layer, meta, modules, out_offsets, out_widths, pdl_shrink=behind_gemm
+                y, x, flat_layer, meta, modules, out_offsets, out_widths, self.settings, pdl_shrink=behind_gemm
             )
         for call in calls:
             call(y, x, flat_layer)

@@ -2,40 +2,35 @@
 CUDA, F.linear (cuBLAS) for the rest.
 
 At up to 64 rows a projection reads its weight once and does little arithmetic, so its time is the weight's bytes
-over the bandwidth it reaches. On the H200 the Triton GEMM, with the config gemm.gemm_config picks, read the 7B
-projections 2-8% faster than cuBLAS at up to 16 rows and even with it at 24-64 (perf.bench_lora_gemm); at 128 it was
-15-32% behind. It also lets the LoRA shrink behind it start before it ends (triton/pdl.py), which cuBLAS does not:
-whole 7B decode steps at 32 and 64 rows with S1 adapters ran 4.5-5.9% faster than on cuBLAS, 0.2-1.4% without
-adapters (perf.bench_decode_step, perf/RESULTS.md session 16). Weights narrower than MIN_FEATURES were not measured
-and stay on cuBLAS. SLORA_TRITON_GEMM=0 turns the Triton GEMM off.
+over the bandwidth it reaches; there the Triton GEMM, with the config gemm.gemm_config picks, reads the 7B
+projections at least as fast as cuBLAS, and beyond 64 rows cuBLAS is ahead (perf.bench_lora_gemm). It also lets the
+LoRA shrink behind it start before it ends (triton/pdl.py), which cuBLAS does not. Weights narrower than
+MIN_FEATURES stay on cuBLAS: the configs were swept on the 7B shapes only. KernelSettings.triton_gemm=False turns the
+Triton GEMM off.
 """
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
 import torch.nn.functional as F
 
+from slora.kernels.settings import KernelSettings
 from slora.kernels.triton.gemm import gemm_launch
+from slora.kernels.triton.pdl import shrink_pdl
 from slora.kernels.triton.relaunch import Relaunch
 
-ENV = "SLORA_TRITON_GEMM"
 MAX_ROWS = 64
-MIN_FEATURES = 2048  # in and out features: the shapes measured (7B projections) and larger
-
-
-def triton_gemm_enabled() -> bool:
-    """Whether SLORA_TRITON_GEMM (default on) lets small projections take the Triton GEMM."""
-    return os.environ.get(ENV, "1") != "0"
+MIN_FEATURES = 2048  # in and out features: the shapes its configs were swept on (7B projections) and larger
 
 
 class Projections:
     """x·Wᵀ + bias for the model, one Triton launch per shape built on first use and reused by every layer."""
 
-    def __init__(self, triton_gemm: bool | None = None) -> None:
-        self.triton_gemm = triton_gemm_enabled() if triton_gemm is None else triton_gemm
+    def __init__(self, settings: KernelSettings) -> None:
+        self.settings = settings  # the shrink's PDL behind this GEMM (gemm_launch's pdl)
+        self.triton_gemm = settings.triton_gemm
         self._launches: dict[tuple[object, ...], Relaunch] = {}
         self._last: weakref.ref[torch.Tensor] | None = None  # the last output, when the Triton GEMM wrote it
 
@@ -56,7 +51,7 @@ class Projections:
         key = (x.shape, x.stride(0), weight.shape, weight.stride(0), bias is None, x.dtype, x.device)
         launch = self._launches.get(key)
         if launch is None:
-            launch = self._launches[key] = gemm_launch(x, weight, y, bias)
+            launch = self._launches[key] = gemm_launch(x, weight, y, bias, pdl=shrink_pdl(x.device, self.settings))
         if bias is None:
             launch(x, weight, y)
         else:
@@ -70,7 +65,7 @@ class Projections:
         return self._last is not None and self._last() is y
 
     def takes_triton(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether x·Wᵀ goes to the Triton GEMM: few rows on CUDA, a measured weight shape, 16-bit, unit strides."""
+        """Whether x·Wᵀ goes to the Triton GEMM: few rows on CUDA, a swept weight shape, 16-bit, unit strides."""
         return (
             self.triton_gemm
             and x.is_cuda

@@ -11,7 +11,7 @@ from slora.backend.config import EngineConfig
 from slora.backend.engine.llm_engine import LLMEngine
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.kernels.metadata import LoraMeta, SegmentGroup
-from slora.kernels.triton import lora_call, projection
+from slora.kernels.triton import projection
 from tests.factories import hf_reference
 from tests.model_fixtures import ModelWithAdapters
 from tests.reference import compare_greedy, hf_greedy
@@ -70,9 +70,8 @@ def test_llama_other_kernel_backends_on_cpu(llama: ModelWithAdapters, backend: s
 
 
 def test_llama_split_lora_launches_on_cpu(llama: ModelWithAdapters, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step's decodes and prompts in LoRA launches of their own (SLORA_LORA_SPLIT=1) serve the same tokens; the
-    batches do split (some step has both decodes and a prompt segment longer than SHORT_SEGMENT)."""
-    monkeypatch.setattr(lora_call, "SPLIT", True)
+    """A step's decodes and prompts in LoRA launches of their own (EngineConfig.lora_split) serve the same tokens;
+    the batches do split (some step has both decodes and a prompt segment longer than SHORT_SEGMENT)."""
     split_groups: list[int] = []
     groups = LoraMeta.groups
 
@@ -83,7 +82,9 @@ def test_llama_split_lora_launches_on_cpu(llama: ModelWithAdapters, monkeypatch:
 
     monkeypatch.setattr(LoraMeta, "groups", counting)
     target = {"device": "cpu", "kernel_backend": "triton", "dtype": "float32"}
-    _check(llama, _config(llama, target, page_size=8, max_batch_tokens=48), prompt_lengths=[5, 30, 9, 21])
+    _check(
+        llama, _config(llama, target, page_size=8, max_batch_tokens=48, lora_split=True), prompt_lengths=[5, 30, 9, 21]
+    )
     assert 2 in split_groups, split_groups
 
 

@@ -15,11 +15,12 @@ from slora.backend.config import EngineConfig
 from slora.backend.engine.llm_engine import LLMEngine
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.executor.cuda_graphs import DecodeGraphs, GraphLimits, bucket_sizes, rank_bound
-from slora.kernels import metadata
+from slora.kernels.settings import KernelSettings
 from slora.kernels.triton import lora_call
 from tests.model_fixtures import ModelWithAdapters
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+SETTINGS = KernelSettings()  # the engine's defaults
 
 
 def test_rank_bounds_are_powers_of_two_within_the_limit() -> None:
@@ -57,7 +58,7 @@ def test_static_decode_batches_match_eager(llama: ModelWithAdapters, device: str
     jobs = [([rng.randrange(150) for _ in range(rng.randint(3, 9))], names[i % len(names)]) for i in range(9)]
     eager_tokens, eager_logits = _run(engine, jobs)
     limits = GraphLimits(engine.config.max_num_seqs, engine.max_model_len, engine.config.max_lora_rank)
-    graphs = DecodeGraphs(engine.model, engine.pool, limits, capture=device == "cuda")
+    graphs = DecodeGraphs(engine.model, engine.pool, limits, settings=SETTINGS, capture=device == "cuda")
     replays: list[int] = []
     forward = graphs.forward
     graphs.forward = lambda batch: replays.append(batch.num_tokens) or forward(batch)  # type: ignore[method-assign]
@@ -84,7 +85,7 @@ def test_static_decode_batches_follow_changing_requests(llama: ModelWithAdapters
     params = [SamplingParams(max_tokens=(3, 9)[i % 2], temperature=0.0, ignore_eos=True) for i in range(15)]
     eager = [c.token_ids for c in engine.generate(prompts, adapters, params)]
     limits = GraphLimits(engine.config.max_num_seqs, engine.max_model_len, engine.config.max_lora_rank)
-    engine.runner.graphs = DecodeGraphs(engine.model, engine.pool, limits, capture=device == "cuda")
+    engine.runner.graphs = DecodeGraphs(engine.model, engine.pool, limits, settings=SETTINGS, capture=device == "cuda")
     assert [c.token_ids for c in engine.generate(prompts, adapters, params)] == eager
     assert engine.runner.batches.incremental > 0, "some decode steps ran the previous step's requests"
     engine.check_idle_integrity()
@@ -100,7 +101,7 @@ def test_graphs_launch_the_lora_of_targeted_modules_only(
     jobs = [([3, 14, 15, 92], "r1-qv"), ([6, 5, 35], "r12-qkv"), ([8, 9, 79, 3, 2], "r5-ko"), ([2, 7], None)]
     eager_tokens, _ = _run(engine, jobs)
     limits = GraphLimits(engine.config.max_num_seqs, engine.max_model_len, engine.config.max_lora_rank)
-    graphs = DecodeGraphs(engine.model, engine.pool, limits, capture=device == "cuda")
+    graphs = DecodeGraphs(engine.model, engine.pool, limits, settings=SETTINGS, capture=device == "cuda")
     engine.runner.graphs = graphs
     launched: list[int] = []
     shrink = lora_call.shrink_launch
@@ -114,10 +115,8 @@ def test_graphs_launch_the_lora_of_targeted_modules_only(
 
 
 @pytest.mark.parametrize("device", ["cuda" if torch.cuda.is_available() else "cpu"])
-def test_steps_of_few_adapters_replay_tensor_core_graphs(
-    llama: ModelWithAdapters, device: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Decode steps whose tokens belong to few adapters (metadata.few_adapters, its token floor lowered to this
+def test_steps_of_few_adapters_replay_tensor_core_graphs(llama: ModelWithAdapters, device: str) -> None:
+    """Decode steps whose tokens belong to few adapters (KernelSettings.few_adapters, its token floor lowered to this
     engine's batches) replay graphs of 16-token tensor-core LoRA tiles; tokens and logits equal the eager engine's
     on the GEMV kernels, and steps of more adapters keep one-token tiles."""
     engine = _engine(llama, device)
@@ -126,10 +125,9 @@ def test_steps_of_few_adapters_replay_tensor_core_graphs(
     jobs = [([rng.randrange(150) for _ in range(rng.randint(3, 9))], name) for name in names]
     eager_tokens, eager_logits = _run(engine, jobs[:8])
     many_tokens, _ = _run(engine, jobs)
-    monkeypatch.setattr(metadata, "FEW_ADAPTERS_MIN_TOKENS", 4)
-    monkeypatch.setattr(metadata, "FEW_ADAPTERS_MAX", 2)
+    few = KernelSettings(few_adapters_min_tokens=4, few_adapters_max=2)
     limits = GraphLimits(engine.config.max_num_seqs, engine.max_model_len, engine.config.max_lora_rank)
-    graphs = DecodeGraphs(engine.model, engine.pool, limits, capture=device == "cuda")
+    graphs = DecodeGraphs(engine.model, engine.pool, limits, settings=few, capture=device == "cuda")
     engine.runner.graphs = graphs
     graph_tokens, graph_logits = _run(engine, jobs[:8])
     assert graph_tokens == eager_tokens
@@ -150,7 +148,7 @@ def test_steps_replay_the_family_of_the_host_adapters(llama: ModelWithAdapters, 
     jobs = [([3, 14, 15, 92], "r1-qv"), ([6, 5, 35], "r12-qkv"), ([2, 7], "r1-qv"), ([8, 9, 79], None)]
     eager_tokens, _ = _run(engine, jobs)
     limits = GraphLimits(engine.config.max_num_seqs, engine.max_model_len, engine.config.max_lora_rank)
-    graphs = DecodeGraphs(engine.model, engine.pool, limits, capture=device == "cuda")
+    graphs = DecodeGraphs(engine.model, engine.pool, limits, settings=SETTINGS, capture=device == "cuda")
     graphs.add_family(frozenset({0, 1, 2, 3}), 12)
     engine.runner.graphs = graphs
     graph_tokens, _ = _run(engine, jobs)

@@ -12,7 +12,6 @@ Exit status: 0 compiled, 1 a kernel failed, 3 this machine cannot compile for NV
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 from collections.abc import Callable
@@ -26,7 +25,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from slora.kernels.triton import gemm, lora_expand, lora_shrink, rotary
+from slora.kernels.settings import KernelSettings
+from slora.kernels.triton import pdl, rotary
 from slora.kernels.triton.gemm import gemm_launch
 from slora.kernels.triton.jit_stats import kernels_replaced
 from slora.kernels.triton.ops import TritonOps
@@ -159,30 +159,24 @@ def projections(rows: int) -> Callable[[], None]:
     def run() -> None:
         for n, k in ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)):
             x, w, y = (torch.zeros(shape, dtype=torch.bfloat16) for shape in ((rows, k), (n, k), (rows, n)))
+            shrink_pdl = pdl.shrink_pdl(x.device, KernelSettings())  # as the engine's projections ask
             if n == 12288:
                 bias = torch.zeros(n, dtype=torch.bfloat16)
-                gemm_launch(x, w, y, bias)(x, w, y, bias)
+                gemm_launch(x, w, y, bias, pdl=shrink_pdl)(x, w, y, bias)
             else:
-                gemm_launch(x, w, y)(x, w, y)
+                gemm_launch(x, w, y, pdl=shrink_pdl)(x, w, y)
 
     return run
-
-
-PDL_SWITCHES = [
-    (lora_shrink, "pdl_enabled"), (lora_shrink, "shrink_pdl"), (lora_expand, "pdl_enabled"), (gemm, "shrink_pdl"),
-]  # fmt: skip
 
 
 def with_pdl(run: Callable[[], None]) -> Callable[[], None]:
     """`run` with the launches an sm_90 GPU makes: PDL on (kernels/triton/pdl.py), which the CPU never turns on."""
 
     def run_with_pdl() -> None:
-        def on(device: torch.device) -> bool:
+        def supported(device: torch.device) -> bool:
             return True
 
-        with contextlib.ExitStack() as stack:
-            for module, name in PDL_SWITCHES:
-                stack.enter_context(mock.patch.object(module, name, on))
+        with mock.patch.object(pdl, "device_supports_pdl", supported):
             run()
 
     return run_with_pdl

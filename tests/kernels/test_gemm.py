@@ -8,12 +8,14 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from slora.kernels.triton import gemm  # noqa: E402
+from slora.kernels.settings import KernelSettings  # noqa: E402
+from slora.kernels.triton import gemm, pdl  # noqa: E402
 from slora.kernels.triton.gemm import GemmConfig, column_block, gemm_launch  # noqa: E402
 from tests.kernels.builders import DEVICE, assert_close  # noqa: E402
 
 SMALL = GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PDL = pdl.shrink_pdl(DEVICE, KernelSettings())  # the variant the engine's projections launch on this device
 
 
 def random_linear(
@@ -32,7 +34,7 @@ def random_linear(
 def test_gemm_matches_linear(dtype: torch.dtype, bias: bool, m: int) -> None:
     x, weight, b = random_linear(m, 160, 96, dtype, bias, seed=m)
     y = torch.empty((m, 160), dtype=dtype, device=DEVICE)
-    launch = gemm_launch(x, weight, y, b, cfg=SMALL)
+    launch = gemm_launch(x, weight, y, b, cfg=SMALL, pdl=PDL)
     if b is None:
         launch(x, weight, y)
     else:
@@ -50,7 +52,7 @@ def test_one_launch_serves_every_layer() -> None:
     for layer in range(2):
         x, weight, _ = random_linear(72, 96, 64, torch.bfloat16, False, seed=20 + layer)
         y = torch.empty((72, 96), dtype=torch.bfloat16, device=DEVICE)
-        launch = launch or gemm_launch(x, weight, y, cfg=cfg, widths=(64, 16, 16))
+        launch = launch or gemm_launch(x, weight, y, cfg=cfg, widths=(64, 16, 16), pdl=PDL)
         launch(x, weight, y)
         expected = F.linear(x, weight)
         assert_close(y, expected, torch.bfloat16, float(expected.float().abs().max()))

@@ -20,12 +20,13 @@ import torch
 pytest.importorskip("triton")
 
 from slora.backend.adapters.host_adapter import load_peft_adapter  # noqa: E402
+from slora.backend.config import EngineConfig  # noqa: E402
 from slora.backend.executor import static_lora  # noqa: E402
 from slora.backend.memory.page_pool import PoolGeometry  # noqa: E402
-from slora.kernels import metadata  # noqa: E402
 from slora.kernels.metadata import LoraMeta, SegmentGroup, length_groups  # noqa: E402
 from slora.kernels.reference.lora import lora_ref  # noqa: E402
 from slora.kernels.reference.lora_padded import lora_padded_bmm  # noqa: E402
+from slora.kernels.settings import KernelSettings  # noqa: E402
 from slora.kernels.triton import lora_call, lora_expand, lora_shrink  # noqa: E402
 from slora.kernels.triton.lora_call import consecutive_runs  # noqa: E402
 from slora.kernels.triton.ops import TritonOps  # noqa: E402
@@ -73,6 +74,7 @@ TINY_STEPS = {
 }
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SETTINGS = KernelSettings()  # the engine's defaults
 
 
 @dataclass
@@ -126,9 +128,9 @@ def untouched(case: LayerCase, modules: tuple[int, ...], offsets: tuple[int, ...
     return keep.to(DEVICE)
 
 
-def check_layer(case: LayerCase, impl: str, seed: int) -> None:
+def check_layer(case: LayerCase, impl: str, seed: int, settings: KernelSettings = SETTINGS) -> None:
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    ops = TritonOps()
+    ops = TritonOps(settings)
     for modules, offsets, widths, in_features in layer_calls(case.shape):
         x = torch.randn((case.num_tokens, in_features), generator=gen, device=DEVICE).to(case.dtype)
         y0 = torch.randn((case.num_tokens, sum(widths)), generator=gen, device=DEVICE).to(case.dtype)
@@ -190,9 +192,9 @@ def test_split_and_unsplit_steps_share_compiled_kernels(monkeypatch: pytest.Monk
     for name, step in steps.items():
         case = build_case(TINY, torch.bfloat16, list(TINY_ADAPTERS), step, seed=47)
         group = case.meta.whole()
-        assert group.kind == "mixed", name
+        assert group.kind(SETTINGS) == "mixed", name
         x = torch.randn((case.num_tokens, TINY.hidden), device=DEVICE).to(torch.bfloat16)
-        launch = lora_shrink.shrink_launch(x, case.flat_layer, case.meta, 0, 3, group)[1]
+        launch = lora_shrink.shrink_launch(x, case.flat_layer, case.meta, 0, 3, group, settings=SETTINGS)[1]
         assert launch is not None
         launches[name] = launch
     splits = {name: launch._grid[2] for name, launch in launches.items()}  # noqa: SLF001 - the launch's grid
@@ -237,17 +239,20 @@ def test_lora_kernel_kind_follows_the_step() -> None:
     assert kinds["prompts"] == (lora_shrink.PREFILL, lora_expand.PREFILL)
     assert lora_shrink.DECODE.gemv and lora_expand.DECODE.gemv and not lora_shrink.MIXED.gemv
     assert lora_shrink.DECODE_ONE.gemv and lora_expand.DECODE_ONE.gemv
-    # decode graphs fill one static tile table that every decode kernel reads
+    # decode graphs fill one static tile table that every decode kernel reads (and one for few adapters, which
+    # every mixed kernel reads)
     decode = (lora_shrink.DECODE, lora_expand.DECODE, lora_shrink.DECODE_ONE, lora_expand.DECODE_ONE)
     blocks = {c.block_m for c in decode}
-    assert blocks == {static_lora.TILE_BLOCK}
+    decode_block, few_block = static_lora.tile_blocks()
+    assert blocks == {decode_block}
+    assert {lora_shrink.MIXED.block_m, lora_expand.MIXED.block_m} == {few_block}
 
 
 def test_decodes_of_few_adapters_get_tensor_core_tiles() -> None:
-    """Decodes over at most FEW_ADAPTERS_MAX adapters (with base-model tokens between them) run on the 16-token
+    """Decodes over at most few_adapters_max adapters (with base-model tokens between them) run on the 16-token
     tensor-core tiles and match the reference; over one adapter more they stay on the GEMV kernels, and so do
-    fewer than FEW_ADAPTERS_MIN_TOKENS tokens."""
-    tokens = metadata.FEW_ADAPTERS_MIN_TOKENS
+    fewer than few_adapters_min_tokens tokens."""
+    tokens = SETTINGS.few_adapters_min_tokens
     few: list[tuple[int | None, int]] = []
     for i in range(tokens):
         if i % 8 == 0:
@@ -255,22 +260,32 @@ def test_decodes_of_few_adapters_get_tensor_core_tiles() -> None:
         few.append((i % 4 + 2, 1))
     group = build_case(TINY, torch.float32, list(TINY_ADAPTERS), few, seed=41).meta.whole()
     assert sum(end - start for _, start, end, _ in group.segments) == tokens and len(group.segments) == 4
-    assert (lora_shrink.shrink_config(group, 3), lora_expand.expand_config(group, 3)) == (
+    assert (lora_shrink.shrink_config(group, 3, SETTINGS), lora_expand.expand_config(group, 3, SETTINGS)) == (
         lora_shrink.MIXED,
         lora_expand.MIXED,
     )
-    assert build_case(TINY, torch.float32, list(TINY_ADAPTERS), few[:-1], seed=41).meta.whole().kind == "decode"
-    count = metadata.FEW_ADAPTERS_MAX + 1
+    few_group = build_case(TINY, torch.float32, list(TINY_ADAPTERS), few[:-1], seed=41).meta.whole()
+    assert few_group.kind(SETTINGS) == "decode"
+    count = SETTINGS.few_adapters_max + 1
     many: list[tuple[int | None, int]] = [(None, 1)] + [(i % count, 1) for i in range(max(tokens, count))]
     adapters = list(TINY_ADAPTERS) + [(2, 2, 2, 2, 2, 2, 2)] * (count - len(TINY_ADAPTERS))
-    assert build_case(TINY, torch.float32, adapters, many, seed=41).meta.whole().kind == "decode"
+    assert build_case(TINY, torch.float32, adapters, many, seed=41).meta.whole().kind(SETTINGS) == "decode"
     check_layer(build_case(TINY, torch.bfloat16, list(TINY_ADAPTERS), few, seed=43), "triton", seed=44)
 
 
 def test_the_few_adapters_rule_can_be_set() -> None:
-    assert metadata.few_adapters_rule("64,8") == (64, 8)
-    with pytest.raises(ValueError, match="SLORA_FEW_ADAPTERS='64': expected MIN_TOKENS,MAX_ADAPTERS"):
-        metadata.few_adapters_rule("64")
+    """EngineConfig's few_adapters_min_tokens and few_adapters_max (the rule 32 tokens, 8 adapters by default) reach
+    the kernels as KernelSettings; values that cannot be a rule are refused naming the field."""
+    assert EngineConfig().kernel_settings() == SETTINGS
+    assert (SETTINGS.few_adapters_min_tokens, SETTINGS.few_adapters_max) == (32, 8)
+    rule = EngineConfig.from_dict({"few_adapters_min_tokens": "64", "few_adapters_max": "8"}).kernel_settings()
+    assert (rule.few_adapters_min_tokens, rule.few_adapters_max) == (64, 8)
+    assert rule.few_adapters(64, 8) and not rule.few_adapters(63, 8) and not rule.few_adapters(64, 9)
+    group = SegmentGroup([(a, 2 * a, 2 * a + 2, a) for a in range(4)], torch.device("cpu"))  # 8 decodes, 4 adapters
+    assert group.kind(SETTINGS) == "decode" and group.kind(KernelSettings(few_adapters_min_tokens=8)) == "mixed"
+    for field, value in (("few_adapters_min_tokens", "-1"), ("few_adapters_max", "eight")):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig.from_dict({field: value})
 
 
 @pytest.mark.parametrize("step", sorted(TINY_STEPS))
@@ -327,30 +342,36 @@ def test_lora_launches_decodes_and_prompts_together(monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_split_steps_launch_decodes_apart_from_prompts(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    """Split launches (SLORA_LORA_SPLIT=1): a step with decodes and prompts launches its decodes on the GEMV kernels
-    and its prompts on prompt tiles, one pair each, and still matches the reference; a step of one kind keeps one
-    pair. The environment variable is what turns it on."""
-    monkeypatch.setenv(lora_call.SPLIT_ENV, "1")
-    assert lora_call.split_steps()
-    monkeypatch.setenv(lora_call.SPLIT_ENV, "0")
-    assert not lora_call.split_steps()
-    monkeypatch.setattr(lora_call, "SPLIT", True)
+    """Split launches (EngineConfig.lora_split): a step with decodes and prompts launches its decodes on the GEMV
+    kernels and its prompts on prompt tiles, one pair each, and still matches the reference; a step of one kind keeps
+    one pair. The setting is what turns it on (off by default)."""
+    assert not EngineConfig().kernel_settings().lora_split
+    split = EngineConfig.from_dict({"lora_split": "true"}).kernel_settings()
+    assert split.lora_split
     configs: list[tuple[object, int]] = []
     shrink = lora_call.shrink_launch
 
     def recording(
-        x: torch.Tensor, flat: torch.Tensor, meta: LoraMeta, first: int, slices: int, group: SegmentGroup, pdl: bool
+        x: torch.Tensor,
+        flat: torch.Tensor,
+        meta: LoraMeta,
+        first: int,
+        slices: int,
+        group: SegmentGroup,
+        pdl: bool,
+        *,
+        settings: KernelSettings,
     ) -> tuple[torch.Tensor, Relaunch | None]:
-        configs.append((lora_shrink.shrink_config(group, slices), group.max_segment_len))
-        return shrink(x, flat, meta, first, slices, group, pdl=pdl)
+        configs.append((lora_shrink.shrink_config(group, slices, settings), group.max_segment_len))
+        return shrink(x, flat, meta, first, slices, group, pdl=pdl, settings=settings)
 
     monkeypatch.setattr(lora_call, "shrink_launch", recording)
-    check_layer(build_case(TINY, dtype, list(TINY_ADAPTERS), TINY_STEPS["mixed"], seed=3), "triton", seed=4)
+    check_layer(build_case(TINY, dtype, list(TINY_ADAPTERS), TINY_STEPS["mixed"], seed=3), "triton", 4, split)
     fused, single = (lora_shrink.DECODE, 1), (lora_shrink.DECODE_ONE, 1)
     prompts = (lora_shrink.PREFILL, 20)  # the mixed step's prompts: 20 and 17 tokens
     assert configs == [fused, prompts, single, prompts, fused, prompts, single, prompts], configs
     configs.clear()
-    check_layer(build_case(TINY, dtype, list(TINY_ADAPTERS), TINY_STEPS["decode"], seed=3), "triton", seed=4)
+    check_layer(build_case(TINY, dtype, list(TINY_ADAPTERS), TINY_STEPS["decode"], seed=3), "triton", 4, split)
     assert [config for config, _ in configs] == [lora_shrink.DECODE, lora_shrink.DECODE_ONE] * 2
 
 

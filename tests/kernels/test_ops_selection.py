@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("triton")
 
 from slora.kernels.ops import PaddedBmmOps, PaddedLora, TorchOps, make_ops  # noqa: E402
+from slora.kernels.settings import KernelSettings  # noqa: E402
 from slora.kernels.triton.ops import TritonOps, TritonPaddedBmmOps  # noqa: E402
 
 OTHER_OPS = ("rms_norm", "rotary", "write_kv", "attention")
@@ -22,7 +23,7 @@ def test_bmm_on_triton_differs_from_triton_only_in_the_lora() -> None:
 
 
 def test_bmm_without_cuda_uses_the_torch_references() -> None:
-    ops = make_ops("bmm", torch.device("cpu"))
+    ops = make_ops("bmm", torch.device("cpu"), KernelSettings())
     assert isinstance(ops, PaddedBmmOps)
     for op in OTHER_OPS:
         assert getattr(PaddedBmmOps, op) is getattr(TorchOps, op), op
@@ -30,4 +31,11 @@ def test_bmm_without_cuda_uses_the_torch_references() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bmm_on_cuda_runs_the_triton_kernels_for_the_rest() -> None:
-    assert isinstance(make_ops("bmm", torch.device("cuda")), TritonPaddedBmmOps)
+    assert isinstance(make_ops("bmm", torch.device("cuda"), KernelSettings()), TritonPaddedBmmOps)
+
+
+def test_the_triton_ops_carry_the_settings() -> None:
+    """make_ops hands the kernel settings to the Triton ops it builds (and so to their projections)."""
+    settings = KernelSettings(triton_gemm=False, lora_split=True)
+    ops = make_ops("triton", torch.device("cpu"), settings)
+    assert isinstance(ops, TritonOps) and ops.settings is settings and not ops.projections.triton_gemm

@@ -1,5 +1,6 @@
 """Programmatic dependent launch of the LoRA kernels (kernels/triton/pdl.py): when it is on, and that the LoRA calls
-launched with it still match the torch reference on the GPU, also right behind the base projection they add into."""
+launched with it still match the torch reference on the GPU, also right behind the base projection they add into.
+The settings (EngineConfig's lora_pdl and shrink_pdl) turn it off."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from slora.kernels.reference.lora import lora_ref  # noqa: E402
+from slora.kernels.settings import KernelSettings  # noqa: E402
 from slora.kernels.triton import jit_stats, lora_expand, lora_shrink, pdl  # noqa: E402
 from slora.kernels.triton import ops as triton_ops
 from slora.kernels.triton.ops import TritonOps  # noqa: E402
@@ -19,30 +21,41 @@ from tests.kernels.builders import DEVICE, FULL_SHAPES, TINY, assert_close, gpu_
 from tests.kernels.test_lora import build_case, check_layer, gpu_adapters, gpu_step, layer_calls  # noqa: E402
 from tests.kernels.test_projection import always_triton  # noqa: E402
 
+SETTINGS = KernelSettings()
+
 
 @pytest.fixture(autouse=True)
 def fresh_answer() -> Iterator[None]:
-    switches = (pdl.pdl_enabled, pdl.shrink_pdl)
-    for switch in switches:
-        switch.cache_clear()
+    pdl.device_supports_pdl.cache_clear()
     yield
-    for switch in switches:
-        switch.cache_clear()
+    pdl.device_supports_pdl.cache_clear()
 
 
 def test_off_on_the_cpu() -> None:
-    assert not pdl.pdl_enabled(torch.device("cpu"))
+    assert not pdl.pdl_enabled(torch.device("cpu"), SETTINGS)
 
 
-def test_turned_off_through_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(pdl.ENV, "0")
-    assert not pdl.pdl_enabled(DEVICE)
-    assert not pdl.shrink_pdl(DEVICE), "the shrink's PDL goes with the rest"
+def test_turned_off_through_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pdl, "device_supports_pdl", lambda device: True)  # a Hopper GPU, as far as pdl.py can tell
+    assert pdl.pdl_enabled(DEVICE, SETTINGS) and pdl.shrink_pdl(DEVICE, SETTINGS), "on by default where supported"
+    off = KernelSettings(lora_pdl=False)
+    assert not pdl.pdl_enabled(DEVICE, off)
+    assert not pdl.shrink_pdl(DEVICE, off), "the shrink's PDL goes with the rest"
 
 
 def test_shrink_turned_off_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(pdl.SHRINK_ENV, "0")
-    assert not pdl.shrink_pdl(DEVICE)
+    monkeypatch.setattr(pdl, "device_supports_pdl", lambda device: True)
+    shrink_off = KernelSettings(shrink_pdl=False)
+    assert not pdl.shrink_pdl(DEVICE, shrink_off)
+    assert pdl.pdl_enabled(DEVICE, shrink_off), "the expand keeps it"
+
+
+def test_the_environment_no_longer_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SLORA_LORA_PDL / SLORA_SHRINK_PDL are retired: set, they change nothing (the engine warns, startup.py)."""
+    monkeypatch.setattr(pdl, "device_supports_pdl", lambda device: True)
+    monkeypatch.setenv("SLORA_LORA_PDL", "0")
+    monkeypatch.setenv("SLORA_SHRINK_PDL", "0")
+    assert pdl.pdl_enabled(DEVICE, SETTINGS) and pdl.shrink_pdl(DEVICE, SETTINGS)
 
 
 def hopper() -> bool:
@@ -57,14 +70,14 @@ def launched_with_pdl(kernel: object = lora_expand._lora_expand_gemv_kernel) -> 
 @gpu_only
 @pytest.mark.parametrize("use_pdl", [True, False], ids=["pdl", "no-pdl"])
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
-def test_lora_layer_matches_reference(kind: str, use_pdl: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lora_layer_matches_reference(kind: str, use_pdl: bool) -> None:
     if use_pdl and not hopper():
         pytest.skip("PDL needs compute capability 9 or later")
-    monkeypatch.setenv(pdl.ENV, "1" if use_pdl else "0")
-    assert pdl.pdl_enabled(DEVICE) == use_pdl
+    settings = KernelSettings(lora_pdl=use_pdl)
+    assert pdl.pdl_enabled(DEVICE, settings) == use_pdl
     shape = FULL_SHAPES[2]
     case = build_case(shape, torch.bfloat16, gpu_adapters(64), gpu_step(kind, 64), seed=21)
-    check_layer(case, "triton", seed=22)
+    check_layer(case, "triton", seed=22, settings=settings)
     if kind == "decode":
         assert use_pdl in launched_with_pdl()
 
@@ -72,20 +85,18 @@ def test_lora_layer_matches_reference(kind: str, use_pdl: bool, monkeypatch: pyt
 @gpu_only
 @pytest.mark.parametrize("use_pdl", [True, False], ids=["pdl", "no-pdl"])
 @pytest.mark.parametrize("decodes", [16, 64, 65], ids=["triton-gemm-16", "triton-gemm-64", "cublas"])
-def test_lora_right_behind_its_projection(decodes: int, use_pdl: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lora_right_behind_its_projection(decodes: int, use_pdl: bool) -> None:
     """The engine's order, x from a norm, y = x·Wᵀ, then the LoRA into y, launched back to back for several inputs
     before one sync: launched with PDL, the shrink must not read x before the norm has written it nor let the
     expand read y before the GEMM has written it (on the Triton GEMM of small
     steps, which lets the shrink start early; behind cuBLAS the shrink is launched without PDL)."""
     if use_pdl and not hopper():
         pytest.skip("PDL needs compute capability 9 or later")
-    monkeypatch.setenv(pdl.SHRINK_ENV, "1" if use_pdl else "0")
     shape = FULL_SHAPES[2]
     step: list[tuple[int | None, int]] = [(i % 4, 1) for i in range(decodes)]
     case = build_case(shape, torch.bfloat16, [(64,) * 7, (16,) * 7, (8,) * 7, (1,) * 7], step, seed=31)
     gen = torch.Generator(device=DEVICE).manual_seed(32)
-    ops = TritonOps()
-    ops.projections.triton_gemm = True
+    ops = TritonOps(KernelSettings(triton_gemm=True, shrink_pdl=use_pdl))
     for modules, offsets, widths, in_features in layer_calls(shape):
         weight = torch.randn((sum(widths), in_features), generator=gen, device=DEVICE).to(torch.bfloat16) / 64
         norm_weight = torch.rand(in_features, generator=gen, device=DEVICE).to(torch.bfloat16) + 0.5

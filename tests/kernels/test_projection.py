@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slora.kernels.triton import projection
+from slora.kernels.settings import KernelSettings
 from slora.kernels.triton.projection import MAX_ROWS, Projections
 from tests.kernels.builders import DEVICE, assert_close, gpu_only
 
 
 def test_cpu_projections_are_f_linear() -> None:
-    proj = Projections(triton_gemm=True)
+    proj = Projections(KernelSettings(triton_gemm=True))
     x, w = torch.randn(4, 2048), torch.randn(2048, 2048)
     assert torch.equal(proj(x, w), F.linear(x, w))
     assert not proj.takes_triton(x.bfloat16(), w.bfloat16(), None), "CPU tensors stay on F.linear"
@@ -27,7 +27,7 @@ def test_the_last_triton_output_is_known(monkeypatch: pytest.MonkeyPatch) -> Non
     size checks bypassed), so that TritonOps may launch the LoRA shrink behind it with PDL; out= writes in place."""
     gen = torch.Generator(device=DEVICE).manual_seed(5)
     x, w = torch.randn(3, 32, generator=gen, device=DEVICE), torch.randn(48, 32, generator=gen, device=DEVICE)
-    proj = Projections(triton_gemm=True)
+    proj = Projections(KernelSettings(triton_gemm=True))
     on_cublas = proj(x, w)
     assert not proj.wrote_last(on_cublas), "F.linear's output"
     monkeypatch.setattr(Projections, "takes_triton", always_triton)
@@ -43,16 +43,23 @@ def test_the_last_triton_output_is_known(monkeypatch: pytest.MonkeyPatch) -> Non
         proj(x, w, out=torch.empty(3, 47, device=DEVICE))
 
 
-def test_environment_turns_the_triton_gemm_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(projection.ENV, "0")
-    assert not Projections().triton_gemm
-    monkeypatch.delenv(projection.ENV)
-    assert Projections().triton_gemm
+def test_settings_turn_the_triton_gemm_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not Projections(KernelSettings(triton_gemm=False)).triton_gemm
+    assert Projections(KernelSettings()).triton_gemm
+    monkeypatch.setenv("SLORA_TRITON_GEMM", "0")  # retired: the settings alone decide
+    assert Projections(KernelSettings()).triton_gemm
+
+
+@gpu_only
+def test_off_the_triton_gemm_takes_nothing() -> None:
+    proj = Projections(KernelSettings(triton_gemm=False))
+    w = torch.randn(4096, 2048, device=DEVICE, dtype=torch.bfloat16)
+    assert not proj.takes_triton(torch.zeros(4, 2048, device=DEVICE, dtype=torch.bfloat16), w, None)
 
 
 @gpu_only
 def test_small_steps_of_wide_weights_take_the_triton_gemm() -> None:
-    proj = Projections(triton_gemm=True)
+    proj = Projections(KernelSettings(triton_gemm=True))
     w = torch.randn(4096, 2048, device=DEVICE, dtype=torch.bfloat16)
     taken = {
         m: proj.takes_triton(torch.zeros(m, 2048, device=DEVICE, dtype=torch.bfloat16), w, None)
@@ -70,7 +77,7 @@ def test_small_steps_of_wide_weights_take_the_triton_gemm() -> None:
 def test_triton_projections_match_f_linear(rows: int, dtype: torch.dtype) -> None:
     """Two layers' weights of one shape (one launch, reused) and a bias, against F.linear."""
     gen = torch.Generator(device=DEVICE).manual_seed(rows)
-    proj = Projections(triton_gemm=True)
+    proj = Projections(KernelSettings(triton_gemm=True))
     for _ in range(2):
         x = torch.randn(rows, 4096, generator=gen, device=DEVICE).to(dtype)
         w = (torch.randn(6144, 4096, generator=gen, device=DEVICE) * 0.02).to(dtype)
