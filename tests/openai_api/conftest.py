@@ -2,7 +2,8 @@
 
 The adapter root holds the demo adapters; `spare` (a copy of demo-o-r2 outside the root) is for runtime loads.
 Small limits (4 running, 2 waiting) let the overload test reach slora's waiting-queue bound with a few streams.
-The adapter list is reused for 0.5 s (passed through --openai-arg), so runtime changes show quickly.
+The adapter list is reused for 0.5 s and two server processes share the port (both passed through --openai-arg):
+runtime changes show quickly, and the workers' path is the one tested.
 `hf` gives greedy text of HF transformers (+ PEFT) for the same prompt ids: the independent reference.
 """
 
@@ -52,7 +53,7 @@ def openai_server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: P
     launched = launch(
         root, "--adapter-dir", str(root / "adapters"), "--max-model-len", "512", "--pool-bytes", "192MiB",
         "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting", str(MAX_WAITING), "--openai-port", str(port),
-        "--openai-arg=--models-ttl-s=0.5",
+        "--openai-arg=--models-ttl-s=0.5", "--openai-arg=--workers=2",
     )  # fmt: skip
     try:
         _wait_healthy(f"http://127.0.0.1:{port}/health", launched.process, launched.log)

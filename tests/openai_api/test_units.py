@@ -188,6 +188,24 @@ def test_the_slora_request_of_a_completion_and_a_chat() -> None:
     assert got.parameters == {"apply_chat_template": False, "add_special_tokens": False, "priority": 2}
 
 
+def test_responses_are_read_from_their_raw_contents() -> None:
+    import numpy as np
+    from tritonclient.grpc import InferResult, service_pb2
+    from tritonclient.utils import serialize_byte_tensor
+
+    from slora.backend.serving.openai_api.triton_client import _piece
+
+    response = service_pb2.ModelInferResponse(model_name="slora", id="r")
+    outputs = {"text_output": ("BYTES", serialize_byte_tensor(np.array(["¡olé".encode()], dtype=object)).item()),
+               "finish_reason": ("BYTES", serialize_byte_tensor(np.array([b"stop"], dtype=object)).item()),
+               "num_input_tokens": ("UINT32", np.array([12], dtype=np.uint32).tobytes()),
+               "num_output_tokens": ("UINT32", np.array([3], dtype=np.uint32).tobytes())}  # fmt: skip
+    for name, (dtype, raw) in outputs.items():
+        response.outputs.add(name=name, datatype=dtype, shape=[1])
+        response.raw_output_contents.append(raw)
+    assert _piece(InferResult(response)) == SloraPiece("¡olé", 12, 3, "stop")
+
+
 # ---- SSE events --------------------------------------------------------------------------------------------------
 
 

@@ -2,22 +2,30 @@
 
 slora-serve starts it with --openai-port once Triton is ready (launch.py) and stops it, with SIGTERM, before Triton
 drains. On SIGTERM uvicorn stops accepting connections and gives open streams `--graceful-shutdown-s` to end; the
-rest are cut, and each cut stream aborts its request in slora.
+rest are cut, and each cut stream aborts its request in slora. `--workers N` runs N server processes on the port
+(uvicorn's own supervisor), for more concurrent streams than one process's event loop can carry.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from slora.backend.model.default_model import resolve_model_path
 from slora.backend.serving.admin_guard import read_token
 from slora.backend.serving.openai_api.config import DEFAULT_SEPARATOR, OpenAIConfig
 
 logger = logging.getLogger("slora.openai")
+
+CONFIG_ENV = "SLORA_OPENAI_CONFIG"  # the configuration, as JSON, handed from this process to its uvicorn workers
+WORKER_MODULE = "slora.backend.serving.openai_api.server"  # this module's import name (not __main__ under -m)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--admin-token-file", help="slora-serve's --admin-token-file, for the adapter list")
     parser.add_argument("--graceful-shutdown-s", type=float, default=5.0,
                         help="on SIGTERM, seconds open streams may take to end before they are cut")  # fmt: skip
+    parser.add_argument("--workers", type=int, default=1,
+                        help="server processes sharing the port (more for many concurrent streams)")  # fmt: skip
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -55,6 +65,7 @@ def config_from(args: argparse.Namespace) -> OpenAIConfig:
         retry_after_s=args.retry_after_s,
         admin_token=read_token(Path(args.admin_token_file)) if args.admin_token_file else None,
         graceful_shutdown_s=args.graceful_shutdown_s,
+        workers=args.workers,
     )
 
 
@@ -76,17 +87,34 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def serve(config: OpenAIConfig, log_level: str = "info") -> int:
+    """Run the server until SIGTERM / Ctrl-C. With several workers, uvicorn starts each from `worker_app`, which
+    reads the configuration from the environment this process passes on."""
     import uvicorn
 
+    options = {"host": config.host, "port": config.port, "log_level": log_level,
+               "timeout_graceful_shutdown": config.graceful_shutdown_s}  # fmt: skip
+    if config.workers == 1:
+        uvicorn.run(build(config), **options)
+    else:
+        os.environ[CONFIG_ENV] = json.dumps(dataclasses.asdict(config))
+        uvicorn.run(f"{WORKER_MODULE}:worker_app", factory=True, workers=config.workers, **options)
+    return 0
+
+
+def worker_app() -> Any:
+    """One worker's app (uvicorn --workers), configured like its parent."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s slora-openai %(levelname)s %(message)s")
+    return build(OpenAIConfig(**json.loads(os.environ[CONFIG_ENV])))
+
+
+def build(config: OpenAIConfig) -> Any:
+    """The app for `config`: the base model's name and chat template come from the model (or tokenizer) folder."""
     from slora.backend.serving.openai_api.app import build_app
     from slora.backend.serving.openai_api.chat import ChatRenderer
 
     model_path = resolve_model_path(config.model)
     chat = ChatRenderer.from_folder(config.tokenizer or model_path)
-    app = build_app(config, base_model_name(config, model_path), chat)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level,
-                timeout_graceful_shutdown=config.graceful_shutdown_s)  # fmt: skip
-    return 0
+    return build_app(config, base_model_name(config, model_path), chat)
 
 
 if __name__ == "__main__":
