@@ -23,7 +23,7 @@ from slora.backend.model.default_model import resolve_model_path
 from slora.backend.model.spec import LORA_MODULES, ModelSpec
 from slora.backend.model.tokenizer import load_tokenizer
 from slora.kernels.ops import KERNELS_EXTRA, Ops, make_ops
-from slora.kernels.settings import triton_interpreted, warn_retired_environment
+from slora.kernels.settings import KernelSettings, triton_interpreted, warn_retired_environment
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,8 @@ def build_components(config: EngineConfig) -> Components:
         weights = random_weights(spec, dtype, device, seed=config.seed)
     else:
         weights = load_checkpoint(model_path, spec, dtype, device)
-    model = DecoderModel(spec, weights, _ops(config, device), max_model_len)
+    settings = config.kernel_settings()  # the kernels' knobs, one value for the ops and the decode graphs
+    model = DecoderModel(spec, weights, _ops(config, device, settings), max_model_len)
     geometry = PoolGeometry(spec.num_layers, config.page_size, spec.num_kv_heads, spec.head_dim)
     geometry.validate(max(spec.hidden_size, spec.intermediate_size, spec.q_size))
     pool = PagePool(geometry, _num_pages(config, geometry, dtype, device), dtype, device)
@@ -74,7 +75,7 @@ def build_components(config: EngineConfig) -> Components:
     tokenizer = load_tokenizer(tokenizer_path)
     if tokenizer is None:
         logger.info("no tokenizer files in %s: prompts must be token ids", tokenizer_path)
-    graphs = _decode_graphs(config, model, pool, max_model_len)
+    graphs = _decode_graphs(config, model, pool, max_model_len, settings)
     return Components(
         config=config,
         device=device,
@@ -92,23 +93,23 @@ def build_components(config: EngineConfig) -> Components:
     )
 
 
-def _ops(config: EngineConfig, device: torch.device) -> Ops:
-    """The model's ops, with the kernel settings of `config` (the one place they are built)."""
+def _ops(config: EngineConfig, device: torch.device, settings: KernelSettings) -> Ops:
+    """The model's ops for config.kernel_backend, the Triton kernels tuned by `settings`."""
     warn_retired_environment()
-    ops = make_ops(config.kernel_backend, device, config.kernel_settings())
+    ops = make_ops(config.kernel_backend, device, settings)
     if config.cuda_graphs and ops.name != "triton":
         raise ValueError(f"cuda_graphs needs the Triton kernels, not {ops.name!r}: {KERNELS_EXTRA}")
     return ops
 
 
 def _decode_graphs(
-    config: EngineConfig, model: DecoderModel, pool: PagePool, max_model_len: int
+    config: EngineConfig, model: DecoderModel, pool: PagePool, max_model_len: int, settings: KernelSettings
 ) -> DecodeGraphs | None:
-    """With config.cuda_graphs, every bucket's decode graph, captured (the model's ops' settings pick their kinds)."""
+    """With config.cuda_graphs, every bucket's decode graph, captured (`settings`: the ops', which pick their kinds)."""
     if not config.cuda_graphs:
         return None
     limits = GraphLimits(config.max_num_seqs, max_model_len, config.max_lora_rank)
-    graphs = DecodeGraphs(model, pool, limits, settings=config.kernel_settings())
+    graphs = DecodeGraphs(model, pool, limits, settings=settings)
     graphs.capture_all()
     return graphs
 
