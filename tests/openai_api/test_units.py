@@ -333,6 +333,9 @@ def test_launcher_options() -> None:
     command = launch.command()
     assert command[command.index("--triton-url") + 1] == "127.0.0.1:9001"
     assert command[command.index("--port") + 1] == "9100" and command[-1] == "--lora-separator=:"
+    assert "--admin-token-file" not in command
+    guarded = OpenAILaunch(9100, "0.0.0.0", 9001, "default", tokenizer="/tok", admin_token_file="/token").command()
+    assert guarded[guarded.index("--admin-token-file") + 1] == "/token" and "/tok" in guarded
     assert parse_options([]).openai_port is None
     with pytest.raises(ValueError, match="taken by another endpoint"):
         parse_options(["--openai-port", "8001"])
