@@ -110,13 +110,14 @@ class Scheduler:
             self._refuse_late(out, now)
         budget = self._schedule_running(out, self.limits.max_batch_tokens)
         admitted = 0
-        if not out.preempted and self._admission_due():
+        admission = not out.preempted and self._admission_due()
+        if admission:
             admitted = self._admit_waiting(out, budget)
         self.policy.served(out.seqs)
         self._prefetch()
         if self._deadlines and out.seqs:
             prefill = sum(s.num_tokens for s in out.seqs if s.num_tokens > 1)
-            self.guard.meter.planned(now, admitted, prefill, bool(self.policy))
+            self.guard.meter.planned(now, admitted, prefill, admission, bool(self.policy))
         elif self._deadlines:
             self.guard.meter.idle()  # nothing runs this step (all refused, or every last token in flight)
         return out

@@ -7,10 +7,11 @@ S-LoRA's early abort, with the wait estimated from what the engine measured inst
     refused when now ≥ deadline ("ttft_slo"), when expected > deadline ("ttft_slo_early", with early_abort),
     or when it waited queue_timeout_s without being admitted ("queue_timeout")
 
-`admitted_per_s` counts admissions over the last RATE_WINDOW_S seconds of steps that left requests waiting
-(then admission, not arrivals, set the pace); the own prefill is its prompt at the recent seconds per prompt token
-of steps with prompts, at least one step. Until MIN_BUSY_S of such steps were seen there is no estimate and only
-passed deadlines refuse; so it is at a request's admission, where the estimate would be of its own prefill alone.
+`admitted_per_s` counts the admissions of the last RATE_WINDOW_S seconds' admission rounds that left requests
+waiting (then free slots, not arrivals, set the pace: RateMeter); the own prefill is its prompt at the recent
+seconds per prompt token of steps with prompts, at least one step. Until such rounds covered MIN_BUSY_S there is
+no estimate and only passed deadlines refuse; so it is at a request's admission, where the estimate would be of its
+own prefill alone. An estimate errs on the side of admitting: a request refused early is a certain miss.
 A refused request gets a final output with finish_reason "rejected" and a SloRefusedError naming the field; only
 requests with no token yet are refused (a preempted one that had streamed tokens is not).
 """
@@ -66,10 +67,13 @@ def set_deadlines(request: Request, settings: SloSettings, ttft_slo_s: float | N
 
 
 class RateMeter:
-    """Recent admissions per second while requests waited, seconds per step, seconds per prompt token.
+    """Recent admissions per second while admission was the bottleneck, seconds per step and per prompt token.
 
-    `planned` is called at every step's plan; the time to the next plan is that step's duration. `idle` stops the
-    clock when nothing is left to run, so that time without work is not counted as a step.
+    `planned` is called at every step's plan. The time to the next plan is that step's duration. An admission
+    round that left requests waiting (the batch, the budget or the pool was full) admitted what the time since the
+    round before freed: those rounds alone give the rate (a round that admitted everyone says only how fast requests
+    arrived, and a step without a round, with admit_interval > 1, that it was not due). `idle` stops the clocks
+    when nothing is left to run, so that time without work is counted as neither.
     """
 
     def __init__(self, window_s: float = RATE_WINDOW_S, min_busy_s: float = MIN_BUSY_S) -> None:
@@ -79,24 +83,40 @@ class RateMeter:
         self._prompt_tokens = 0.0  # averages over steps with prompts: tokens, seconds
         self._prompt_s = 0.0
         self._prompt_steps = 0
-        self._busy: deque[tuple[float, float, int]] = deque()  # steps that left requests waiting: (end, s, admitted)
-        self._busy_s = 0.0
-        self._busy_admitted = 0
-        self._last: tuple[float, int, int, bool] | None = None  # the previous plan: (time, admitted, prompt, waiting)
+        self._rounds: deque[tuple[float, float, int]] = deque()  # limited rounds: (time, seconds since the last, n)
+        self._rounds_s = 0.0
+        self._rounds_admitted = 0
+        self._last: tuple[float, int] | None = None  # the previous plan: (time, prompt tokens)
+        self._last_round: float | None = None  # when the last admission round ran
 
-    def planned(self, now: float, admitted: int, prompt_tokens: int, waiting: bool) -> None:
+    def planned(self, now: float, admitted: int, prompt_tokens: int, admission: bool, waiting: bool) -> None:
+        """A plan at `now` with `prompt_tokens` to prefill; `admission`: it ran an admission round, which admitted
+        `admitted` and left requests `waiting` or not."""
         if self._last is not None:
-            self._observe(now, *self._last)
-        self._last = (now, admitted, prompt_tokens, waiting)
+            self._step(now - self._last[0], self._last[1])
+        self._last = (now, prompt_tokens)
+        if not admission:
+            return
+        if waiting and self._last_round is not None:
+            self._rounds.append((now, now - self._last_round, admitted))
+            self._rounds_s += now - self._last_round
+            self._rounds_admitted += admitted
+        self._last_round = now
+        while self._rounds and self._rounds[0][0] < now - self.window_s:
+            _, old_s, old_admitted = self._rounds.popleft()
+            self._rounds_s -= old_s
+            self._rounds_admitted -= old_admitted
 
     def idle(self) -> None:
         self._last = None
+        self._last_round = None
 
     def admitted_per_s(self) -> float | None:
-        """None until min_busy_s of steps with requests left waiting were seen in the window."""
-        if self._busy_s < self.min_busy_s:
+        """None until limited rounds covering min_busy_s were seen in the window, or while they admitted none
+        (long requests can hold every slot for a while: no evidence that none will ever free)."""
+        if self._rounds_s < self.min_busy_s or self._rounds_admitted <= 0:
             return None
-        return self._busy_admitted / self._busy_s
+        return self._rounds_admitted / self._rounds_s
 
     def prefill_s(self, prompt_tokens: int) -> float:
         """Seconds to compute a prompt of this length, at least one step (only one step until MIN_PREFILL_STEPS
@@ -105,21 +125,12 @@ class RateMeter:
             return self.step_s
         return max(self.step_s, prompt_tokens * self._prompt_s / self._prompt_tokens)
 
-    def _observe(self, now: float, began: float, admitted: int, prompt_tokens: int, waiting: bool) -> None:
-        seconds = now - began
+    def _step(self, seconds: float, prompt_tokens: int) -> None:
         self.step_s = seconds if self.step_s == 0.0 else self.step_s + _ALPHA * (seconds - self.step_s)
         if prompt_tokens:
             self._prompt_steps += 1
             self._prompt_tokens += _ALPHA * (prompt_tokens - self._prompt_tokens)
             self._prompt_s += _ALPHA * (seconds - self._prompt_s)
-        if waiting:
-            self._busy.append((now, seconds, admitted))
-            self._busy_s += seconds
-            self._busy_admitted += admitted
-        while self._busy and self._busy[0][0] < now - self.window_s:
-            _, old_s, old_admitted = self._busy.popleft()
-            self._busy_s -= old_s
-            self._busy_admitted -= old_admitted
 
 
 class SloGuard:
@@ -155,8 +166,6 @@ class SloGuard:
         rate = self.meter.admitted_per_s()
         if rate is None:
             return None
-        if rate <= 0.0:
-            return float("inf")  # requests have waited the whole window with none admitted
         return now + (ahead + 1.0) / rate + prefill
 
 

@@ -257,22 +257,32 @@ def test_priority_without_real_aging_starves_the_low_one() -> None:
 # ---- SLO-aware admission ---------------------------------------------------------------------------------------
 
 
-def test_rate_meter_counts_only_steps_that_left_requests_waiting() -> None:
+def test_rate_meter_counts_only_admission_rounds_that_left_requests_waiting() -> None:
     meter = RateMeter(window_s=10.0, min_busy_s=0.5)
     t = 0.0
-    for _ in range(100):  # 2 admitted per 0.1 s step while requests wait: 20 per second
-        meter.planned(t, 2, 64, waiting=True)
+    for _ in range(50):  # rounds every other 0.1 s step; 2 admitted per round while requests wait: 10 a second
+        meter.planned(t, 0, 64, admission=False, waiting=True)  # admission not due: says nothing of the rate
         t += 0.1
-    for _ in range(50):  # steps with nothing waiting do not count
-        meter.planned(t, 0, 0, waiting=False)
+        meter.planned(t, 2, 64, admission=True, waiting=True)
         t += 0.1
-    meter.planned(t, 0, 0, waiting=False)
-    assert meter.admitted_per_s() == pytest.approx(20.0)
+    for _ in range(50):  # rounds that admit everyone waiting: arrivals set the pace, not counted
+        meter.planned(t, 1, 0, admission=True, waiting=False)
+        t += 0.1
+    assert meter.admitted_per_s() == pytest.approx(10.0)
     assert meter.step_s == pytest.approx(0.1)
     assert meter.prefill_s(640) == pytest.approx(1.0, rel=0.05)  # 64 prompt tokens per 0.1 s step
     meter.idle()
-    meter.planned(t + 100.0, 0, 0, waiting=True)  # the idle time is no step
-    assert meter.step_s == pytest.approx(0.1)
+    meter.planned(t + 1.0, 0, 0, admission=True, waiting=True)  # the idle second is no step and no round
+    assert meter.step_s == pytest.approx(0.1) and meter.admitted_per_s() == pytest.approx(10.0)
+    meter.planned(t + 100.0, 0, 0, admission=True, waiting=True)
+    assert meter.admitted_per_s() is None, "the rounds of long ago have left the window"
+
+
+def test_rate_meter_gives_no_rate_while_limited_rounds_admit_none() -> None:
+    meter = RateMeter(window_s=10.0, min_busy_s=0.5)
+    for k in range(20):
+        meter.planned(0.1 * k, 0, 0, admission=True, waiting=True)
+    assert meter.admitted_per_s() is None
 
 
 def _busy_sim(settings: SloSettings, n: int = 60) -> Sim:

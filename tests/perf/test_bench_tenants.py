@@ -24,7 +24,7 @@ def test_smoke_runs_every_suite(tmp_path: Path) -> None:
     expected |= {f"tenants-overload-{load}x-{m}" for load in ("1", "4") for m in bench_tenants.MODES}
     assert set(runs) == expected
     capacity = runs["tenants-capacity"]["metrics"]
-    assert capacity["num_finished"] == 12 and capacity["throughput_rps"] > 0
+    assert capacity["num_finished"] == 12 and capacity["capacity_rps"] > 0
     for name, run in runs.items():
         m = run["metrics"]
         assert run["kind"] == "engine" and run["group"] == "tenants"
@@ -88,3 +88,14 @@ def test_slo_figures_split_refused_from_admitted() -> None:
     assert figures["refused"] == 1 and figures["met"] == 1
     assert figures["attainment_all"] == pytest.approx(1 / 3) and figures["attainment_admitted"] == 0.5
     assert figures["goodput_rps"] == 0.5
+
+
+def test_steady_rate_leaves_out_the_ramp_and_the_drain() -> None:
+    records = []
+    for i in range(100):  # 10 finish over the first 5 s, 70 at 10 a second, the last 20 over 20 s
+        end = 0.5 * i if i < 10 else (5 + (i - 10) * 0.1 if i < 80 else 12 + (i - 80))
+        record = RequestRecord(i, "a", 10, 1, 0.0)
+        record.add_chunk(end, 1)
+        record.finish(end, "length")
+        records.append(record)
+    assert bench_tenants.steady_rate(records) == pytest.approx(10.0)
