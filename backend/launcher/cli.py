@@ -35,6 +35,7 @@ from typing import Any
 from slora.backend.config import EngineConfig
 from slora.backend.launcher.model_repository import render_repository
 from slora.backend.launcher.server_locator import TritonInstall, locate_server
+from slora.backend.launcher.supervisor import Supervisor, SupervisorSettings
 from slora.backend.model.default_model import resolve_model_path
 from slora.backend.serving import drain
 from slora.backend.serving.admin_guard import read_token
@@ -69,6 +70,8 @@ class LaunchOptions:
     adapter_admin: bool = True
     lora_registry_write_back: bool = False  # runtime adapter loads/unloads written to the --lora-registry file
     admin_token_file: str | None = None  # admin commands need its token (serving/admin_guard.py)
+    watchdog_timeout_s: float = 60.0  # an engine that stops going round its loop this long is killed (0: never)
+    max_engine_restarts: int = 3  # the slora model is loaded again at most this often (launcher/supervisor.py)
     engine_process: bool = True
     workspace: str | None = None
     log_verbose: int = 0
@@ -91,6 +94,8 @@ class LaunchOptions:
                 raise ValueError(f"{name}: {path} does not exist")
         if self.ready_timeout_s <= 0:
             raise ValueError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
+        if self.watchdog_timeout_s < 0 or self.max_engine_restarts < 0:
+            raise ValueError("--watchdog-timeout and --max-engine-restarts must be >= 0")
         if self.openai_port is not None:
             check_openai_port(self.openai_port, ports)
         if self.admin_token_file:
@@ -123,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cancel-check-s", type=float,
                         help="seconds between cancellation checks of each in-flight request (0.2)")  # fmt: skip
     parser.add_argument("--no-adapter-admin", action="store_true", help="refuse adapter load/unload/list requests")
+    parser.add_argument("--watchdog-timeout", type=float, default=60.0, metavar="S",
+                        help="kill an engine whose loop stops for S seconds (0: never; default 60)")  # fmt: skip
+    parser.add_argument("--max-engine-restarts", type=int, default=3, metavar="N",
+                        help="load slora again at most N times after its engine fails (default 3)")  # fmt: skip
     parser.add_argument("--admin-token-file", metavar="PATH",
                         help="admin commands must carry this file's token (admin_token)")  # fmt: skip
     parser.add_argument("--lora-registry-write-back", action="store_true",
@@ -165,6 +174,8 @@ def parse_options(argv: Sequence[str] | None = None) -> LaunchOptions:
         adapter_admin=not args.no_adapter_admin,
         lora_registry_write_back=args.lora_registry_write_back,
         admin_token_file=args.admin_token_file,
+        watchdog_timeout_s=args.watchdog_timeout,
+        max_engine_restarts=args.max_engine_restarts,
         engine_process=not args.engine_in_stub,
         workspace=args.workspace,
         log_verbose=args.log_verbose,
@@ -224,6 +235,10 @@ def server_command(install: TritonInstall, repository: Path, options: LaunchOpti
         "--disable-auto-complete-config",
         "--exit-on-error=true",
         "--strict-readiness=true",
+        # Explicit model control: the supervisor loads slora again when its engine fails (launcher/supervisor.py)
+        "--model-control-mode=explicit",
+        "--load-model=slora",
+        "--load-model=ensemble",
         f"--log-verbose={options.log_verbose}",
     ]
     if _cpu_only(options.engine.get("device", "auto")):
@@ -272,7 +287,14 @@ def _serve(options: LaunchOptions, workspace: Path) -> int:
     drain_file = workspace / "drain"
     drain.clear(drain_file)
     parameters = repository_parameters(options, model_path, drain_file)
+    health_file = workspace / "health.json"
+    health_file.unlink(missing_ok=True)
+    parameters["slora"].update(health_file=str(health_file), registry_journal=str(workspace / "registrations.json"),
+                               in_stub_restarts="0", watchdog_timeout_s=str(options.watchdog_timeout_s))  # fmt: skip
     repository = render_repository(workspace / "model_repository", parameters)
+    stale_s = max(90.0, 1.5 * options.watchdog_timeout_s)
+    supervision = SupervisorSettings(f"127.0.0.1:{options.http_port}", repository, parameters["slora"], health_file,
+                                     options.max_engine_restarts, stale_s)  # fmt: skip
     command = server_command(install, repository, options)
     if options.dry_run:
         logger.info("repository: %s", repository)
@@ -280,7 +302,7 @@ def _serve(options: LaunchOptions, workspace: Path) -> int:
             logger.info("env %s=%s", key, value)
         logger.info("command: %s", " ".join(command))
         return 0
-    return run_server(command, env, options, drain_file)
+    return run_server(command, env, options, drain_file, supervision)
 
 
 @dataclass
@@ -294,13 +316,20 @@ class StopRequests:
         (self.force if self.stop.is_set() else self.stop).set()
 
 
-def run_server(command: list[str], env: dict[str, str], options: LaunchOptions, drain_file: Path | None = None) -> int:
+def run_server(
+    command: list[str],
+    env: dict[str, str],
+    options: LaunchOptions,
+    drain_file: Path | None = None,
+    supervision: SupervisorSettings | None = None,
+) -> int:
     """Run tritonserver until it exits or we are asked to stop; returns its exit status (0 after a clean stop, 130
-    after a second Ctrl-C). `drain_file`: the slora model's, to have it end its requests before SIGTERM."""
+    after a second Ctrl-C). `drain_file`: the slora model's, to have it end its requests before SIGTERM;
+    `supervision`: where the supervisor finds the model's health, to load it again when its engine fails."""
     requests = StopRequests()
     previous = {signum: signal.signal(signum, requests.on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = _run(command, env, options, drain_file, requests)
+        code = _run(command, env, options, drain_file, requests, supervision)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -310,14 +339,22 @@ def run_server(command: list[str], env: dict[str, str], options: LaunchOptions, 
 
 
 def _run(
-    command: list[str], env: dict[str, str], options: LaunchOptions, drain_file: Path | None, requests: StopRequests
+    command: list[str],
+    env: dict[str, str],
+    options: LaunchOptions,
+    drain_file: Path | None,
+    requests: StopRequests,
+    supervision: SupervisorSettings | None = None,
 ) -> int:
     logger.info("starting: %s", " ".join(command))
     process = subprocess.Popen(command, env=env, preexec_fn=_child_setup)
     ready = False
     frontend: OpenAIFrontend | None = None
+    supervisor: Supervisor | None = None
     try:
         ready = _wait_ready(process, options, requests.stop)
+        if ready and supervision is not None:
+            supervisor = Supervisor.start(supervision)
         if ready and not requests.stop.is_set():
             frontend = _start_openai(options, requests.stop)
             _announce(options)
@@ -326,6 +363,8 @@ def _run(
             if frontend is not None and not frontend.alive() and not requests.stop.is_set():
                 raise RuntimeError(f"the OpenAI API exited with status {frontend.process.returncode}")
     finally:
+        if supervisor is not None:
+            supervisor.stop()  # before the drain: a model being stopped is not one to load again
         if frontend is not None:
             frontend.stop()  # first: its open streams end, aborting their requests, before Triton drains
         code = _shutdown(process, requests.force, drain_file if ready else None)
