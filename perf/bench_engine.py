@@ -4,12 +4,8 @@
         --load-format dummy --kernel-backend triton --out results.json \\
         traces/s1-n5.jsonl traces/s1-n2000.jsonl traces/s1-n2000.jsonl@base traces/s1-n2000.jsonl@single
 
-Each positional argument is TRACE[@MODE], run one after the other on the same engine:
-    lora    requests use the trace's adapters (default)
-    base    the same requests on the base model alone (no adapters)
-    single  the same requests, all on the trace's most requested adapter (the "one merged adapter" baseline:
-            with random weights a merged adapter costs exactly the base model, so `base` is that figure and
-            `single` shows the cost of computing one unmerged adapter)
+Each positional argument is TRACE[@MODE] (perf/workload.py: lora, base, single), run one after the other on the
+same engine.
 
 Requests are added when their arrival time comes, between steps, as a server's engine thread would; their
 latency counts from the scheduled arrival. Before the clock starts, the trace's adapters are read into host
@@ -45,7 +41,7 @@ from perf.metrics import RequestRecord, per_request, summarize
 from perf.replay_intake import ReplayIntake
 from perf.results import append_runs, headline, make_run, trace_info
 from perf.step_profiler import StepProfiler
-from perf.workload import Trace, TraceRequest, load_trace
+from perf.workload import MODES, RunSpec, Trace, TraceRequest
 from slora.backend.config import EngineConfig, parse_size
 from slora.backend.engine.llm_engine import LLMEngine
 from slora.backend.engine.request import Request
@@ -55,8 +51,6 @@ from slora.backend.runtime.gc_freeze import startup_objects_frozen
 from slora.kernels.triton.jit_stats import keys_since, variant_keys
 
 logger = logging.getLogger(__name__)
-
-MODES = ("lora", "base", "single")
 
 
 @dataclass(frozen=True)
@@ -82,29 +76,6 @@ class ReplayOptions:
             raise ValueError(f"warmup_requests must be >= 0, got {self.warmup_requests}")
         if not 0.0 <= self.window_fraction < 1.0:
             raise ValueError(f"window_fraction must be in [0, 1), got {self.window_fraction}")
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    trace_path: Path
-    mode: str = "lora"
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-
-    @classmethod
-    def parse(cls, text: str) -> RunSpec:
-        path, _, mode = text.partition("@")
-        return cls(Path(path), mode or "lora")
-
-    def load(self) -> Trace:
-        trace = load_trace(self.trace_path)
-        if self.mode == "base":
-            return trace.with_adapter(None)
-        if self.mode == "single":
-            return trace.with_adapter(trace.adapters()[0] if trace.adapters() else None)
-        return trace
 
 
 def preload_adapters(engine: LLMEngine, names: list[str], workers: int | None) -> float:

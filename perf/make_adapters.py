@@ -16,6 +16,8 @@ LRU, the pool and the kernels see n distinct adapters. What is not exercised is 
 disk (after the first read they come from the page cache): the values differ only across `distinct` files, which
 does not change the work of any kernel.
 
+Any shape of perf/make_model.py works: projection widths (GQA k/v, Qwen2's) come from the model's config.json.
+
 Adapter names are <prefix><i:04d> (prefix "s1-", "s2-", "sall-" by default), the names traces refer to.
 """
 
@@ -32,6 +34,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
@@ -171,15 +174,23 @@ def link(source: Path, target: Path) -> str:
 
 
 def make_adapters(
-    model_dir: Path, setting: AdapterSetting, n: int, out: Path, distinct: int = 4, seed: int = 0
+    model_dir: Path,
+    setting: AdapterSetting,
+    n: int,
+    out: Path,
+    distinct: int = 4,
+    seed: int = 0,
+    progress: bool | None = None,
 ) -> list[str]:
-    """Write n adapter directories under `out`; returns their names. Existing ones of the same names are replaced."""
+    """Write n adapter directories under `out`; returns their names. Existing ones of the same names are replaced.
+    `progress`: a progress bar (None: on a terminal only)."""
     if n < 1 or distinct < 1:
         raise ValueError(f"n and distinct must be positive, got n={n}, distinct={distinct}")
     dims = ModelDims.from_dir(model_dir)
     files = write_weight_pool(dims, setting, min(distinct, n), out, seed)
     names, modes = [], set()
-    for i in range(n):
+    bar_off = None if progress is None else not progress
+    for i in tqdm(range(n), desc=f"{setting.name} adapters", unit="adapter", disable=bar_off, leave=False):
         rank = setting.rank_of(i)
         directory = out / setting.adapter_name(i)
         directory.mkdir(parents=True, exist_ok=True)
@@ -206,10 +217,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="adapter root (one directory per adapter)")
     parser.add_argument("--distinct", type=int, default=4, help="distinct weight files per rank")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (default: on a terminal)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for name in args.setting:
-        make_adapters(args.model, SETTINGS[name], args.num_adapters, args.out, args.distinct, args.seed)
+        make_adapters(args.model, SETTINGS[name], args.num_adapters, args.out, args.distinct, args.seed,
+                      progress=False if args.no_progress else None)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -15,6 +15,13 @@ Semantics (those of S-LoRA's benchmark trace generator, arXiv 2311.03285 section
 
 A trace is a JSONL file: one header line {"trace_config": {...}}, then one request per line. The same seed gives
 the same file, byte for byte.
+
+A benchmark run names a trace file and a mode, TRACE[@MODE] (RunSpec):
+    lora    requests use the trace's adapters (default)
+    base    the same requests on the base model alone (no adapters)
+    single  the same requests, all on the trace's most requested adapter (the "one merged adapter" baseline:
+            with random weights a merged adapter costs exactly the base model, so `base` is that figure and
+            `single` shows the cost of computing one unmerged adapter)
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+MODES = ("lora", "base", "single")
 
 
 @dataclass(frozen=True)
@@ -156,6 +164,35 @@ def load_trace(path: Path) -> Trace:
                     TraceRequest(d["index"], d["arrival"], d["adapter"], tuple(d["prompt_ids"]), d["output_len"])
                 )
     return Trace(config, tuple(requests))
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of a benchmark: a trace file replayed in a mode (the module docstring)."""
+
+    trace_path: Path
+    mode: str = "lora"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> RunSpec:
+        path, _, mode = text.partition("@")
+        return cls(Path(path), mode or "lora")
+
+    def load(self) -> Trace:
+        return in_mode(load_trace(self.trace_path), self.mode)
+
+
+def in_mode(trace: Trace, mode: str) -> Trace:
+    """The trace as a run of `mode` replays it."""
+    if mode == "base":
+        return trace.with_adapter(None)
+    if mode == "single":
+        return trace.with_adapter(trace.adapters()[0] if trace.adapters() else None)
+    return trace
 
 
 def describe(trace: Trace) -> dict[str, Any]:

@@ -1,0 +1,503 @@
+"""The roofline of a replayed trace: the least time one GPU needs for the trace's bytes and FLOPs.
+
+    python -m perf.roofline --model /tmp/slora-perf/model --adapter-root /tmp/slora-perf/adapters/S1 \\
+        traces/s1-n2000.jsonl traces/s1-n2000.jsonl@base
+    python -m perf.roofline --model /tmp/slora-perf/model --adapter-root /tmp/slora-perf/adapters/S1 \\
+        --results results.json                      # add the roofline to each run of a results file that lacks it
+
+bench_engine and bench_serving attach it to every run they write (`metrics.roofline`, `metrics.roofline_fraction`)
+and perf/report.py tables it. The model is an ideal engine: the engine's own schedule, with no cost but the GPU's.
+
+1. Steps. Requests join the queue at their arrival time and are admitted in arrival order at the start of a step,
+   at most `max_num_seqs` running; the KV cache never runs out (no preemption). A step takes, in admission order,
+   one token of each running request that decodes and the next chunk of each prompt, within `max_batch_tokens`
+   tokens (the engine's scheduler: running requests first, then new ones). A prompt's last chunk also yields the
+   first output token, each decode one more; a request is done with its `output_len`-th token. With nothing to
+   run, the clock jumps to the next arrival. So a request spends at least `output_len` steps in the engine and a
+   step holds at most `max_num_seqs` requests: the step count follows from the trace and the limits alone.
+2. Bytes of a step, the HBM traffic no kernel avoids: the base weights once (every decoder layer's projections,
+   norms and Qwen2's qkv bias, the final norm), the LM head once if a token of the step gets logits, one embedding
+   row per token; the KV cache: each token writes its K and V, a decode at position p reads the p positions before
+   it, a prompt chunk starting at position s reads the s positions before it once (its own stay on chip); each
+   adapter used by a token of the step: all its A and B matrices once, in the engine's dtype (the LoRA runs' bytes
+   floor). Activations are left out (a few MB a step).
+3. FLOPs of a step: 2 x the layers' projection parameters per token; 2 x hidden x vocab per token that gets logits;
+   attention 4 x heads x head_dim x layers per (query, key) pair, a token at position p attending to p + 1
+   positions; an adapter 2 x its elements per token that uses it. Prompt tokens count like any other (prefill).
+4. A step's time is max(bytes / bandwidth, FLOPs / peak): reads and math overlap perfectly, nothing else costs.
+5. The trace's roofline time is the finish of its last request, from the start of the replay (S-LoRA's throughput
+   counts the same span); a run's `fraction` is roofline time / measured duration (1.0: as fast as the GPU allows
+   this schedule). `burst` is the same requests all arriving at 0: the throughput the GPU could sustain on this mix
+   of requests, the ceiling of any saturating rate.
+
+It is the floor of this schedule, not of every schedule: an engine that grouped requests by adapter or ran larger
+batches could read fewer bytes. Peaks default to the H200 datasheet's; `--peaks h200-measured` (or --hbm-tb-s and
+--peak-tflops) gives what kernels reach on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import struct
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field, fields, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from perf.workload import MODES, RunSpec, Trace, in_mode, load_trace
+from slora.backend.model.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+# NVIDIA H200 SXM datasheet: 141 GB of HBM3e at 4.8 TB/s; bf16 tensor cores 1979 TFLOP/s with 2:4 sparsity, so
+# 989 dense.
+H200_HBM_BYTES_S = 4.8e12
+H200_BF16_DENSE_FLOP_S = 989e12
+# What kernels reach on an H200, measured by perf/bench_kernels.py (a 1 GB device-to-device copy and a large bf16
+# matmul, perf/RESULTS.md): the floor a real kernel can get to.
+H200_COPY_BYTES_S = 4.23e12
+H200_GEMM_FLOP_S = 790e12
+
+BYTE_KINDS = ("weights", "lm_head", "embeddings", "kv_read", "kv_write", "adapters")
+FLOP_KINDS = ("projections", "lm_head", "attention", "lora")
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """A GPU's peak HBM bandwidth and dense matmul rate, and where the figures come from."""
+
+    hbm_bytes_s: float
+    flop_s: float
+    source: str
+
+    def __post_init__(self) -> None:
+        for name in ("hbm_bytes_s", "flop_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+
+H200_SPEC = Peaks(H200_HBM_BYTES_S, H200_BF16_DENSE_FLOP_S, "H200 SXM datasheet (HBM3e 4.8 TB/s, bf16 989 TFLOP/s)")
+H200_MEASURED = Peaks(H200_COPY_BYTES_S, H200_GEMM_FLOP_S, "H200, perf/bench_kernels.py (copy 4.23 TB/s, 790 TFLOP/s)")
+PEAKS = {"h200": H200_SPEC, "h200-measured": H200_MEASURED}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The engine's batch limits (EngineConfig.max_num_seqs and max_batch_tokens)."""
+
+    max_num_seqs: int
+    max_batch_tokens: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+
+    @classmethod
+    def engine_defaults(cls) -> Limits:
+        from slora.backend.config import EngineConfig
+
+        defaults: dict[str, Any] = {f.name: f.default for f in fields(EngineConfig)}
+        return cls(int(defaults["max_num_seqs"]), int(defaults["max_batch_tokens"]))
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What the base model costs a step, in bytes and FLOPs (module docstring, points 2 and 3)."""
+
+    weight_bytes: int  # decoder layers and final norm, read once per step
+    lm_head_bytes: int  # read once per step with logits
+    embed_row_bytes: int  # per token
+    kv_bytes_per_token: int  # K and V of one position, every layer
+    projection_flops_per_token: int
+    lm_head_flops_per_token: int
+    attention_flops_per_pair: int  # one (query, key) pair, every layer
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec, dtype_bytes: int) -> ModelCost:
+        h, q, kv, i = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
+        projections = h * (q + 2 * kv) + q * h + 3 * h * i  # qkv, o, gate + up, down
+        bias = q + 2 * kv if spec.qkv_bias else 0
+        layer = projections + bias + 2 * h  # and the two norms
+        return cls(
+            weight_bytes=(spec.num_layers * layer + h) * dtype_bytes,
+            lm_head_bytes=spec.vocab_size * h * dtype_bytes,
+            embed_row_bytes=h * dtype_bytes,
+            kv_bytes_per_token=2 * spec.num_layers * kv * dtype_bytes,
+            projection_flops_per_token=2 * spec.num_layers * projections,
+            lm_head_flops_per_token=2 * h * spec.vocab_size,
+            attention_flops_per_pair=4 * spec.num_layers * q,
+        )
+
+
+@dataclass(frozen=True)
+class AdapterCost:
+    """One adapter's A and B matrices, every layer and target: read once per step that uses it."""
+
+    bytes: int
+    flops_per_token: int
+
+    @classmethod
+    def from_elements(cls, elements: int, dtype_bytes: int) -> AdapterCost:
+        return cls(elements * dtype_bytes, 2 * elements)
+
+
+@dataclass(frozen=True)
+class Work:
+    """What the roofline needs of one request."""
+
+    arrival: float
+    input_len: int
+    output_len: int
+    adapter: str | None
+
+
+def works_of(trace: Trace, burst: bool = False) -> list[Work]:
+    """The trace's requests (all arriving at 0 with `burst`)."""
+    return [Work(0.0 if burst else r.arrival, r.input_len, r.output_len, r.adapter) for r in trace.requests]
+
+
+@dataclass
+class _Seq:
+    work: Work
+    prefilled: int = 0  # prompt tokens processed
+    emitted: int = 0  # output tokens produced
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == self.work.input_len
+
+    @property
+    def position(self) -> int:
+        """Position of the next token the model processes."""
+        return self.work.input_len + self.emitted - 1 if self.decoding else self.prefilled
+
+
+@dataclass
+class _StepCost:
+    bytes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(BYTE_KINDS, 0.0))
+    flops: dict[str, float] = field(default_factory=lambda: dict.fromkeys(FLOP_KINDS, 0.0))
+
+    def seconds(self, peaks: Peaks) -> float:
+        return max(sum(self.bytes.values()) / peaks.hbm_bytes_s, sum(self.flops.values()) / peaks.flop_s)
+
+    def memory_bound(self, peaks: Peaks) -> bool:
+        return sum(self.bytes.values()) / peaks.hbm_bytes_s >= sum(self.flops.values()) / peaks.flop_s
+
+
+def plan_step(running: list[_Seq], max_batch_tokens: int) -> list[tuple[_Seq, int]]:
+    """(request, tokens) of one step: in admission order, one token of a decode, the next chunk of a prompt."""
+    budget = max_batch_tokens
+    batch: list[tuple[_Seq, int]] = []
+    for seq in running:
+        if budget == 0:
+            break
+        tokens = 1 if seq.decoding else min(seq.work.input_len - seq.prefilled, budget)
+        batch.append((seq, tokens))
+        budget -= tokens
+    return batch
+
+
+def step_cost(batch: list[tuple[_Seq, int]], model: ModelCost, adapters: dict[str, AdapterCost]) -> _StepCost:
+    """Bytes and FLOPs of one step (module docstring, points 2 and 3)."""
+    cost = _StepCost()
+    tokens = logits = kv_read = pairs = 0
+    lora_tokens: dict[str, int] = {}
+    for seq, n in batch:
+        start = seq.position
+        tokens += n
+        kv_read += start  # the positions before the token (decode) or the chunk (prompt)
+        pairs += n * start + n * (n + 1) // 2  # token at position p attends to p + 1 positions
+        logits += 1 if seq.decoding or seq.prefilled + n == seq.work.input_len else 0
+        if seq.work.adapter is not None:
+            lora_tokens[seq.work.adapter] = lora_tokens.get(seq.work.adapter, 0) + n
+    cost.bytes.update(weights=model.weight_bytes, lm_head=model.lm_head_bytes if logits else 0,
+                      embeddings=tokens * model.embed_row_bytes, kv_read=kv_read * model.kv_bytes_per_token,
+                      kv_write=tokens * model.kv_bytes_per_token,
+                      adapters=sum(adapters[a].bytes for a in lora_tokens))  # fmt: skip
+    cost.flops.update(projections=tokens * model.projection_flops_per_token,
+                      lm_head=logits * model.lm_head_flops_per_token, attention=pairs * model.attention_flops_per_pair,
+                      lora=sum(adapters[a].flops_per_token * n for a, n in lora_tokens.items()))  # fmt: skip
+    return cost
+
+
+def advance(batch: list[tuple[_Seq, int]]) -> None:
+    """The step's tokens processed: prompts move on (the last chunk yields a token), decodes yield one."""
+    for seq, n in batch:
+        if seq.decoding:
+            seq.emitted += 1
+        else:
+            seq.prefilled += n
+            seq.emitted += 1 if seq.decoding else 0
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """The ideal engine's replay of a list of requests (module docstring)."""
+
+    seconds: float  # finish of the last request
+    busy_s: float  # time in steps (the rest: waiting for arrivals)
+    steps: int
+    memory_bound_steps: int
+    num_requests: int
+    output_tokens: int
+    bytes: dict[str, float]
+    flops: dict[str, float]
+
+    @property
+    def rps(self) -> float:
+        return self.num_requests / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        tok_s = self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+        return {**asdict(self), "rps": self.rps, "output_tok_s": tok_s}
+
+
+def simulate(
+    works: Iterable[Work], model: ModelCost, adapters: dict[str, AdapterCost], limits: Limits, peaks: Peaks
+) -> Roofline:
+    """Replay `works` on the ideal engine; `adapters` must hold every adapter named."""
+    pending = deque(sorted(works, key=lambda w: w.arrival))
+    total = _StepCost()
+    waiting: deque[_Seq] = deque()
+    running: list[_Seq] = []
+    clock = busy = 0.0
+    steps = memory_bound = requests = output_tokens = 0
+    while pending or waiting or running:
+        while pending and pending[0].arrival <= clock:
+            waiting.append(_Seq(pending.popleft()))
+        if not running and not waiting:
+            clock = pending[0].arrival
+            continue
+        while waiting and len(running) < limits.max_num_seqs:
+            running.append(waiting.popleft())
+        batch = plan_step(running, limits.max_batch_tokens)
+        cost = step_cost(batch, model, adapters)
+        seconds = cost.seconds(peaks)
+        clock, busy, steps = clock + seconds, busy + seconds, steps + 1
+        memory_bound += cost.memory_bound(peaks)
+        _accumulate(total, cost)
+        advance(batch)
+        done = [seq for seq in running if seq.emitted >= seq.work.output_len]
+        requests += len(done)
+        output_tokens += sum(seq.emitted for seq in done)
+        running = [seq for seq in running if seq.emitted < seq.work.output_len] if done else running
+    return Roofline(clock, busy, steps, memory_bound, requests, output_tokens, total.bytes, total.flops)
+
+
+def _accumulate(total: _StepCost, cost: _StepCost) -> None:
+    for kind, value in cost.bytes.items():
+        total.bytes[kind] += value
+    for kind, value in cost.flops.items():
+        total.flops[kind] += value
+
+
+# ---- adapters: their elements, from their files or from their perf/make_adapters.py setting -----------------------
+
+
+def safetensors_elements(path: Path) -> int:
+    """Elements of the LoRA A and B tensors in a safetensors file, from its header alone (no tensor is read)."""
+    stat = path.stat()
+    return _header_elements(str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=256)  # adapters of make_adapters share a few hard-linked files
+def _header_elements(path: str, inode: int, size: int, mtime_ns: int) -> int:
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return sum(math.prod(entry["shape"]) for name, entry in header.items() if ".lora_A." in name or ".lora_B." in name)
+
+
+def setting_elements(name: str, spec: ModelSpec) -> int | None:
+    """Elements of an adapter of perf/make_adapters.py's settings, from its name (<prefix><index>); None if its name
+    is not one of theirs."""
+    from perf.make_adapters import SETTINGS
+
+    for setting in SETTINGS.values():
+        index = name.removeprefix(setting.prefix)
+        if index != name and index.isdigit():
+            rank = setting.rank_of(int(index))
+            per_layer = sum(rank * sum(spec.module_shape(module)) for module in setting.targets)
+            return spec.num_layers * per_layer
+    return None
+
+
+Locate = Callable[[str], "Path | None"]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything the roofline of a trace needs besides the trace: the model, its dtype, the engine's limits, the
+    GPU's peaks, and where adapters are (a name -> folder function, None where unknown)."""
+
+    spec: ModelSpec
+    dtype_bytes: int
+    limits: Limits
+    peaks: Peaks
+    locate: Locate = field(default=lambda name: None, compare=False)
+
+    def model_cost(self) -> ModelCost:
+        return ModelCost.from_spec(self.spec, self.dtype_bytes)
+
+    def adapter_costs(self, names: Iterable[str]) -> dict[str, AdapterCost]:
+        """Each adapter's cost, from its weights file (exact: any rank pattern), else from its setting's name;
+        ValueError naming an adapter neither gives."""
+        costs = {}
+        for name in set(names):
+            folder = self.locate(name)
+            weights = folder / WEIGHTS_FILE if folder is not None else None
+            if weights is not None and weights.is_file():
+                elements: int | None = safetensors_elements(weights)
+            else:
+                elements = setting_elements(name, self.spec)
+            if elements is None:
+                raise ValueError(f"adapter {name!r}: no {WEIGHTS_FILE} found and not a perf/make_adapters.py name")
+            costs[name] = AdapterCost.from_elements(elements, self.dtype_bytes)
+        return costs
+
+
+def setup_for_model_dir(
+    model: Path,
+    adapter_root: Path | None,
+    limits: Limits,
+    peaks: Peaks,
+    dtype_bytes: int = 2,
+) -> Setup:
+    """A Setup from a model folder (config.json) and the folder holding one folder per adapter."""
+
+    def locate(name: str) -> Path | None:
+        return adapter_root / name if adapter_root is not None else None
+
+    return Setup(ModelSpec.from_dir(model), dtype_bytes, limits, peaks, locate)
+
+
+def roofline(trace: Trace, setup: Setup) -> dict[str, Any]:
+    """The trace's roofline and its burst variant, JSON-ready (what a results file's run holds in
+    metrics.roofline)."""
+    model = setup.model_cost()
+    adapters = setup.adapter_costs(name for name in (r.adapter for r in trace.requests) if name is not None)
+    timed = simulate(works_of(trace), model, adapters, setup.limits, setup.peaks)
+    burst = simulate(works_of(trace, burst=True), model, adapters, setup.limits, setup.peaks)
+    return {
+        **timed.to_dict(),
+        "burst": {key: burst.to_dict()[key] for key in ("seconds", "rps", "busy_s", "steps")},
+        "peaks": asdict(setup.peaks),
+        "limits": asdict(setup.limits),
+        "model": asdict(model),
+        "dtype_bytes": setup.dtype_bytes,
+    }
+
+
+def fraction(roof: dict[str, Any] | None, duration_s: float | None) -> float | None:
+    """Roofline time / measured duration: the share of the GPU's best this run reached."""
+    if not roof or not duration_s or duration_s <= 0:
+        return None
+    return float(roof["seconds"]) / duration_s
+
+
+def roofline_metrics(trace: Trace, setup: Setup | None, duration_s: float) -> dict[str, Any]:
+    """`roofline` and `roofline_fraction` for a run's metrics; both None without a Setup (or if it fails)."""
+    if setup is None:
+        return {"roofline": None, "roofline_fraction": None}
+    try:
+        roof = roofline(trace, setup)
+    except (ValueError, OSError) as exc:  # e.g. an adapter the roofline cannot size: the run itself stands
+        logger.warning("no roofline for this run: %s", exc)
+        return {"roofline": None, "roofline_fraction": None}
+    logger.info("%s", describe(roof, duration_s))
+    return {"roofline": roof, "roofline_fraction": fraction(roof, duration_s)}
+
+
+def describe(roof: dict[str, Any], duration_s: float | None = None) -> str:
+    """One log line."""
+    gb = {kind: value / 1e9 for kind, value in roof["bytes"].items()}
+    measured = f", measured {duration_s:.1f} s: {fraction(roof, duration_s):.3f} of it" if duration_s else ""
+    burst = roof["burst"]["rps"]
+    return (
+        f"roofline {roof['seconds']:.2f} s ({roof['rps']:.2f} req/s, burst {burst:.2f} req/s){measured}; "
+        f"{roof['steps']} steps, {roof['memory_bound_steps'] / max(roof['steps'], 1):.0%} bound by bytes, "
+        f"busy {roof['busy_s']:.2f} s; GB read: weights {gb['weights'] + gb['lm_head']:.0f}, "
+        f"KV {gb['kv_read']:.0f}, adapters {gb['adapters']:.1f}; TFLOP {sum(roof['flops'].values()) / 1e12:.0f}"
+    )
+
+
+# ---- command line ------------------------------------------------------------------------------------------------
+
+
+def add_peak_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--peaks", choices=sorted(PEAKS), default="h200", help="the GPU's peaks (roofline)")
+    parser.add_argument("--hbm-tb-s", type=float, help="override the peak bandwidth, TB/s (e.g. a measured copy)")
+    parser.add_argument("--peak-tflops", type=float, help="override the peak bf16 matmul rate, TFLOP/s")
+
+
+def peaks_from_args(args: argparse.Namespace) -> Peaks:
+    peaks = PEAKS[args.peaks]
+    if args.hbm_tb_s is not None or args.peak_tflops is not None:
+        bandwidth = args.hbm_tb_s * 1e12 if args.hbm_tb_s is not None else peaks.hbm_bytes_s
+        flops = args.peak_tflops * 1e12 if args.peak_tflops is not None else peaks.flop_s
+        source = f"{peaks.source}, overridden: {bandwidth / 1e12:g} TB/s, {flops / 1e12:g} TFLOP/s"
+        peaks = Peaks(bandwidth, flops, source)
+    return peaks
+
+
+def annotate_results(path: Path, setup: Setup, force: bool = False) -> int:
+    """Add the roofline to each run of a results file that lacks one (each run's own engine limits where it recorded
+    them); returns how many runs got one."""
+    data = json.loads(path.read_text())
+    added = 0
+    for run in data["runs"]:
+        metrics, trace_path = run["metrics"], run["trace"].get("path")
+        if run.get("kind") == "peft" or (metrics.get("roofline") and not force) or not trace_path:
+            continue
+        mode = run["options"].get("mode", "lora")
+        trace = in_mode(load_trace(Path(trace_path)), mode if mode in MODES else "lora")
+        metrics.update(roofline_metrics(trace, replace(setup, limits=_run_limits(run, setup.limits)),
+                                        metrics["duration_s"]))  # fmt: skip
+        added += metrics["roofline"] is not None
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    tmp.replace(path)
+    return added
+
+
+def _run_limits(run: dict[str, Any], default: Limits) -> Limits:
+    config = run["options"].get("engine", {}).get("config", {})
+    if "max_num_seqs" in config and "max_batch_tokens" in config:
+        return Limits(int(config["max_num_seqs"]), int(config["max_batch_tokens"]))
+    return default
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="*", help="TRACE[@MODE], MODE one of " + ", ".join(MODES))
+    parser.add_argument("--model", type=Path, required=True, help="model folder (config.json)")
+    parser.add_argument("--adapter-root", type=Path, help="adapter folders (default: sized from make_adapters' names)")
+    defaults = Limits.engine_defaults()
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens)
+    parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per weight element (2: bf16/fp16)")
+    parser.add_argument("--results", type=Path, help="add the roofline to the runs of this results file")
+    parser.add_argument("--force", action="store_true", help="with --results: replace rooflines already there")
+    add_peak_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    setup = setup_for_model_dir(args.model, args.adapter_root, Limits(args.max_num_seqs, args.max_batch_tokens),
+                                peaks_from_args(args), args.dtype_bytes)  # fmt: skip
+    for text in args.runs:
+        spec = RunSpec.parse(text)
+        logger.info("%s@%s: %s", spec.trace_path.name, spec.mode, describe(roofline(spec.load(), setup)))
+    if args.results:
+        logger.info("%s: roofline added to %d run(s)", args.results, annotate_results(args.results, setup, args.force))
+    if not args.runs and not args.results:
+        parser.error("give traces, --results, or both")
+
+
+if __name__ == "__main__":
+    main()
