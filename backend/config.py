@@ -57,8 +57,8 @@ class EngineConfig:
     # adapters, runs on the 16-token tensor-core tiles even when all are decodes: a tile reads its adapter's rows
     # once per 16 tokens, the GEMV kernels once per token. A decode graph of such steps sizes its tile grid for
     # few_adapters_max partial tiles beyond its full ones (executor/static_lora.py). few_adapters_max=0: never.
-    few_adapters_min_tokens: int = 32
-    few_adapters_max: int = 8
+    few_adapters_min_tokens: int = 32  # adapter tokens in the step at least
+    few_adapters_max: int = 8  # adapters in the step at most
     # An eager step's decodes in LoRA launches of their own (GEMV kernels), apart from its prompts (prompt tiles),
     # instead of one launch pair for both on decode-shaped tensor-core tiles. Off: the faster kernels did not pay
     # for the second launch pair's host time (perf/RESULTS.md).
@@ -69,8 +69,8 @@ class EngineConfig:
     # Programmatic dependent launch of the LoRA kernels (Hopper and later; ignored elsewhere): each kernel starts
     # while the one in front of it ends (kernels/triton/pdl.py). shrink_pdl: the shrink too, behind the Triton GEMM
     # (the expand keeps it behind the shrink); needs lora_pdl.
-    lora_pdl: bool = True
-    shrink_pdl: bool = True
+    lora_pdl: bool = True  # off: no LoRA kernel launched with PDL (to compare, or if a driver mishandles it)
+    shrink_pdl: bool = True  # off: the shrink alone launched without it
     # Launch each step before reading the previous step's tokens back, so that the host's work for a step overlaps
     # the GPU's for the one before (backend/engine/inflight.py). None (auto): on for CUDA devices, off on CPU, where the
     # host does the computing itself and outputs would only come a step later.
