@@ -239,9 +239,10 @@ class FairPolicy(SchedulingPolicy):
     token a step samples adds output_cost, both as the paper's cost function counts them. A tenant is backlogged
     while it has requests waiting. When a tenant becomes backlogged its counter is lifted to the least counter of
     the backlogged tenants (to the counter of the tenant that last left the queue when none is backlogged), so a
-    tenant cannot save credit by staying idle. Then two tenants backlogged over any interval are served within
-    2·max(prompt_cost · longest prompt, output_cost · most tokens one step samples) of each other's weighted
-    service (the paper's bound), and an idle engine admits anyone (the policy is work-conserving).
+    tenant cannot save credit by staying idle. Then two tenants backlogged over any interval get weighted services
+    within 2·max(prompt_cost·L, output_cost·M) of each other, L the longest prompt and M the most tokens a running
+    batch holds (the paper's bound: a tenant's running requests can sample at most M tokens before they free their
+    pages), and requests wait only while the batch, the budget or the pool is full (it is work-conserving).
 
     What the paper leaves open, on an engine of chunked prefill and preemption: the prompt is counted once, at its
     first admission, whatever the chunks it is computed in; a preempted request's recomputation is the engine's
