@@ -15,7 +15,6 @@ process of the server (Python stubs, engine processes) outlives slora-serve.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import shutil
@@ -25,8 +24,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,12 +31,13 @@ from typing import Any
 
 from slora.backend.config import EngineConfig
 from slora.backend.launcher.model_repository import render_repository
+from slora.backend.launcher.openai_frontend import OpenAIFrontend, OpenAILaunch, check_openai_port
+from slora.backend.launcher.processes import answers_ok, child_setup, kill_group, reap_group
 from slora.backend.launcher.server_locator import TritonInstall, locate_server
 from slora.backend.launcher.supervisor import Supervisor, SupervisorSettings
 from slora.backend.model.default_model import resolve_model_path
 from slora.backend.serving import drain
 from slora.backend.serving.admin_guard import read_token
-from slora.backend.serving.openai_api.launch import OpenAIFrontend, OpenAILaunch, check_openai_port
 from slora.backend.stub_compat import numpy_problem, stub_numpy_version
 
 logger = logging.getLogger("slora.serve")
@@ -347,7 +345,7 @@ def _run(
     supervision: SupervisorSettings | None = None,
 ) -> int:
     logger.info("starting: %s", " ".join(command))
-    process = subprocess.Popen(command, env=env, preexec_fn=_child_setup)
+    process = subprocess.Popen(command, env=env, preexec_fn=child_setup)
     ready = False
     frontend: OpenAIFrontend | None = None
     supervisor: Supervisor | None = None
@@ -372,22 +370,12 @@ def _run(
 
 
 def _start_openai(options: LaunchOptions, stop: threading.Event) -> OpenAIFrontend | None:
-    """The OpenAI API's process, ready (serving/openai_api/launch.py), or None without --openai-port."""
+    """The OpenAI API's process, ready (launcher/openai_frontend.py), or None without --openai-port."""
     if options.openai_port is None:
         return None
     launch = OpenAILaunch(options.openai_port, options.host, options.grpc_port, options.model, options.tokenizer,
                           options.admin_token_file, options.openai_args)  # fmt: skip
     return OpenAIFrontend.start(launch, stop)
-
-
-def _child_setup() -> None:
-    # Own session: a terminal's Ctrl-C reaches only us, and we stop the server once, cleanly. If we die, the
-    # server gets SIGTERM (PR_SET_PDEATHSIG) instead of lingering.
-    os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 def _wait_ready(process: subprocess.Popen, options: LaunchOptions, stop: threading.Event) -> bool:
@@ -399,7 +387,7 @@ def _wait_ready(process: subprocess.Popen, options: LaunchOptions, stop: threadi
     while not stop.is_set():
         if process.poll() is not None:
             raise RuntimeError(f"tritonserver exited with status {process.returncode} before it was ready")
-        if _is_ready(url):
+        if answers_ok(url):
             logger.info("ready after %.1f s", time.monotonic() - started)
             return True
         now = time.monotonic()
@@ -409,15 +397,7 @@ def _wait_ready(process: subprocess.Popen, options: LaunchOptions, stop: threadi
             logger.info("waiting for the models to load (%.0f s)", now - started)
             reported = now
         stop.wait(0.5)
-    return process.poll() is None and _is_ready(url)
-
-
-def _is_ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2.0) as response:
-            return bool(response.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
+    return process.poll() is None and answers_ok(url)
 
 
 def _announce(options: LaunchOptions) -> None:
@@ -435,7 +415,7 @@ def _shutdown(process: subprocess.Popen, force: threading.Event, drain_file: Pat
         _drain(process, drain_file, force)
     if process.poll() is None:
         _terminate(process, force)
-    _reap_group(process.pid, force)
+    reap_group(process.pid, force, LEFTOVER_GRACE_S)
     logger.info("tritonserver exited with status %s", process.returncode)
     return int(process.returncode)
 
@@ -463,44 +443,8 @@ def _terminate(process: subprocess.Popen, force: threading.Event) -> None:
     if process.poll() is None:
         reason = "interrupted again" if force.is_set() else f"tritonserver did not stop within {STOP_TIMEOUT_S:.0f} s"
         logger.warning("%s: killing it", reason)
-        _kill_group(process.pid)
+        kill_group(process.pid)
         process.wait()
-
-
-def _reap_group(group: int, force: threading.Event) -> None:
-    """tritonserver runs in a session of its own, with its stubs and their engine processes: wait for those to
-    exit (they follow the server within a second), kill those still there after LEFTOVER_GRACE_S."""
-    deadline = time.monotonic() + LEFTOVER_GRACE_S
-    left = _live_members(group)
-    while left and not force.is_set() and time.monotonic() < deadline:
-        force.wait(0.1)
-        left = _live_members(group)
-    if left:
-        logger.warning("killing %d processes tritonserver left behind: %s", len(left), " ".join(map(str, left)))
-        _kill_group(group)
-        deadline = time.monotonic() + LEFTOVER_GRACE_S  # SIGKILL takes effect asynchronously
-        while _live_members(group) and time.monotonic() < deadline:
-            time.sleep(0.02)
-
-
-def _live_members(group: int) -> list[int]:
-    """The processes of process group `group` that still run (a zombie has exited); none where /proc is absent."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command)": state, ppid, pgrp, ...
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[2]) == group:
-            members.append(int(stat.parent.name))
-    return members
-
-
-def _kill_group(group: int) -> None:
-    try:
-        os.killpg(group, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import pytest
 from slora.client.admin import adapter_command
 from slora.client.generate import ServerError
 from tests.serving.conftest import Launched, _stop, launch
+from tests.serving.processes import live_processes
 from tests.serving.triton_calls import Collected, run_one, token_inputs
 
 pytestmark = pytest.mark.server
@@ -78,25 +79,11 @@ def _wait(condition: object, timeout: float, what: str, server: Launched) -> flo
 
 
 def _engine_pid(server: Launched) -> int:
-    """The engine process of this server: the multiprocessing child of its slora stub."""
+    """The engine process of this server: the multiprocessing child in the process group of its stubs."""
     repository = str(server.workspace / "model_repository")
-    groups = set()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if fields[0] == "Z":
-            continue
-        if repository in command:
-            groups.add(int(fields[2]))
-        if "spawn_main" in command:
-            found.append((int(entry.name), int(fields[2])))
-    pids = [pid for pid, group in found if group in groups]
+    processes = live_processes()
+    groups = {group for group, command in processes.values() if repository in command}
+    pids = [pid for pid, (group, command) in processes.items() if group in groups and "spawn_main" in command]
     assert len(pids) == 1, f"expected one engine process, found {pids}"
     return pids[0]
 

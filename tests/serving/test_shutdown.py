@@ -19,6 +19,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.serving.conftest import Launched, launch
+from tests.serving.processes import live_processes
 from tests.serving.triton_calls import text_inputs, token_inputs
 
 pytestmark = pytest.mark.server
@@ -61,30 +62,14 @@ class Stream:
             self.client = None
 
 
-def _live_processes() -> dict[int, tuple[int, str]]:
-    """pid → (process group, command line) of every process on this host that is not a zombie."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            found[int(entry.name)] = (int(fields[2]), command)
-    return found
-
-
 def _server_groups(server: Launched) -> set[int]:
     """The process groups of this server's tritonserver and stubs (its engine processes are in them too)."""
     repository = str(server.workspace / "model_repository")
-    return {group for group, command in _live_processes().values() if repository in command}
+    return {group for group, command in live_processes().values() if repository in command}
 
 
 def _left_in(groups: set[int]) -> list[str]:
-    return [f"{pid}: {command}" for pid, (group, command) in _live_processes().items() if group in groups]
+    return [f"{pid}: {command}" for pid, (group, command) in live_processes().items() if group in groups]
 
 
 def _wait_for_exit(server: Launched, started: float) -> tuple[int, float]:

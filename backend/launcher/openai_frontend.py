@@ -12,7 +12,6 @@ launcher needs no web stack unless the API is asked for.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import logging
 import os
@@ -21,9 +20,9 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
+
+from slora.backend.launcher.processes import answers_ok, child_setup
 
 logger = logging.getLogger("slora.serve")
 
@@ -79,7 +78,7 @@ class OpenAIFrontend:
     def start(cls, launch: OpenAILaunch, stop: threading.Event) -> OpenAIFrontend:
         """Start it and wait until it is ready; raises RuntimeError if it exits first or never gets ready."""
         logger.info("starting the OpenAI API: %s", " ".join(launch.command()))
-        process = subprocess.Popen(launch.command(), env={**os.environ}, preexec_fn=_child_setup)
+        process = subprocess.Popen(launch.command(), env={**os.environ}, preexec_fn=child_setup)
         frontend = cls(launch, process)
         try:
             frontend._wait_ready(stop)
@@ -110,26 +109,8 @@ class OpenAIFrontend:
         while not stop.is_set():
             if not self.alive():
                 raise RuntimeError(f"the OpenAI API exited with status {self.process.returncode} before it was ready")
-            if _answers(url):
+            if answers_ok(url):
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the OpenAI API was not ready after {READY_TIMEOUT_S:.0f} s")
             stop.wait(0.25)
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2.0) as response:
-            return bool(response.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def _child_setup() -> None:
-    # A session of its own: Ctrl-C in a terminal reaches slora-serve only, which stops the API before Triton.
-    # If slora-serve dies, the API gets SIGTERM (PR_SET_PDEATHSIG) instead of lingering.
-    os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except OSError:
-        pass
