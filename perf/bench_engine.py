@@ -14,6 +14,11 @@ warm up the kernels, and the pool is emptied of adapters so that each run starts
 adapter is not in host memory then (more adapters than the host budget holds) has it read on an intake thread, as
 the server does, while the steps go on (perf/replay_intake.py).
 
+Each run's metrics get `roofline` and `roofline_fraction` (perf/roofline.py: the least time the GPU needs for the
+trace under this engine's max_num_seqs and max_batch_tokens, and the share of it the run reached), computed after
+the clock; `--peaks` / `--hbm-tb-s` / `--peak-tflops` choose the GPU's figures (default: the H200 datasheet's).
+A progress bar of finished requests shows on a terminal (`--no-progress`), a log line every 5 s everywhere.
+
 `--profile START... COUNT` adds, after the measured runs, one unmeasured pass over the last run's trace that uses
 adapters (its first 256 requests, all at once, so the batch is full): from each step START, COUNT steps under
 torch.profiler (operators by device time; device-busy share of the wall time), the next COUNT under cProfile
@@ -37,6 +42,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
+from perf import roofline
 from perf.metrics import RequestRecord, per_request, summarize
 from perf.replay_intake import ReplayIntake
 from perf.results import append_runs, headline, make_run, trace_info
@@ -62,7 +70,8 @@ class ReplayOptions:
     warmup_tokens: int = 8
     preload: bool = True
     preload_workers: int | None = None  # the store's default: one per core, at most 8
-    progress_interval_s: float = 5.0
+    progress_interval_s: float = 5.0  # a log line this often
+    progress_bar: bool = False  # a bar of finished requests, on a terminal
     window_fraction: float = 0.25
 
     def __post_init__(self) -> None:
@@ -135,7 +144,12 @@ class Replay:
     """Feeds one trace to the engine in real time and records every request's timings."""
 
     def __init__(
-        self, engine: LLMEngine, trace: Trace, options: ReplayOptions, profiler: StepProfiler | None = None
+        self,
+        engine: LLMEngine,
+        trace: Trace,
+        options: ReplayOptions,
+        profiler: StepProfiler | None = None,
+        desc: str = "replay",
     ) -> None:
         self.engine = engine
         self.options = options
@@ -152,6 +166,7 @@ class Replay:
         self.kinds: dict[str, StepTally] = {}  # steps by kind (graph, eager decode, mixed)
         self.refusals = 0
         self.start = 0.0
+        self.desc = desc
 
     def now(self) -> float:
         return time.perf_counter() - self.start
@@ -166,12 +181,14 @@ class Replay:
 
     def run(self) -> float:
         """Replay until every request finished or the time limit; returns the duration (to the last finish)."""
+        off = None if self.options.progress_bar else True  # None: tqdm's "on a terminal only"
         try:
-            return self._run()
+            with tqdm(total=len(self.records), desc=self.desc, unit="req", disable=off, leave=False) as bar:
+                return self._run(bar)
         finally:
             self.intake.close()
 
-    def _run(self) -> float:
+    def _run(self, bar: tqdm) -> float:
         self.start = time.perf_counter()
         last_log = 0.0
         last_event = 0.0
@@ -186,6 +203,7 @@ class Replay:
                 last_event = self._step() or last_event
             else:
                 self._idle()
+            bar.update(len(self.records) - len(self.pending) - len(self.open) - bar.n)
             if now - last_log >= self.options.progress_interval_s:
                 self._progress(now)
                 last_log = now
@@ -284,9 +302,22 @@ class Replay:
                     1000 * self.step_time / max(self.steps, 1))  # fmt: skip
 
 
+def roofline_setup(engine: LLMEngine, peaks: roofline.Peaks) -> roofline.Setup:
+    """The roofline of this engine's runs: its model, dtype, batch limits and adapters."""
+    limits = roofline.Limits(engine.config.max_num_seqs, engine.config.max_batch_tokens)
+    return roofline.Setup(engine.spec, engine.dtype.itemsize, limits, peaks, engine.store.path_of)
+
+
 def run_one(
-    engine: LLMEngine, spec: RunSpec, options: ReplayOptions, name: str, group: str = "engine"
+    engine: LLMEngine,
+    spec: RunSpec,
+    options: ReplayOptions,
+    name: str,
+    group: str = "engine",
+    peaks: roofline.Peaks = roofline.H200_SPEC,
 ) -> dict[str, Any]:
+    """Replay one run on `engine` (adapters preloaded, kernels warmed, the pool emptied before the clock); its
+    results-file run, with its roofline (outside the clock)."""
     trace = spec.load()
     logger.info("run %s: %s (%d requests, mode %s)", name, spec.trace_path, len(trace), spec.mode)
     preload_s = preload_adapters(engine, trace.adapters(), options.preload_workers) if options.preload else 0.0
@@ -295,7 +326,7 @@ def run_one(
     engine.evict_adapters()
     before = engine.stats()
     compiled_before = variant_keys()
-    replay = Replay(engine, trace, options)
+    replay = Replay(engine, trace, options, desc=name)
     with startup_objects_frozen():  # as a serving process once started: no full collection of them in the clock
         duration = replay.run()
     after = engine.stats()
@@ -319,6 +350,7 @@ def run_one(
         triton_compiles=sum(compiles.values()),  # kernel variants compiled inside the clock (warm-up missed)
         triton_compiles_by_kernel=compiles,
         triton_compile_keys=compiled_keys,  # their specialization keys: which launch shape the warm-up missed
+        **roofline.roofline_metrics(trace, roofline_setup(engine, peaks), duration),
     )
     options_info = {**asdict(options), "mode": spec.mode, "engine": _engine_info(engine)}
     records = list(replay.records.values())
@@ -373,6 +405,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile-file", type=Path, help="append the profile tables here")
     parser.add_argument("--profile-trace-dir", type=Path,
                         help="keep --profile-replay's chrome traces here (trace-TRACE-MODE.json.gz)")  # fmt: skip
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (default: on a terminal)")
+    roofline.add_peak_arguments(parser)
     parser.add_argument("--out", type=Path, required=True, help="results JSON (runs are added to it)")
     return parser.parse_args(argv)
 
@@ -382,14 +416,16 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     specs = [RunSpec.parse(text) for text in args.runs]
     options = ReplayOptions(time_limit_s=args.time_limit, warmup_requests=tuple(args.warmup_requests),
-                            preload=not args.no_preload, preload_workers=args.preload_workers)  # fmt: skip
+                            preload=not args.no_preload, preload_workers=args.preload_workers,
+                            progress_bar=not args.no_progress)  # fmt: skip
+    peaks = roofline.peaks_from_args(args)
     started = time.perf_counter()
     engine = LLMEngine(engine_config(args))
     logger.info("engine ready in %.1fs (ops %s)", time.perf_counter() - started, getattr(engine.model.ops, "name", "?"))
     for spec in specs:
         name = f"{args.name_prefix}-{spec.trace_path.stem}-{spec.mode}"
         try:
-            run = run_one(engine, spec, options, name, args.name_prefix)
+            run = run_one(engine, spec, options, name, args.name_prefix, peaks)
         except (SloraError, OSError, ValueError) as exc:  # e.g. an adapter of the trace missing: next run
             logger.error("run %s failed: %s", name, exc)
             continue

@@ -1,9 +1,28 @@
 """Replay traces against the running Triton server over tritonclient's asyncio gRPC streaming.
 
+    python -m perf.bench_serving --headline --out results.json                  # S-LoRA's method, below
+    python -m perf.bench_serving --headline --sweep --out results.json          # and TTFT at 50% / 80% of capacity
     python -m perf.bench_serving --url localhost:8001 --target slora --out results.json traces/s1-n2000.jsonl
     python -m perf.bench_serving --target ensemble --tokenizer /tmp/slora-perf/model --out r.json TRACE@base
 
-TRACE[@MODE] as in bench_engine (lora | base | single); the same metrics and results file, kind "serving".
+TRACE[@MODE] as in bench_engine (lora | base | single); the same metrics and results file, kind "serving". All
+runs of one call go to the same running server, one after the other (it serves the base model and every adapter at
+once, so n = 5, n = 2000 and the base model need no restart).
+
+`--headline`: S-LoRA's benchmark method (its Table 3): long traces (`--duration`, default 120 s; shorter than 60 s
+is refused, where the drain of the last requests would weigh in the figure) at a saturating rate (`--rate`,
+default 60 req/s: above what one H200 serves of a 7-8B model; a run that did not saturate says so), written under
+`--trace-dir`: the `--setting` adapters' trace at the largest of `--num-adapters` (default 2000, then 5), then the
+same trace on the base model. Throughput is S-LoRA's (finished / start to last finish), reported with TTFT p50/p99.
+
+`--sweep`: after each run, its measured capacity C (the finish rate while requests arrive, `window_rps`) and two
+more runs of the same trace settings at `--loads` x C (default 0.5 and 0.8): TTFT p50 / p99 at 50% and 80% of
+capacity. Each such run records `sweep` (role capacity or load, the fraction, C, the run it came from).
+
+Every run's metrics get `roofline` and `roofline_fraction` (perf/roofline.py). The roofline needs the served
+model's config.json, its adapters and its engine's batch limits: read from the served `slora` model's parameters
+(the paths slora-serve was given, when readable on this machine), each overridable (`--model`, `--adapter-root`,
+`--max-num-seqs`, `--max-batch-tokens`); without a readable model folder the runs have none.
 Requests are sent when their arrival time comes, over `--streams` bidirectional gRPC streams (round robin), and
 every streamed response is timestamped on arrival. Before the clock starts, the trace's adapters are loaded into
 the server's host memory with `adapter_command` load requests (as bench_engine preloads them; see
@@ -13,6 +32,7 @@ try more `--streams`.
 
 Targets (see perf/triton_protocol.py): `slora` (token ids in and out) and `ensemble` (text, vLLM-backend I/O;
 prompt token ids are rendered with the model's tokenizer, exact with perf/make_model.py's word-level one).
+A progress bar of finished requests shows on a terminal (`--no-progress`); a log line every 5 s everywhere.
 """
 
 from __future__ import annotations
@@ -22,16 +42,18 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from perf import serving_admin
-from perf.bench_engine import MODES, RunSpec
+from tqdm import tqdm
+
+from perf import roofline, serving_admin
+from perf.make_adapters import SETTINGS
 from perf.metrics import RequestRecord, per_request, summarize
 from perf.results import append_runs, headline, make_run, trace_info
 from perf.triton_protocol import ModelIO, StreamState, Target, decode, encode
-from perf.workload import Trace, TraceRequest
+from perf.workload import MODES, RunSpec, Trace, TraceConfig, TraceRequest, generate_trace, load_trace, save_trace
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +71,8 @@ class ServingOptions:
     preload_concurrency: int = 64
     admin_model: str = "slora"  # the model that takes adapter commands (preload into host memory, list)
     server_kernel_backend: str | None = None  # what the server runs, as told by whoever started it (for pairing)
-    progress_interval_s: float = 5.0
+    progress_interval_s: float = 5.0  # a log line this often
+    progress_bar: bool = False  # a bar of finished requests, on a terminal
     window_fraction: float = 0.25
 
     def __post_init__(self) -> None:
@@ -80,6 +103,14 @@ class Client:
             logger.warning("could not read the config of model %r (%s); sending every input", model, exc)
             return ModelIO()
 
+    async def model_parameters(self, model: str) -> dict[str, str]:
+        """The served model's config.pbtxt parameters (slora-serve writes the engine's options there)."""
+        try:
+            return parameters_of(await self._grpc.get_model_config(model, as_json=True))
+        except Exception as exc:  # not our server, or an older one: the caller does without
+            logger.warning("could not read the parameters of model %r (%s)", model, exc)
+            return {}
+
     async def wait_ready(self, model: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -94,6 +125,12 @@ class Client:
 
     async def close(self) -> None:
         await self._grpc.close()
+
+
+def parameters_of(config: dict[str, Any]) -> dict[str, str]:
+    """{key: value} of a model config's parameters (Triton's JSON: {key: {"string_value": value}})."""
+    config = config.get("config", config)
+    return {key: str(value.get("string_value", "")) for key, value in (config.get("parameters") or {}).items()}
 
 
 class StreamReplay:
@@ -128,6 +165,8 @@ class StreamReplay:
         self._last_response = 0.0
         self._all_sent = asyncio.Event()
         self._done = asyncio.Event()
+        self.desc = "replay"
+        self._bar: tqdm | None = None
 
     def _rid(self, r: TraceRequest) -> str:
         return f"r{r.index}"
@@ -137,6 +176,11 @@ class StreamReplay:
 
     async def run(self) -> float:
         """Replay; returns the duration (to the last finish, or to when it gave up)."""
+        off = None if self.options.progress_bar else True  # None: tqdm's "on a terminal only"
+        with tqdm(total=len(self.records), desc=self.desc, unit="req", disable=off, leave=False) as self._bar:
+            return await self._run()
+
+    async def _run(self) -> float:
         self.start = time.perf_counter()
         self._last_response = 0.0
         queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(self.options.streams)]
@@ -208,6 +252,7 @@ class StreamReplay:
         if chunk.final:
             record.finish(t, chunk.finish_reason or "length")
             self.open.discard(rid)
+            self._tick()
 
     def _on_error(self, result: Any, error: Any) -> None:
         message = str(error)
@@ -220,6 +265,11 @@ class StreamReplay:
             self.open.discard(rid)
         else:
             self.unattributed_errors += 1
+        self._tick()
+
+    def _tick(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
 
     async def _watch(self) -> None:
         """Progress lines; ends the replay at the time limit or when the server has gone quiet."""
@@ -296,7 +346,10 @@ async def run_one(
     text_of: TextOf | None,
     count_tokens: Callable[[str], int],
     group: str = "serving",
+    setup: roofline.Setup | None = None,
 ) -> dict[str, Any]:
+    """One measured replay of `spec` (adapters preloaded and kernels warmed first); its results-file run, with its
+    roofline when `setup` is given (computed after the clock)."""
     trace = spec.load()
     io = await client.model_io(target.model)
     logger.info("run %s: %s (%d requests, mode %s) -> model %r %s", name, spec.trace_path, len(trace), spec.mode,
@@ -310,6 +363,7 @@ async def run_one(
     on_gpu = await serving_admin.count_on_gpu(client, options.admin_model) if preload_via != "requests" else None
     cpu0 = time.process_time()
     replay = StreamReplay(client, target, io, list(trace.requests), options, text_of, count_tokens)
+    replay.desc = name
     duration = await replay.run()
     metrics = summarize(list(replay.records.values()), duration, options.window_fraction)
     metrics.update(
@@ -319,6 +373,7 @@ async def run_one(
         stream_errors=len(replay.stream_errors),
         first_errors=replay.stream_errors[:3],
         client_cpu_share=(time.process_time() - cpu0) / duration if duration > 0 else None,
+        **roofline.roofline_metrics(trace, setup, duration),
     )
     info = {**asdict(options), "mode": spec.mode, "target": asdict(target), "model_io": _io_info(io)}
     return make_run(name, "serving", trace_info(trace, spec.trace_path), info, metrics,
@@ -352,23 +407,215 @@ def load_tokenizer(path: Path | None) -> tuple[TextOf, Callable[[str], int]]:
     return text_of, count
 
 
+# ---- the roofline of the served model -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RooflineOverrides:
+    """What the served model's parameters cannot tell (a server on another machine) or should not (a check)."""
+
+    model: Path | None = None
+    adapter_root: Path | None = None
+    max_num_seqs: int | None = None
+    max_batch_tokens: int | None = None
+    dtype_bytes: int | None = None
+
+
+def served_setup(
+    parameters: dict[str, str], overrides: RooflineOverrides, peaks: roofline.Peaks
+) -> roofline.Setup | None:
+    """The roofline's Setup of the served model, from its parameters and the overrides; None (logged) when its
+    model folder is not readable here."""
+    model = overrides.model or _local_dir(parameters.get("model"))
+    if model is None or not (model / "config.json").is_file():
+        logger.warning("no roofline: the served model's folder (%s) is not readable here; pass --model", model)
+        return None
+    defaults = roofline.Limits.engine_defaults()
+    limits = roofline.Limits(
+        overrides.max_num_seqs or int(parameters.get("max_num_seqs", defaults.max_num_seqs)),
+        overrides.max_batch_tokens or int(parameters.get("max_batch_tokens", defaults.max_batch_tokens)),
+    )
+    root = overrides.adapter_root or _local_dir(parameters.get("adapter_root"))
+    dtype_bytes = overrides.dtype_bytes or served_dtype_bytes(parameters)
+    return roofline.setup_for_model_dir(model, root, limits, peaks, dtype_bytes)
+
+
+def served_dtype_bytes(parameters: dict[str, str]) -> int:
+    """Bytes per weight of the served engine: its dtype, or auto's choice (float32 on CPU, bfloat16 on CUDA)."""
+    dtype = parameters.get("dtype", "auto")
+    if dtype == "auto":
+        return 4 if parameters.get("device", "auto") == "cpu" else 2
+    return 4 if dtype == "float32" else 2
+
+
+def _local_dir(text: str | None) -> Path | None:
+    return Path(text) if text and Path(text).is_dir() else None
+
+
+# ---- S-LoRA's method: the headline traces and the rate sweep -----------------------------------------------------
+
+MIN_HEADLINE_S = 60.0  # shorter traces are decided by the drain of their last requests
+
+
+@dataclass(frozen=True)
+class Headline:
+    """S-LoRA's Table 3 method: long traces at a saturating rate, every adapter count and the base model served
+    by one running server. Trace files are <prefix>n<N>-<rate>rps-<duration>s.jsonl (perf/workload.py)."""
+
+    setting: str = "S1"
+    num_adapters: tuple[int, ...] = (2000, 5)
+    base: bool = True  # the largest n's trace on the base model too
+    rate: float = 60.0
+    duration_s: float = 120.0
+    cv: float = 1.0
+    alpha: float = 1.0
+    input_range: tuple[int, int] = (8, 512)
+    output_range: tuple[int, int] = (8, 512)
+    seed: int = 42
+    allow_short: bool = False  # smoke runs only
+
+    def __post_init__(self) -> None:
+        if self.setting not in SETTINGS:
+            raise ValueError(f"setting must be one of {', '.join(SETTINGS)}, got {self.setting!r}")
+        if not self.num_adapters or min(self.num_adapters) < 1:
+            raise ValueError(f"num_adapters must be positive counts, got {self.num_adapters}")
+        if self.duration_s < MIN_HEADLINE_S and not self.allow_short:
+            raise ValueError(f"duration_s must be >= {MIN_HEADLINE_S:g} s for the headline (the drain would decide "
+                             f"the figure), got {self.duration_s:g}; --allow-short-traces for a smoke run")  # fmt: skip
+
+    def config(self, n: int, vocab_size: int) -> TraceConfig:
+        return TraceConfig(num_adapters=n, alpha=self.alpha, req_rate=self.rate, cv=self.cv,
+                           duration=self.duration_s, input_range=self.input_range, output_range=self.output_range,
+                           vocab_size=vocab_size, adapter_prefix=SETTINGS[self.setting].prefix,
+                           seed=self.seed)  # fmt: skip
+
+    def runs(self, trace_dir: Path, vocab_size: int) -> list[RunSpec]:
+        """The headline's runs, largest n first (a fresh server starts it with no adapter resident), then the
+        smaller n, then the largest n's trace on the base model; their traces written to `trace_dir`."""
+        counts = sorted(set(self.num_adapters), reverse=True)
+        paths = [write_trace(self.config(n, vocab_size), trace_dir) for n in counts]
+        specs = [RunSpec(path) for path in paths]
+        return specs + [RunSpec(paths[0], "base")] if self.base else specs
+
+
+def trace_name(config: TraceConfig) -> str:
+    return f"{config.adapter_prefix}n{config.num_adapters}-{config.req_rate:g}rps-{config.duration:g}s"
+
+
+def write_trace(config: TraceConfig, trace_dir: Path, name: str | None = None) -> Path:
+    """The trace of `config` as a file (the same seed: the same file)."""
+    path = trace_dir / f"{name or trace_name(config)}.jsonl"
+    save_trace(generate_trace(config), path)
+    return path
+
+
+def capacity_of(run: dict[str, Any]) -> float:
+    """A saturated run's capacity: its finish rate while requests arrive (S-LoRA's throughput where unmeasured)."""
+    m = run["metrics"]
+    return float(m["window_rps"] if m.get("window_rps") else m["throughput_rps"])
+
+
+def saturated(run: dict[str, Any], margin: float = 0.95) -> bool:
+    """Whether the run's finish rate stayed below what was offered (else its capacity is only a lower bound)."""
+    return capacity_of(run) < margin * float(run["trace"]["config"]["req_rate"])
+
+
+def load_runs(spec: RunSpec, capacity_rps: float, loads: tuple[float, ...], trace_dir: Path) -> list[RunSpec]:
+    """The sweep's runs after `spec`'s: the same trace settings at each load x capacity (same mode)."""
+    config = load_trace(spec.trace_path).config
+    specs = []
+    for load in loads:
+        at = replace(config, req_rate=round(load * capacity_rps, 3))
+        specs.append(RunSpec(write_trace(at, trace_dir, f"{spec.trace_path.stem}-at{round(100 * load)}"), spec.mode))
+    return specs
+
+
+@dataclass
+class Session:
+    """One call's runs against one running server, each appended to the results file as it ends."""
+
+    client: Any
+    target: Target
+    options: ServingOptions
+    text_of: TextOf | None
+    count_tokens: Callable[[str], int]
+    prefix: str
+    out: Path
+    setup: roofline.Setup | None = None
+
+    async def run(self, spec: RunSpec, sweep: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Measure `spec` and record it (with its sweep role, if any)."""
+        run = await self.measure(spec)
+        if sweep is not None:
+            run["sweep"] = sweep
+        self.record(run)
+        return run
+
+    async def measure(self, spec: RunSpec) -> dict[str, Any]:
+        name = f"{self.prefix}-{self.target.model}-{spec.trace_path.stem}-{spec.mode}"
+        group = f"{self.prefix}-{self.target.model}"
+        return await run_one(self.client, spec, self.target, self.options, name, self.text_of, self.count_tokens,
+                             group, self.setup)  # fmt: skip
+
+    def record(self, run: dict[str, Any]) -> None:
+        append_runs(self.out, [run])
+        logger.info("%s", headline(run))
+
+    async def sweep(self, spec: RunSpec, loads: tuple[float, ...], trace_dir: Path) -> list[dict[str, Any]]:
+        """`spec` as the capacity run, then its loads: TTFT at each fraction of the measured capacity."""
+        first = await self.measure(spec)
+        capacity, full = capacity_of(first), saturated(first)
+        if not full:
+            logger.warning("%s did not saturate the server (%.2f req/s finished of %.2f offered): its capacity is a "
+                           "lower bound; raise the trace's rate", first["name"], capacity,
+                           first["trace"]["config"]["req_rate"])  # fmt: skip
+        first["sweep"] = {"role": "capacity", "capacity_rps": capacity, "saturated": full, "loads": list(loads)}
+        self.record(first)
+        runs = [first]
+        for load, at in zip(loads, load_runs(spec, capacity, loads, trace_dir), strict=True):
+            sweep = {"role": "load", "load_fraction": load, "capacity_rps": capacity, "capacity_run": first["name"]}
+            runs.append(await self.run(at, sweep))
+        return runs
+
+
 async def amain(args: argparse.Namespace) -> None:
     target = Target(args.model_name or args.target, *_routing(args))
     options = ServingOptions(streams=args.streams, time_limit_s=args.time_limit, warmup_requests=args.warmup_requests,
-                             preload=not args.no_preload, server_kernel_backend=args.server_kernel_backend)  # fmt: skip
+                             preload=not args.no_preload, server_kernel_backend=args.server_kernel_backend,
+                             progress_bar=not args.no_progress)  # fmt: skip
     text_of, count_tokens = load_tokenizer(args.tokenizer)
     client = Client(args.url)
     try:
         await client.wait_ready(target.model, args.ready_timeout)
-        for text in args.runs:
-            spec = RunSpec.parse(text)
-            name = f"{args.name_prefix}-{target.model}-{spec.trace_path.stem}-{spec.mode}"
-            group = f"{args.name_prefix}-{target.model}"
-            run = await run_one(client, spec, target, options, name, text_of, count_tokens, group)
-            append_runs(args.out, [run])
-            logger.info("%s", headline(run))
+        parameters = await client.model_parameters(options.admin_model)
+        setup = served_setup(parameters, _overrides(args), roofline.peaks_from_args(args))
+        session = Session(client, target, options, text_of, count_tokens, args.name_prefix, args.out, setup)
+        trace_dir = args.trace_dir or args.out.parent / "traces"
+        for spec in [RunSpec.parse(text) for text in args.runs] + _headline_runs(args, setup, trace_dir):
+            if args.sweep:
+                await session.sweep(spec, tuple(args.loads), trace_dir)
+            else:
+                await session.run(spec)
     finally:
         await client.close()
+
+
+def _headline_runs(args: argparse.Namespace, setup: roofline.Setup | None, trace_dir: Path) -> list[RunSpec]:
+    if not args.headline:
+        return []
+    vocab = args.vocab_size or (setup.spec.vocab_size if setup is not None else None)
+    if vocab is None:
+        raise ValueError("--vocab-size is needed: the served model's config.json is not readable here")
+    recipe = Headline(setting=args.setting, num_adapters=tuple(args.num_adapters), base=not args.no_base,
+                      rate=args.rate, duration_s=args.duration, cv=args.cv, alpha=args.alpha,
+                      input_range=tuple(args.input_range), output_range=tuple(args.output_range), seed=args.seed,
+                      allow_short=args.allow_short_traces)  # fmt: skip
+    return recipe.runs(trace_dir, vocab)
+
+
+def _overrides(args: argparse.Namespace) -> RooflineOverrides:
+    return RooflineOverrides(args.model, args.adapter_root, args.max_num_seqs, args.max_batch_tokens,
+                             args.dtype_bytes)  # fmt: skip
 
 
 def _routing(args: argparse.Namespace) -> tuple[str, str, str]:
@@ -376,9 +623,9 @@ def _routing(args: argparse.Namespace) -> tuple[str, str, str]:
     return (preset.kind, args.adapter_via or preset.adapter_via, args.adapter_key or preset.adapter_key)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", help="TRACE[@MODE], MODE one of " + ", ".join(MODES))
+    parser.add_argument("runs", nargs="*", help="TRACE[@MODE], MODE one of " + ", ".join(MODES))
     parser.add_argument("--url", default="localhost:8001", help="Triton gRPC endpoint")
     parser.add_argument("--target", default="slora", choices=("slora", "ensemble"))
     parser.add_argument("--model-name", help="served model name, if not the target's")
@@ -386,15 +633,53 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--adapter-key", help="adapter_id or lora_name")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer dir for the text target (default: word-level)")
     parser.add_argument("--streams", type=int, default=1)
-    parser.add_argument("--time-limit", type=float, default=600.0)
+    parser.add_argument("--time-limit", type=float, default=600.0, help="seconds per run")
     parser.add_argument("--warmup-requests", type=int, default=8)
     parser.add_argument("--no-preload", action="store_true")
     parser.add_argument("--ready-timeout", type=float, default=300.0)
     parser.add_argument("--server-kernel-backend", help="the server's kernel_backend, recorded so that the report "
                         "pairs this run with in-process runs of the same kernels")  # fmt: skip
     parser.add_argument("--name-prefix", default="serving")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (default: on a terminal)")
     parser.add_argument("--out", type=Path, required=True)
+    _headline_arguments(parser.add_argument_group("headline and sweep (S-LoRA's method)"))
+    _roofline_arguments(parser.add_argument_group("roofline (default: from the served model's parameters)"))
     args = parser.parse_args(argv)
+    if not args.runs and not args.headline:
+        parser.error("give traces (TRACE[@MODE]), --headline, or both")
+    return args
+
+
+def _headline_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--headline", action="store_true", help="S-LoRA's long traces (see top)")
+    group.add_argument("--setting", choices=sorted(SETTINGS), default="S1", help="the served adapters' setting")
+    group.add_argument("--num-adapters", type=int, nargs="+", default=[2000, 5])
+    group.add_argument("--no-base", action="store_true", help="no base-model run")
+    group.add_argument("--rate", type=float, default=60.0, help="req/s: a saturating one")
+    group.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals (>= 60)")
+    group.add_argument("--cv", type=float, default=1.0)
+    group.add_argument("--alpha", type=float, default=1.0)
+    group.add_argument("--input-range", type=int, nargs=2, default=(8, 512))
+    group.add_argument("--output-range", type=int, nargs=2, default=(8, 512))
+    group.add_argument("--seed", type=int, default=42)
+    group.add_argument("--vocab-size", type=int, help="default: the served model's")
+    group.add_argument("--allow-short-traces", action="store_true", help="smoke runs: traces under 60 s")
+    group.add_argument("--trace-dir", type=Path, help="where generated traces go (default: traces/ beside --out)")
+    group.add_argument("--sweep", action="store_true", help="after each run, TTFT at --loads of its capacity")
+    group.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.8], help="fractions of capacity")
+
+
+def _roofline_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--model", type=Path, help="the served model's folder (config.json)")
+    group.add_argument("--adapter-root", type=Path, help="the served adapters' folder")
+    group.add_argument("--max-num-seqs", type=int, help="the server's max_num_seqs")
+    group.add_argument("--max-batch-tokens", type=int, help="the server's max_batch_tokens")
+    group.add_argument("--dtype-bytes", type=int, help="bytes per weight element of the server")
+    roofline.add_peak_arguments(group)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     asyncio.run(amain(args))
 

@@ -1,7 +1,9 @@
 """One results file for a whole benchmark session: {"runs": [run, ...]}, each run self-describing.
 
 A run records what was measured and how: its name, kind (engine | serving | peft), the trace's configuration and
-summary, the options, the environment (commit, date, GPU, library versions) and the metrics of perf/metrics.py.
+summary, the options, the environment (commit, date, GPU, library versions) and the metrics of perf/metrics.py,
+with (engine and serving runs) `roofline` and `roofline_fraction` (perf/roofline.py); a served run of a rate sweep
+also has `sweep` (perf/bench_serving.py).
 Several processes append to the same file one after the other (perf/run_gpu.sh), so that one file holds every
 figure of a session side by side.
 """
@@ -99,12 +101,13 @@ def headline(run: dict[str, Any]) -> str:
         f"{run['name']}: {m['num_finished']}/{m['num_requests']} done in {m['duration_s']:.1f}s, "
         f"{m['throughput_rps']:.2f} req/s ({_fmt(m.get('window_rps'))} in window), "
         f"{m['output_tok_s']:.0f} out tok/s, ttft p50 {_fmt(ttft['p50'])}s p99 {_fmt(ttft['p99'])}s, "
-        f"slo {m['slo_attainment']:.3f}, satisfaction {m['user_satisfaction']:.3f}"
+        f"slo {m['slo_attainment']:.3f}, satisfaction {m['user_satisfaction']:.3f}, "
+        f"roofline fraction {_fmt(m.get('roofline_fraction'), 3)}"
     )
 
 
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 def _git_commit() -> str:

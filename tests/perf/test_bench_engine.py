@@ -42,6 +42,9 @@ def test_three_modes_complete_every_request(tiny_model: Path, tiny_adapters: Pat
         assert 0 <= m["slo_attainment"] <= 1 and 0 <= m["user_satisfaction"] <= 1
         assert m["engine_steps"] > 0 and run["env"]["commit"]
         assert m["triton_compiles"] == 0  # the torch kernels on CPU compile nothing
+        roof = m["roofline"]  # the H200's least time for this trace, far below a CPU's
+        assert roof["num_requests"] == 12 and 0 < m["roofline_fraction"] < 1
+        assert roof["limits"]["max_num_seqs"] == 256 and roof["dtype_bytes"] == 4  # float32 on CPU
         kinds = m["step_kinds"]  # on CPU no graphs: prompts make mixed steps, then eager decode steps
         assert set(kinds) == {"mixed", "decode"}, kinds
         assert sum(k["steps"] for k in kinds.values()) == m["engine_steps"]
@@ -54,6 +57,8 @@ def test_three_modes_complete_every_request(tiny_model: Path, tiny_adapters: Pat
     assert runs["lora"]["trace"]["distinct_adapters"] > 1
     assert runs["single"]["trace"]["distinct_adapters"] == 1
     assert runs["base"]["trace"]["distinct_adapters"] == 0 and runs["base"]["metrics"]["adapter_loads"] == 0
+    assert runs["base"]["metrics"]["roofline"]["bytes"]["adapters"] == 0, "the base run reads no adapter"
+    assert runs["lora"]["metrics"]["roofline"]["bytes"]["adapters"] > 0
     assert runs["lora"]["metrics"]["adapter_loads"] >= runs["lora"]["trace"]["distinct_adapters"]
     profile = (tmp_path / "profile.txt").read_text()
     assert "== torch.profiler 2 step(s)" in profile and "aten::" in profile

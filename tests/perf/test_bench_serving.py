@@ -185,3 +185,72 @@ def test_replay_gives_up_on_requests_that_never_end(tmp_path: Path) -> None:
     assert len(replay.stream_errors) == len(failed)
     assert len(replay.open) == len(failed)  # errors without a request id cannot be attributed
     assert all(replay.records[f"r{r.index}"].ok for r in trace.requests if r.adapter != bad)
+
+
+def test_headline_traces_are_long_saturating_and_ordered(tmp_path: Path) -> None:
+    recipe = bench_serving.Headline(num_adapters=(5, 2000), rate=50.0, duration_s=60.0)
+    runs = recipe.runs(tmp_path, vocab_size=1024)
+    assert [(r.trace_path.name, r.mode) for r in runs] == [
+        ("s1-n2000-50rps-60s.jsonl", "lora"), ("s1-n5-50rps-60s.jsonl", "lora"), ("s1-n2000-50rps-60s.jsonl", "base"),
+    ]  # fmt: skip
+    trace = runs[0].load()
+    assert len(trace) == 3000 and trace.config.duration == 60.0 and trace.config.vocab_size == 1024
+    assert runs[1].load().requests[7].arrival == trace.requests[7].arrival  # one seed: the same arrivals
+    assert runs[2].load().adapters() == []
+    with pytest.raises(ValueError, match="duration_s must be >= 60"):
+        bench_serving.Headline(duration_s=30.0)
+    assert bench_serving.Headline(duration_s=1.0, allow_short=True).duration_s == 1.0
+    with pytest.raises(ValueError, match="setting"):
+        bench_serving.Headline(setting="S9")
+
+
+def test_served_setup_reads_the_servers_parameters(tiny_model: Path, tiny_adapters: Path) -> None:
+    config = {"config": {"parameters": {"model": {"string_value": str(tiny_model)},
+                                        "adapter_root": {"string_value": str(tiny_adapters)},
+                                        "max_num_seqs": {"string_value": "64"},
+                                        "device": {"string_value": "cuda"}}}}  # fmt: skip
+    parameters = bench_serving.parameters_of(config)
+    peaks = bench_serving.roofline.H200_SPEC
+    setup = bench_serving.served_setup(parameters, bench_serving.RooflineOverrides(), peaks)
+    assert setup is not None and setup.dtype_bytes == 2 and setup.spec.hidden_size == 64
+    assert (setup.limits.max_num_seqs, setup.limits.max_batch_tokens) == (64, 2048)
+    assert setup.locate("s1-0001") == tiny_adapters / "s1-0001"
+    overrides = bench_serving.RooflineOverrides(max_num_seqs=8, dtype_bytes=4)
+    overridden = bench_serving.served_setup(parameters, overrides, peaks)
+    assert overridden is not None and (overridden.limits.max_num_seqs, overridden.dtype_bytes) == (8, 4)
+    elsewhere = {"model": "/no/such/model"}
+    assert bench_serving.served_setup(elsewhere, bench_serving.RooflineOverrides(), peaks) is None
+    assert bench_serving.served_dtype_bytes({"device": "cpu"}) == 4
+
+
+def test_sweep_measures_at_fractions_of_the_capacity(tiny_model: Path, tiny_adapters: Path, tmp_path: Path) -> None:
+    """The fake server keeps up with any rate, so the capacity run does not saturate (and says so); the load runs
+    replay the same trace settings at 50% and 80% of what it measured, each with its roofline."""
+    config = TraceConfig(num_adapters=4, req_rate=100, duration=0.2, input_range=(4, 8), output_range=(2, 6),
+                         vocab_size=1024)  # fmt: skip
+    spec = RunSpec(save_trace(generate_trace(config), tmp_path / "t.jsonl"))
+    setup = bench_serving.served_setup({"model": str(tiny_model), "adapter_root": str(tiny_adapters)},
+                                       bench_serving.RooflineOverrides(), bench_serving.roofline.H200_SPEC)  # fmt: skip
+    text_of, count = bench_serving.load_tokenizer(None)
+    options = bench_serving.ServingOptions(warmup_requests=1, progress_interval_s=0.2)
+    out = tmp_path / "results.json"
+    session = bench_serving.Session(FakeClient(ModelIO()), Target.named("slora"), options, text_of, count, "srv", out,
+                                    setup)  # fmt: skip
+    runs = asyncio.run(session.sweep(spec, (0.5, 0.8), tmp_path / "traces"))
+    first, *loads = runs
+    capacity = first["sweep"]["capacity_rps"]
+    assert first["sweep"]["role"] == "capacity" and first["sweep"]["saturated"] is False and capacity > 0
+    assert [r["sweep"]["load_fraction"] for r in loads] == [0.5, 0.8]
+    assert [r["trace"]["config"]["req_rate"] for r in loads] == [round(f * capacity, 3) for f in (0.5, 0.8)]
+    assert [r["name"] for r in loads] == ["srv-slora-t-at50-lora", "srv-slora-t-at80-lora"]
+    assert all(r["metrics"]["num_finished"] == r["metrics"]["num_requests"] for r in runs)
+    assert all(0 < r["metrics"]["roofline_fraction"] < 1 for r in runs)
+    stored = json.loads(out.read_text())["runs"]
+    assert [r["sweep"]["role"] for r in stored] == ["capacity", "load", "load"]
+
+
+def test_command_line_needs_runs_or_the_headline() -> None:
+    with pytest.raises(SystemExit):
+        bench_serving.parse_args(["--out", "r.json"])
+    args = bench_serving.parse_args(["--headline", "--sweep", "--out", "r.json", "--peaks", "h200-measured"])
+    assert args.duration == 120.0 and args.loads == [0.5, 0.8] and args.num_adapters == [2000, 5]

@@ -82,7 +82,24 @@ def test_replay_through_triton(server: int, target: str, tiny_model: Path, tmp_p
         assert m["num_finished"] == 10 and m["stream_errors"] == 0, m.get("first_errors")
         assert m["num_short"] == 0 and sum(run["per_request"]["num_output"]) == run["trace"]["total_output_tokens"]
         assert m["ttft_s"]["p50"] > 0 and m["throughput_rps"] > 0
+        # the roofline from the served model's parameters: its folder, its adapters, float32 on CPU
+        assert m["roofline"]["dtype_bytes"] == 4 and 0 < m["roofline_fraction"] < 1
+    adapter_bytes = [run["metrics"]["roofline"]["bytes"]["adapters"] for run in runs]
+    assert adapter_bytes[0] > 0 and adapter_bytes[1] == 0, "the base run reads no adapter"
     lora = runs[0]["metrics"]
     assert lora["preload_via"] == "adapter_command"  # host memory only, as in-process
     # The server cannot be asked to empty its pool: adapters of earlier runs stay resident, and this is recorded.
     assert isinstance(lora["adapters_on_gpu_at_start"], int)
+
+
+def test_headline_and_sweep_through_triton(server: int, tmp_path: Path) -> None:
+    """S-LoRA's method in one call, shortened: the n = 4 trace (its capacity), then 50% and 80% of it."""
+    out = tmp_path / "r.json"
+    bench_serving.main(["--url", f"localhost:{server}", "--headline", "--allow-short-traces", "--duration", "0.25",
+                        "--rate", "40", "--num-adapters", "4", "--no-base", "--sweep", "--warmup-requests", "2",
+                        "--output-range", "4", "16", "--input-range", "8", "24", "--time-limit", "60",
+                        "--out", str(out)])  # fmt: skip
+    runs = load_results(out)["runs"]
+    assert [r["sweep"]["role"] for r in runs] == ["capacity", "load", "load"]
+    assert runs[0]["trace"]["path"].endswith("traces/s1-n4-40rps-0.25s.jsonl")
+    assert all(r["metrics"]["num_finished"] == r["metrics"]["num_requests"] for r in runs)
