@@ -8,7 +8,13 @@ Targets (perf/RESULTS.md) and which runs each compares, all taken from the same 
     lora-vs-base  adapters on >= 0.90 x base model alone, on the same trace file     (same group)
     vs-peft       ours >= 30 x HF PEFT on the same trace file                        (each PEFT run)
     served        through Triton >= 0.90 x in-process, same trace file, mode and kernels (each serving run)
+    base-roofline a base-model run >= 0.70 of its roofline (issue 27)                (runs with a roofline)
 Nothing is computed from numbers that were not measured: a target with no pair of runs is listed as not run.
+
+Sections after the targets: every run (with its roofline req/s and fraction), the headline runs of S-LoRA's method
+(served, with trace length, rate, TTFT p50 / p99 and the roofline fraction; traces under 60 s flagged), TTFT at
+fractions of capacity (bench_serving --sweep), each run's roofline (perf/roofline.py: steps, bytes, FLOPs), the
+LoRA runs against their base run and the bytes floor of that ratio, and the engine's steps by kind.
 Runs of several files (several GPU calls) can be compared; the report lists each file's commit and device, and a
 pair is only as good as the two runs being on the same commit and GPU.
 """
@@ -137,29 +143,130 @@ def check_served(runs: list[Run]) -> Iterator[Check]:
             yield check
 
 
-CHECKS = (check_s1_2000, check_scaling, check_lora_vs_base, check_vs_peft, check_served)
-TARGETS = ("s1-2000", "n2000-vs-n5", "lora-vs-base", "vs-peft", "served")
+def check_base_roofline(runs: list[Run]) -> Iterator[Check]:
+    for run in runs:
+        share = run["metrics"].get("roofline_fraction")
+        if run["kind"] != "peft" and _mode(run) == "base" and share is not None:
+            yield Check("base-roofline", run["name"], "roofline", float(share), 0.70, "x")
+
+
+CHECKS = (check_s1_2000, check_scaling, check_lora_vs_base, check_vs_peft, check_served, check_base_roofline)
+TARGETS = ("s1-2000", "n2000-vs-n5", "lora-vs-base", "vs-peft", "served", "base-roofline")
 
 
 def _fmt(value: Any, digits: int = 2) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
+def _roof(run: Run) -> dict[str, Any] | None:
+    roof = run["metrics"].get("roofline")
+    return roof if isinstance(roof, dict) else None
+
+
+def _roof_rps(run: Run, key: str | None = None) -> float | None:
+    roof = _roof(run)
+    if roof is None:
+        return None
+    return float(roof[key]["rps"] if key else roof["rps"])
+
+
+def _ttft(m: dict[str, Any]) -> str:
+    return f"{_fmt(m['ttft_s']['p50'])} / {_fmt(m['ttft_s']['p99'])}"
+
+
 def runs_table(runs: list[Run]) -> list[str]:
     lines = [
         "| run | kind | n | mode | done | req/s | window req/s | out tok/s | TTFT p50 / p99 (s) | "
-        "E2E p50 / p99 (s) | SLO | satisfaction |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "E2E p50 / p99 (s) | SLO | satisfaction | roofline req/s | of roofline |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         m = run["metrics"]
         lines.append(
             f"| {run['name']} | {run['kind']} | {_n(run)} | {_mode(run)} | {m['num_finished']}/{m['num_requests']} "
             f"| {_fmt(m['throughput_rps'])} | {_fmt(m.get('window_rps'))} | {_fmt(m['output_tok_s'], 0)} "
-            f"| {_fmt(m['ttft_s']['p50'])} / {_fmt(m['ttft_s']['p99'])} | {_fmt(m['e2e_s']['p50'])} / "
-            f"{_fmt(m['e2e_s']['p99'])} | {_fmt(m['slo_attainment'], 3)} | {_fmt(m['user_satisfaction'], 3)} |"
+            f"| {_ttft(m)} | {_fmt(m['e2e_s']['p50'])} / {_fmt(m['e2e_s']['p99'])} "
+            f"| {_fmt(m['slo_attainment'], 3)} | {_fmt(m['user_satisfaction'], 3)} "
+            f"| {_fmt(_roof_rps(run))} | {_fmt(m.get('roofline_fraction'), 3)} |"
         )
     return lines
+
+
+MIN_HEADLINE_S = 60.0  # S-LoRA's method: shorter traces are decided by their drain
+
+
+def headline_table(runs: list[Run]) -> list[str]:
+    """Served runs as S-LoRA's Table 3 reports them: throughput on a long trace at a saturating rate, with TTFT."""
+    lines = ["| run | n | mode | trace s | rate req/s | req/s | TTFT p50 / p99 (s) | of roofline | note |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for run in runs:
+        if run["kind"] != "serving" or run.get("sweep", {}).get("role") == "load":
+            continue
+        m, config = run["metrics"], run["trace"]["config"]
+        duration, rate = config.get("duration"), config.get("req_rate")
+        notes = ["short trace: the drain weighs"] if duration is None or duration < MIN_HEADLINE_S else []
+        if run.get("sweep", {}).get("saturated") is False:
+            notes.append("not saturated")
+        lines.append(f"| {run['name']} | {_n(run)} | {_mode(run)} | {_fmt(duration, 0)} | {_fmt(rate, 1)} "
+                     f"| {_fmt(m['throughput_rps'])} | {_ttft(m)} | {_fmt(m.get('roofline_fraction'), 3)} "
+                     f"| {'; '.join(notes)} |")  # fmt: skip
+    return lines if len(lines) > 2 else []
+
+
+def sweep_table(runs: list[Run]) -> list[str]:
+    """bench_serving --sweep: each capacity run, then its runs at fractions of that capacity."""
+    lines = ["| capacity run | capacity req/s | load | offered req/s | req/s | TTFT p50 / p99 (s) |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for first in (r for r in runs if r.get("sweep", {}).get("role") == "capacity"):
+        capacity = float(first["sweep"]["capacity_rps"])
+        bound = "" if first["sweep"].get("saturated", True) else " (at least: not saturated)"
+        rows = [first] + [r for r in runs if r.get("sweep", {}).get("capacity_run") == first["name"]]
+        for run in rows:
+            load = run["sweep"].get("load_fraction")
+            label = "capacity" if load is None else f"{load:.0%}"
+            offered = run["trace"]["config"].get("req_rate")
+            lines.append(f"| {first['name']} | {capacity:.2f}{bound} | {label} | {_fmt(offered)} "
+                         f"| {_fmt(run['metrics']['throughput_rps'])} | {_ttft(run['metrics'])} |")  # fmt: skip
+    return lines if len(lines) > 2 else []
+
+
+def roofline_table(runs: list[Run]) -> list[str]:
+    """Each run's roofline: the ideal engine's steps, the bytes and FLOPs of the trace, the least time."""
+    lines = ["| run | steps | bound by bytes | GB weights / KV / adapters | TFLOP | roofline s | measured s "
+             "| of roofline | burst req/s | peaks |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for run in runs:
+        roof = _roof(run)
+        if roof is None:
+            continue
+        gb = {kind: value / 1e9 for kind, value in roof["bytes"].items()}
+        weights, kv = gb["weights"] + gb["lm_head"] + gb["embeddings"], gb["kv_read"] + gb["kv_write"]
+        bound = roof["memory_bound_steps"] / max(roof["steps"], 1)
+        lines.append(f"| {run['name']} | {roof['steps']} | {bound:.0%} | {weights:.0f} / {kv:.0f} / "
+                     f"{gb['adapters']:.1f} | {sum(roof['flops'].values()) / 1e12:.0f} | {roof['seconds']:.2f} "
+                     f"| {run['metrics']['duration_s']:.2f} | {_fmt(run['metrics'].get('roofline_fraction'), 3)} "
+                     f"| {roof['burst']['rps']:.2f} | {roof['peaks']['source']} |")  # fmt: skip
+    return lines if len(lines) > 2 else []
+
+
+def floor_table(checks: list[Check], runs: list[Run]) -> list[str]:
+    """LoRA runs against their base run: the measured ratio and the roofline's ratio (the bytes floor: the adapters'
+    rows on top of the same weights), on the trace and at saturation (burst)."""
+    by_name = {run["name"]: run for run in runs}
+    lines = ["| LoRA run | base run | measured | floor on the trace | floor at saturation | measured / floor "
+             "(saturation) |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for check in (c for c in checks if c.target == "lora-vs-base"):
+        lora, base = by_name[check.subject], by_name[check.reference]
+        trace, burst = _ratio_of(lora, base, None), _ratio_of(lora, base, "burst")
+        if trace is None or burst is None:
+            continue
+        lines.append(f"| {lora['name']} | {base['name']} | {check.value:.3f} | {trace:.3f} | {burst:.3f} "
+                     f"| {check.value / burst:.3f} |")  # fmt: skip
+    return lines if len(lines) > 2 else []
+
+
+def _ratio_of(lora: Run, base: Run, key: str | None) -> float | None:
+    top, bottom = _roof_rps(lora, key), _roof_rps(base, key)
+    return top / bottom if top is not None and bottom else None
 
 
 def steps_table(runs: list[Run]) -> list[str]:
@@ -223,13 +330,18 @@ def report(*results: Path) -> str:
     envs = sorted({(r["env"].get("commit"), r["env"].get("device"), r["env"].get("date_utc", "")[:10]) for r in runs})
     header = [f"# Results of {', '.join(p.name for p in results)}", ""]
     header += [f"- commit `{c}` on {d}, {day}" for c, d, day in envs]
-    steps = steps_table(runs)
     sections = [*header, "", "## Targets", "", *checks_table(checks), "", "## Runs", "", *runs_table(runs)]
-    if steps:
-        sections += ["", "## Engine steps by kind", "", *steps]
-    phases = phases_table(runs)
-    if phases:
-        sections += ["", "## Host time of a step, by phase", "", *phases]
+    optional = (
+        ("Headline: served, S-LoRA's method", headline_table(runs)),
+        ("TTFT at fractions of capacity", sweep_table(runs)),
+        ("Roofline of each run", roofline_table(runs)),
+        ("LoRA runs against their base run and the bytes floor", floor_table(checks, runs)),
+        ("Engine steps by kind", steps_table(runs)),
+        ("Host time of a step, by phase", phases_table(runs)),
+    )
+    for title, table in optional:
+        if table:
+            sections += ["", f"## {title}", "", *table]
     return "\n".join(sections)
 
 

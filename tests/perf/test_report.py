@@ -111,3 +111,65 @@ def test_engine_steps_by_kind_and_compiles_are_tabled(tmp_path: Path) -> None:
 
 def test_no_steps_section_without_step_kinds(results: Path) -> None:
     assert "## Engine steps by kind" not in report(results)
+
+
+def _with_roofline(run: dict, seconds: float, burst_rps: float, adapter_gb: float, duration: float) -> dict:
+    run["metrics"].update(duration_s=duration, roofline_fraction=seconds / duration)
+    run["metrics"]["roofline"] = {
+        "seconds": seconds, "rps": 10 / seconds, "steps": 400, "memory_bound_steps": 300, "busy_s": seconds / 2,
+        "bytes": {"weights": 5.2e12, "lm_head": 0.1e12, "embeddings": 0.0, "kv_read": 1.9e12, "kv_write": 0.1e12,
+                  "adapters": adapter_gb * 1e9},
+        "flops": {"projections": 30e12, "lm_head": 1e12, "attention": 1e12, "lora": 0.0},
+        "burst": {"rps": burst_rps, "seconds": 10 / burst_rps, "busy_s": 1.0, "steps": 100},
+        "peaks": {"source": "H200 datasheet"},
+    }  # fmt: skip
+    return run
+
+
+def test_roofline_fractions_and_the_bytes_floor_are_reported(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    lora = _with_roofline(_run("e-n2000", "engine", 2000, "lora", 27.0, "s1-n2000", "engine"), 100.0, 40.0, 30.0, 125.0)
+    base = _with_roofline(_run("e-base", "engine", 2000, "base", 30.0, "s1-n2000", "engine"), 100.0, 50.0, 0.0, 110.0)
+    old = _run("e-n5", "engine", 5, "lora", 29.0, "s1-n5", "engine")  # results written before the roofline
+    append_runs(path, [lora, base, old])
+    text = report(path)
+    runs = text.split("## Runs")[1]
+    assert "| roofline req/s | of roofline |" in runs
+    assert "| 0.10 | 0.800 |" in runs.split("| e-n2000 |")[1].splitlines()[0]
+    assert runs.split("| e-n5 |")[1].splitlines()[0].endswith("| – | – |")
+    assert "| base-roofline | e-base | roofline | 0.909 x | >= 0.7 x | yes |" in text
+    roof = text.split("## Roofline of each run")[1]
+    assert (
+        "| e-n2000 | 400 | 75% | 5300 / 2000 / 30.0 | 32 | 100.00 | 125.00 | 0.800 | 40.00 | H200 datasheet |" in roof
+    )
+    floor = text.split("## LoRA runs against their base run and the bytes floor")[1]
+    assert "| e-n2000 | e-base | 0.900 | 1.000 | 0.800 | 1.125 |" in floor
+
+
+def test_headline_and_sweep_sections(tmp_path: Path) -> None:
+    def served(name: str, rps: float, rate: float, duration: float, sweep: dict | None) -> dict:
+        run = _run(name, "serving", 2000, "lora", rps, name, "serving-slora")
+        run["trace"]["config"].update(req_rate=rate, duration=duration)
+        if sweep is not None:
+            run["sweep"] = sweep
+        return run
+
+    path = tmp_path / "r.json"
+    capacity = {"role": "capacity", "capacity_rps": 36.0, "saturated": True, "loads": [0.5, 0.8]}
+    append_runs(path, [
+        served("s-cap", 35.0, 60.0, 120.0, capacity),
+        served("s-at50", 18.0, 18.0, 120.0, {"role": "load", "load_fraction": 0.5, "capacity_rps": 36.0,
+                                              "capacity_run": "s-cap"}),
+        served("s-at80", 28.8, 28.8, 120.0, {"role": "load", "load_fraction": 0.8, "capacity_rps": 36.0,
+                                              "capacity_run": "s-cap"}),
+        served("s-short", 26.0, 40.0, 12.0, None),
+    ])  # fmt: skip
+    text = report(path)
+    head = text.split("## Headline: served, S-LoRA's method")[1].split("##")[0]
+    assert "| s-cap | 2000 | lora | 120 | 60.0 | 35.00 | 0.10 / 0.50 | – |  |" in head
+    assert "| s-short | 2000 | lora | 12 | 40.0 | 26.00 | 0.10 / 0.50 | – | short trace: the drain weighs |" in head
+    assert "s-at50" not in head
+    sweep = text.split("## TTFT at fractions of capacity")[1]
+    assert "| s-cap | 36.00 | capacity | 60.00 | 35.00 | 0.10 / 0.50 |" in sweep
+    assert "| s-cap | 36.00 | 50% | 18.00 | 18.00 | 0.10 / 0.50 |" in sweep
+    assert "| s-cap | 36.00 | 80% | 28.80 | 28.80 | 0.10 / 0.50 |" in sweep
