@@ -13,6 +13,7 @@ a request's first token and its finish (at its own output length) are known with
 The model has random weights of the config's shapes (as the engine's `load_format=dummy`), initialized directly
 on the device. PEFT is slow, so the run is bounded: the first `--max-requests` requests of the trace, and no new
 batch after `--time-limit` seconds; the results record both, and requests never served count as unfinished.
+A progress bar of served requests shows on a terminal (`--no-progress`), a log line after each round everywhere.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from perf.metrics import RequestRecord, per_request, summarize
 from perf.results import append_runs, headline, make_run, trace_info
@@ -162,8 +164,19 @@ def run_batch(
         record.finish(clock.times[r.output_len - 1], "length")
 
 
-def replay(switcher: AdapterSwitcher, trace: Trace, options: PeftOptions) -> tuple[list[RequestRecord], float]:
-    """S-LoRA's PEFT loop; returns the records and the duration (to the last finish, or the time limit)."""
+def replay(
+    switcher: AdapterSwitcher, trace: Trace, options: PeftOptions, progress: bool | None = None
+) -> tuple[list[RequestRecord], float]:
+    """S-LoRA's PEFT loop; returns the records and the duration (to the last finish, or the time limit).
+    `progress`: a bar of served requests (None: on a terminal only)."""
+    off = None if progress is None else not progress
+    with tqdm(total=len(trace), desc="peft", unit="req", disable=off, leave=False) as bar:
+        return _replay(switcher, trace, options, bar)
+
+
+def _replay(
+    switcher: AdapterSwitcher, trace: Trace, options: PeftOptions, bar: tqdm
+) -> tuple[list[RequestRecord], float]:
     remaining = list(trace.requests)
     records = {r.index: RequestRecord(r.index, r.adapter, r.input_len, r.output_len, r.arrival) for r in remaining}
     start = time.perf_counter()
@@ -182,6 +195,7 @@ def replay(switcher: AdapterSwitcher, trace: Trace, options: PeftOptions) -> tup
                 break
             run_batch(switcher, batch, records, start, options)
             served |= {r.index for r in batch}
+            bar.update(len(batch))
         remaining = [r for r in remaining if r.index not in served]
         done = len(records) - len(remaining)
         logger.info("t=%6.1fs served %d/%d (%d adapter loads, %d switches)", time.perf_counter() - start, done,
@@ -210,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--time-limit", type=float, default=90.0)
     parser.add_argument("--max-loaded", type=int, default=0)
     parser.add_argument("--name-prefix", default="peft")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (default: on a terminal)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -223,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         trace = load_trace(path).head(options.max_requests)
         switcher = AdapterSwitcher(base, args.adapter_root, options.max_loaded)
         try:
-            records, duration = replay(switcher, trace, options)
+            records, duration = replay(switcher, trace, options, progress=False if args.no_progress else None)
         except (OSError, ValueError) as exc:  # e.g. an adapter of the trace missing: next trace
             logger.error("PEFT run on %s failed: %s", path, exc)
             base = switcher.model.unload() if switcher.model is not None else base
