@@ -10,9 +10,9 @@
 # WARMUP (16), INPUT_FILE (prompts as JSONL {"text": ...} lines instead of genai-perf's synthetic ones, which it cuts
 # from English text: perf/word_prompts.py writes them for the random-weight models' word tokenizer), OUT
 # (out/genai_perf: genai_perf.csv / .json / .txt), GENAI_WHEELS (.whl/genai).
-# On a host without registry access (the GPU host), modules genai-perf needs that the host lacks are installed from
-# GENAI_WHEELS (perf/gpu_wheels.sh) into a folder of their own, and perf/genai_shim stands in for plotly (imported
-# at start, used only for plots). genai-perf runs perf_analyzer, which needs glibc >= 2.38.
+# On a host without registry access, modules genai-perf needs that the host lacks are installed from GENAI_WHEELS
+# (the offline bundle: perf/offline/README.md) into a folder of their own, and perf/genai_shim stands in for plotly
+# (imported at start, used only for plots). genai-perf runs perf_analyzer, which needs glibc >= 2.38.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
