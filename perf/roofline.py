@@ -431,7 +431,8 @@ def describe(roof: dict[str, Any], duration_s: float | None = None) -> str:
 # ---- command line ------------------------------------------------------------------------------------------------
 
 
-def add_peak_arguments(parser: argparse.ArgumentParser) -> None:
+def add_peak_arguments(parser: argparse._ActionsContainer) -> None:
+    """--peaks, --hbm-tb-s, --peak-tflops on a parser or an argument group."""
     parser.add_argument("--peaks", choices=sorted(PEAKS), default="h200", help="the GPU's peaks (roofline)")
     parser.add_argument("--hbm-tb-s", type=float, help="override the peak bandwidth, TB/s (e.g. a measured copy)")
     parser.add_argument("--peak-tflops", type=float, help="override the peak bf16 matmul rate, TFLOP/s")
