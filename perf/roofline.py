@@ -49,6 +49,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from perf.workload import MODES, RunSpec, Trace, in_mode, load_trace
 from slora.backend.model.spec import ModelSpec
 
@@ -163,78 +165,82 @@ def works_of(trace: Trace, burst: bool = False) -> list[Work]:
     return [Work(0.0 if burst else r.arrival, r.input_len, r.output_len, r.adapter) for r in trace.requests]
 
 
-@dataclass
-class _Seq:
-    work: Work
-    prefilled: int = 0  # prompt tokens processed
-    emitted: int = 0  # output tokens produced
+class _Running:
+    """The running requests, in admission order, as arrays (a step's work is a few array operations, not a loop
+    over requests: a 120 s trace has tens of thousands of steps)."""
 
-    @property
-    def decoding(self) -> bool:
-        return self.prefilled == self.work.input_len
+    def __init__(self) -> None:
+        empty = np.empty(0, dtype=np.int64)
+        self.input, self.output, self.adapter, self.prefilled, self.emitted = (empty.copy() for _ in range(5))
 
-    @property
-    def position(self) -> int:
-        """Position of the next token the model processes."""
-        return self.work.input_len + self.emitted - 1 if self.decoding else self.prefilled
+    def __len__(self) -> int:
+        return len(self.input)
 
+    def admit(self, works: list[Work], index: dict[str | None, int]) -> None:
+        """Append `works` (adapter names as indices into the cost arrays; -1: the base model)."""
+        grow = {"input": [w.input_len for w in works], "output": [w.output_len for w in works],
+                "adapter": [index[w.adapter] for w in works], "prefilled": [0] * len(works),
+                "emitted": [0] * len(works)}  # fmt: skip
+        for name, values in grow.items():
+            setattr(self, name, np.concatenate([getattr(self, name), np.asarray(values, dtype=np.int64)]))
 
-@dataclass
-class _StepCost:
-    bytes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(BYTE_KINDS, 0.0))
-    flops: dict[str, float] = field(default_factory=lambda: dict.fromkeys(FLOP_KINDS, 0.0))
+    def plan(self, budget: int) -> np.ndarray:
+        """Tokens of each request in the next step: a decode takes 1, a prompt its next chunk, in admission order
+        until the token budget is spent."""
+        need = np.where(self.prefilled == self.input, 1, self.input - self.prefilled)
+        before = np.cumsum(need) - need
+        return np.clip(budget - before, 0, need)
 
-    def seconds(self, peaks: Peaks) -> float:
-        return max(sum(self.bytes.values()) / peaks.hbm_bytes_s, sum(self.flops.values()) / peaks.flop_s)
+    def cost(self, take: np.ndarray, model: ModelCost, adapters: _AdapterArrays) -> tuple[list[int], list[int]]:
+        """(bytes by BYTE_KINDS, FLOPs by FLOP_KINDS) of the step that processes `take` tokens of each request."""
+        decoding = self.prefilled == self.input
+        start = np.where(decoding, self.input + self.emitted - 1, self.prefilled)  # position of the first token
+        active = take > 0
+        tokens = int(take.sum())
+        logits = int((active & (decoding | (self.prefilled + take == self.input))).sum())
+        kv_read = int(start[active].sum())  # the positions before each token (decode) or chunk (prompt)
+        pairs = int((take * start + take * (take + 1) // 2).sum())  # a token at position p attends to p + 1
+        used = self.adapter[active & (self.adapter >= 0)]
+        lora_tokens = take[active & (self.adapter >= 0)]
+        distinct = np.unique(used)
+        nbytes = [model.weight_bytes, model.lm_head_bytes if logits else 0, tokens * model.embed_row_bytes,
+                  kv_read * model.kv_bytes_per_token, tokens * model.kv_bytes_per_token,
+                  int(adapters.bytes[distinct].sum())]  # fmt: skip
+        flops = [tokens * model.projection_flops_per_token, logits * model.lm_head_flops_per_token,
+                 pairs * model.attention_flops_per_pair, int((adapters.flops[used] * lora_tokens).sum())]  # fmt: skip
+        return nbytes, flops
 
-    def memory_bound(self, peaks: Peaks) -> bool:
-        return sum(self.bytes.values()) / peaks.hbm_bytes_s >= sum(self.flops.values()) / peaks.flop_s
-
-
-def plan_step(running: list[_Seq], max_batch_tokens: int) -> list[tuple[_Seq, int]]:
-    """(request, tokens) of one step: in admission order, one token of a decode, the next chunk of a prompt."""
-    budget = max_batch_tokens
-    batch: list[tuple[_Seq, int]] = []
-    for seq in running:
-        if budget == 0:
-            break
-        tokens = 1 if seq.decoding else min(seq.work.input_len - seq.prefilled, budget)
-        batch.append((seq, tokens))
-        budget -= tokens
-    return batch
-
-
-def step_cost(batch: list[tuple[_Seq, int]], model: ModelCost, adapters: dict[str, AdapterCost]) -> _StepCost:
-    """Bytes and FLOPs of one step (module docstring, points 2 and 3)."""
-    cost = _StepCost()
-    tokens = logits = kv_read = pairs = 0
-    lora_tokens: dict[str, int] = {}
-    for seq, n in batch:
-        start = seq.position
-        tokens += n
-        kv_read += start  # the positions before the token (decode) or the chunk (prompt)
-        pairs += n * start + n * (n + 1) // 2  # token at position p attends to p + 1 positions
-        logits += 1 if seq.decoding or seq.prefilled + n == seq.work.input_len else 0
-        if seq.work.adapter is not None:
-            lora_tokens[seq.work.adapter] = lora_tokens.get(seq.work.adapter, 0) + n
-    cost.bytes.update(weights=model.weight_bytes, lm_head=model.lm_head_bytes if logits else 0,
-                      embeddings=tokens * model.embed_row_bytes, kv_read=kv_read * model.kv_bytes_per_token,
-                      kv_write=tokens * model.kv_bytes_per_token,
-                      adapters=sum(adapters[a].bytes for a in lora_tokens))  # fmt: skip
-    cost.flops.update(projections=tokens * model.projection_flops_per_token,
-                      lm_head=logits * model.lm_head_flops_per_token, attention=pairs * model.attention_flops_per_pair,
-                      lora=sum(adapters[a].flops_per_token * n for a, n in lora_tokens.items()))  # fmt: skip
-    return cost
+    def advance(self, take: np.ndarray) -> tuple[int, int]:
+        """Process the step: prompts move on (the last chunk yields a token), decodes yield one; the finished leave.
+        Returns (requests finished, their output tokens)."""
+        decoding = self.prefilled == self.input
+        self.prefilled = self.prefilled + np.where(decoding, 0, take)
+        self.emitted = self.emitted + ((decoding & (take > 0)) | (~decoding & (self.prefilled == self.input)))
+        done = self.emitted >= self.output
+        finished, tokens = int(done.sum()), int(self.emitted[done].sum())
+        if finished:
+            keep = ~done
+            for name in ("input", "output", "adapter", "prefilled", "emitted"):
+                setattr(self, name, getattr(self, name)[keep])
+        return finished, tokens
 
 
-def advance(batch: list[tuple[_Seq, int]]) -> None:
-    """The step's tokens processed: prompts move on (the last chunk yields a token), decodes yield one."""
-    for seq, n in batch:
-        if seq.decoding:
-            seq.emitted += 1
-        else:
-            seq.prefilled += n
-            seq.emitted += 1 if seq.decoding else 0
+@dataclass(frozen=True)
+class _AdapterArrays:
+    """Adapter costs by index (the order of `names`)."""
+
+    names: tuple[str, ...]
+    bytes: np.ndarray
+    flops: np.ndarray
+
+    @classmethod
+    def of(cls, adapters: dict[str, AdapterCost]) -> _AdapterArrays:
+        names = tuple(sorted(adapters))
+        return cls(names, np.asarray([adapters[n].bytes for n in names], dtype=np.int64),
+                   np.asarray([adapters[n].flops_per_token for n in names], dtype=np.int64))  # fmt: skip
+
+    def index(self) -> dict[str | None, int]:
+        return {None: -1, **{name: i for i, name in enumerate(self.names)}}
 
 
 @dataclass(frozen=True)
@@ -264,38 +270,33 @@ def simulate(
 ) -> Roofline:
     """Replay `works` on the ideal engine; `adapters` must hold every adapter named."""
     pending = deque(sorted(works, key=lambda w: w.arrival))
-    total = _StepCost()
-    waiting: deque[_Seq] = deque()
-    running: list[_Seq] = []
+    table = _AdapterArrays.of(adapters)
+    index = table.index()
+    waiting: deque[Work] = deque()
+    running = _Running()
+    nbytes, flops = [0] * len(BYTE_KINDS), [0] * len(FLOP_KINDS)
     clock = busy = 0.0
     steps = memory_bound = requests = output_tokens = 0
-    while pending or waiting or running:
+    while pending or waiting or len(running):
         while pending and pending[0].arrival <= clock:
-            waiting.append(_Seq(pending.popleft()))
-        if not running and not waiting:
+            waiting.append(pending.popleft())
+        if not len(running) and not waiting:
             clock = pending[0].arrival
             continue
-        while waiting and len(running) < limits.max_num_seqs:
-            running.append(waiting.popleft())
-        batch = plan_step(running, limits.max_batch_tokens)
-        cost = step_cost(batch, model, adapters)
-        seconds = cost.seconds(peaks)
-        clock, busy, steps = clock + seconds, busy + seconds, steps + 1
-        memory_bound += cost.memory_bound(peaks)
-        _accumulate(total, cost)
-        advance(batch)
-        done = [seq for seq in running if seq.emitted >= seq.work.output_len]
-        requests += len(done)
-        output_tokens += sum(seq.emitted for seq in done)
-        running = [seq for seq in running if seq.emitted < seq.work.output_len] if done else running
-    return Roofline(clock, busy, steps, memory_bound, requests, output_tokens, total.bytes, total.flops)
-
-
-def _accumulate(total: _StepCost, cost: _StepCost) -> None:
-    for kind, value in cost.bytes.items():
-        total.bytes[kind] += value
-    for kind, value in cost.flops.items():
-        total.flops[kind] += value
+        seats = min(limits.max_num_seqs - len(running), len(waiting))
+        if seats > 0:
+            running.admit([waiting.popleft() for _ in range(seats)], index)
+        take = running.plan(limits.max_batch_tokens)
+        step_bytes, step_flops = running.cost(take, model, table)
+        read_s, math_s = sum(step_bytes) / peaks.hbm_bytes_s, sum(step_flops) / peaks.flop_s
+        clock, busy, steps = clock + max(read_s, math_s), busy + max(read_s, math_s), steps + 1
+        memory_bound += read_s >= math_s
+        nbytes = [total + value for total, value in zip(nbytes, step_bytes, strict=True)]
+        flops = [total + value for total, value in zip(flops, step_flops, strict=True)]
+        finished, tokens = running.advance(take)
+        requests, output_tokens = requests + finished, output_tokens + tokens
+    return Roofline(clock, busy, steps, memory_bound, requests, output_tokens, dict(zip(BYTE_KINDS, nbytes)),
+                    dict(zip(FLOP_KINDS, flops)))  # fmt: skip
 
 
 # ---- adapters: their elements, from their files or from their perf/make_adapters.py setting -----------------------
