@@ -137,11 +137,10 @@ def test_roofline_fractions_and_the_bytes_floor_are_reported(tmp_path: Path) -> 
     assert "| roofline req/s | of roofline |" in runs
     assert "| 0.10 | 0.800 |" in runs.split("| e-n2000 |")[1].splitlines()[0]
     assert runs.split("| e-n5 |")[1].splitlines()[0].endswith("| – | – |")
-    assert "| base-roofline | e-base | roofline | 0.909 x | >= 0.7 x | yes |" in text
+    assert "| base-roofline | not run |" in text, "both traces are limited by their arrivals, not by the GPU"
     roof = text.split("## Roofline of each run")[1]
-    assert (
-        "| e-n2000 | 400 | 75% | 5300 / 2000 / 30.0 | 32 | 100.00 | 125.00 | 0.800 | 40.00 | H200 datasheet |" in roof
-    )
+    row = "| e-n2000 | 400 | 75% | 5300 / 2000 / 30.0 | 32 | 100.00 | 125.00 | 0.800 | 40.00 | arrivals |"
+    assert row + " H200 datasheet |" in roof
     floor = text.split("## LoRA runs against their base run and the bytes floor")[1]
     assert "| e-n2000 | e-base | 0.900 | 1.000 | 0.800 | 1.125 |" in floor
 
@@ -173,3 +172,13 @@ def test_headline_and_sweep_sections(tmp_path: Path) -> None:
     assert "| s-cap | 36.00 | capacity | 60.00 | 35.00 | 0.10 / 0.50 |" in sweep
     assert "| s-cap | 36.00 | 50% | 18.00 | 18.00 | 0.10 / 0.50 |" in sweep
     assert "| s-cap | 36.00 | 80% | 28.80 | 28.80 | 0.10 / 0.50 |" in sweep
+
+
+def test_base_runs_are_judged_against_a_roofline_the_gpu_limits(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    saturated = _with_roofline(
+        _run("e-base", "engine", 2000, "base", 30.0, "s1-n2000", "engine"), 100.0, 0.1, 0.0, 110.0
+    )
+    append_runs(path, [saturated])
+    assert "| base-roofline | e-base | roofline | 0.909 x | >= 0.7 x | yes |" in report(path)
+    assert "| 0.909 | 0.10 | GPU |" in report(path).split("## Roofline of each run")[1]
