@@ -102,6 +102,11 @@ class EngineConfig:
     early_abort: bool = True
     queue_timeout_s: float | None = None  # refuse a request not admitted this many seconds after it arrived
     tenant_stats_top: int = 16  # EngineStats.tenants: this many tenants, those with most requests queued (0: none)
+    # Tensor parallelism (backend/parallel/): the base model, each rank's share of the KV cache and of every adapter
+    # (S-LoRA's LoRA partition) split over this many devices: GPUs cuda:N .. cuda:N+size-1 from the configured
+    # device on (NCCL), or processes on the CPU (gloo). The engine's process is rank 0 and schedules; it starts one
+    # worker process for each other rank. 1: none. No CUDA graphs or bmm kernels with it yet.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _positive(self, "page_size", "max_batch_tokens", "max_num_seqs", "max_waiting", "host_budget_bytes")
@@ -127,6 +132,7 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 _positive_number(self, name)
         _integer_at_least(self, 0, "an integer >= 0", "tenant_stats_top")
+        _check_tensor_parallel(self)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 
@@ -225,6 +231,14 @@ def _positive_number(config: EngineConfig, *names: str) -> None:
         # `not 0 < value < inf` also refuses NaN
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
             raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def _check_tensor_parallel(config: EngineConfig) -> None:
+    _positive(config, "tensor_parallel_size")
+    if config.tensor_parallel_size > 1 and config.cuda_graphs:
+        raise ValueError("tensor_parallel_size > 1 does not run CUDA graphs yet: set cuda_graphs=false")
+    if config.tensor_parallel_size > 1 and config.kernel_backend == "bmm":
+        raise ValueError("tensor_parallel_size > 1 needs kernel_backend auto, torch or triton, not 'bmm'")
 
 
 def _choice(config: EngineConfig, name: str, choices: tuple[str, ...]) -> None:

@@ -57,6 +57,7 @@ class LLMEngine:
         self.store = parts.store
         self.cache = parts.cache
         self.model = parts.model
+        self.parallel = parts.parallel  # tensor parallelism: the other ranks' workers (backend/parallel/)
         c = self.config
         admit = effective_admit_interval(c)
         limits = SchedulerLimits(c.max_batch_tokens, c.max_num_seqs, c.prefetch_adapters, admit,
@@ -251,8 +252,11 @@ class LLMEngine:
         self.check_idle_integrity()
 
     def check_idle_integrity(self) -> None:
-        """With nothing running, every page is free or holds an unpinned adapter."""
+        """With nothing running, every page is free or holds an unpinned adapter (and with tensor parallelism,
+        every rank's pool is checked against this one's)."""
         self.pool.check_integrity()
+        if self.parallel is not None:
+            self.parallel.check_integrity()
         if self.pool.count(PageKind.KV) != 0:
             raise AssertionError(f"{self.pool.count(PageKind.KV)} KV pages are held with no request running")
 

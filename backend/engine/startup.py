@@ -7,7 +7,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from slora.backend.model.spec import LORA_MODULES, ModelSpec
 from slora.backend.model.tokenizer import load_tokenizer
 from slora.kernels.ops import KERNELS_EXTRA, Ops, make_ops
 from slora.kernels.settings import KernelSettings, triton_interpreted, warn_retired_environment
+
+if TYPE_CHECKING:
+    from slora.backend.parallel.workers import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,7 @@ class Components:
     store: AdapterStore
     cache: AdapterCache
     graphs: DecodeGraphs | None
+    parallel: WorkerGroup | None = None  # the tensor-parallel workers (ranks 1 ..) when tensor_parallel_size > 1
 
 
 def build_components(config: EngineConfig) -> Components:
@@ -54,6 +58,10 @@ def build_components(config: EngineConfig) -> Components:
         raise ValueError("kernel_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 to interpret on CPU)")
     if config.cuda_graphs and (device.type != "cuda" or config.kernel_backend not in ("auto", "triton")):
         raise ValueError("cuda_graphs needs a CUDA device and the triton kernel backend")
+    if config.tensor_parallel_size > 1:  # rank 0 of a sharded model, workers started (backend/parallel/)
+        from slora.backend.parallel.startup import build_sharded_components
+
+        return build_sharded_components(config)
     dtype = config.torch_dtype(device)
     model_path = resolve_model_path(config.model)
     spec = ModelSpec.from_dir(model_path)

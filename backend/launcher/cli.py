@@ -44,7 +44,8 @@ logger = logging.getLogger("slora.serve")
 
 # Flags that map one-to-one onto EngineConfig fields (flag dest == field name).
 ENGINE_FLAGS = ("device", "dtype", "max_model_len", "max_num_seqs", "max_batch_tokens", "max_waiting",
-                "page_size", "pool_bytes", "pool_fraction", "kernel_backend", "max_lora_rank", "seed")  # fmt: skip
+                "page_size", "pool_bytes", "pool_fraction", "kernel_backend", "max_lora_rank", "seed",
+                "tensor_parallel_size")  # fmt: skip
 DRAIN_TIMEOUT_S = 10.0  # how long the slora model may take to end its requests before tritonserver is stopped anyway
 STOP_TIMEOUT_S = 60.0  # how long tritonserver may take to exit after SIGTERM before it is killed
 LEFTOVER_GRACE_S = 5.0  # how long its stubs and engine processes may take to follow it before they are killed

@@ -36,13 +36,13 @@ class DecoderModel:
         Each sublayer's output is added to the residual stream by the next norm (ops.rms_norm fuses the add), so
         the stream after the last layer is out + residual.
         """
-        out = F.embedding(batch.input_ids, self.weights.embed)  # [num_tokens, hidden]
+        out = self._embed(batch.input_ids)  # [num_tokens, hidden]
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.weights.layers):
             out, residual = self._layer(i, layer, out, residual, batch, pool)
         rows = batch.sample_index
         last, _ = self.ops.rms_norm(out[rows], self.weights.final_norm, self.spec.rms_norm_eps, _rows(residual, rows))
-        return F.linear(last, self.weights.lm_head).float()
+        return self._logits(last)
 
     def _layer(
         self,
@@ -72,7 +72,7 @@ class DecoderModel:
         attn = self.ops.attention(q, kv_layer, batch.attn, self.scale).reshape(-1, s.q_size)
         out = self.ops.linear(attn, w.o)  # [num_tokens, hidden]
         self._lora(i, out, attn, batch, pool, (O_PROJ,), (0,))
-        return out
+        return self._reduce(out)
 
     def _mlp(self, i: int, w: LayerWeights, x: torch.Tensor, batch: ForwardBatch, pool: PagePool) -> torch.Tensor:
         inter = self.spec.intermediate_size
@@ -81,6 +81,18 @@ class DecoderModel:
         act = self.ops.silu_mul(gate_up, inter)
         out = self.ops.linear(act, w.down)  # [num_tokens, hidden]
         self._lora(i, out, act, batch, pool, (DOWN_PROJ,), (0,))
+        return self._reduce(out)
+
+    # Tensor parallelism (backend/parallel/decoder.py) overrides these three and _lora: the vocabulary-parallel
+    # embedding and logits, the all-reduce of the row-parallel projections' partial sums (o, down).
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weights.embed)
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        return F.linear(last, self.weights.lm_head).float()
+
+    def _reduce(self, out: torch.Tensor) -> torch.Tensor:
         return out
 
     def _lora(

@@ -43,6 +43,7 @@ from slora.backend.runtime.messages import (
     CommandMsg,
     EngineInfo,
     FailedMsg,
+    FatalMsg,
     HeartbeatMsg,
     LogMsg,
     LogRecord,
@@ -228,6 +229,8 @@ class EngineProcess:
                 self._resolve(message)
             elif isinstance(message, StoppedMsg):
                 break
+            elif isinstance(message, FatalMsg):  # it exits next: its requests fail with this reason
+                self._kill_reason = message.reason
         self._process.join(5 if self._stopping else 1)
         self._close()
         if not self._stopping and self._restarts_left > 0:

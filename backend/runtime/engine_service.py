@@ -79,7 +79,8 @@ class LocalEngine:
     ) -> None:
         self.loop = EngineLoop(engine)
         self._watchdog_s = watchdog_s
-        self.info = EngineInfo(engine.pool.num_pages, engine.max_model_len, len(engine.list_adapters()))
+        pids = engine.parallel.pids if engine.parallel is not None else ()
+        self.info = EngineInfo(engine.pool.num_pages, engine.max_model_len, len(engine.list_adapters()), pids)
         # Adapter reads run torch CPU ops: on threads that end with them (fresh_threads.py says why)
         self._intake = FreshThreadExecutor(max_workers=intake_threads, thread_name_prefix="slora-intake")
         self.loop.start()
@@ -100,6 +101,9 @@ class LocalEngine:
         be killed: the server replaces the whole model)."""
         if not self.loop.alive():
             return EngineHealth("failed", "the engine thread has stopped")
+        workers = self.loop.engine.parallel
+        if workers is not None and workers.failure is not None:  # no step can run: the server reloads the model
+            return EngineHealth("failed", workers.failure)
         age = self.loop.beat_age()
         if self._watchdog_s is not None and age > self._watchdog_s:
             return EngineHealth(
@@ -119,6 +123,8 @@ class LocalEngine:
     def stop(self) -> None:
         self._intake.shutdown(wait=True)
         self.loop.stop()
+        if self.loop.engine.parallel is not None:
+            self.loop.engine.parallel.close()
 
     def _submit(self, job: Submission, callback: OutputCallback) -> None:
         try:

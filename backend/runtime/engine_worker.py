@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import pickle
 import queue
 import threading
@@ -23,6 +24,7 @@ from slora.backend.runtime.messages import (
     AbortMsg,
     CommandMsg,
     FailedMsg,
+    FatalMsg,
     FromEngine,
     HeartbeatMsg,
     LogMsg,
@@ -41,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 MAX_BATCH = 4096  # queued items taken at once
 HEARTBEAT_S = 0.5
+WORKER_DIED_EXIT = 70  # the exit code after a tensor-parallel worker died (FatalMsg says which)
 PumpItem: TypeAlias = RequestOutput | EngineStats | LogRecord | FromEngine
 
 
@@ -133,6 +136,7 @@ def worker_main(config: EngineConfig, requests: Connection, outputs: Connection)
         pump.close()
         return
     service.on_stats(pump.stats)
+    _exit_when_workers_fail(service, pump)
     pump.post(ReadyMsg(service.info, service.stats()))
     beating = threading.Event()
     threading.Thread(target=_heartbeat, args=(service, pump, beating), name="slora-heartbeat", daemon=True).start()
@@ -145,6 +149,23 @@ def worker_main(config: EngineConfig, requests: Connection, outputs: Connection)
         admin.shutdown(wait=True)
         pump.post(StoppedMsg())
         pump.close()
+
+
+def _exit_when_workers_fail(service: LocalEngine, pump: OutputPump) -> None:
+    """With tensor parallelism, a worker that dies ends this process, its reason sent first: the server fails the
+    requests in flight with it and starts a new engine process, as for this process dying."""
+    workers = service.loop.engine.parallel
+    if workers is None:
+        return
+
+    def fail(reason: str) -> None:
+        pump.post(FatalMsg(reason))
+        pump.close()
+        os._exit(WORKER_DIED_EXIT)
+
+    workers.on_failure = fail
+    if workers.failure is not None:  # it died before the hook was set
+        fail(workers.failure)
 
 
 def _heartbeat(service: LocalEngine, pump: OutputPump, stop: threading.Event) -> None:

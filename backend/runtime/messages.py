@@ -1,7 +1,7 @@
 """Every message that crosses the engine-process boundary, one dataclass each (engine_process.py ⇄ engine_worker.py).
 
     server ── requests pipe ──► SubmitMsg  AbortMsg  CommandMsg  StopMsg
-    server ◄── outputs pipe ─── LogMsg  ReadyMsg  FailedMsg  OutputsMsg  ResultMsg  HeartbeatMsg  StoppedMsg
+    server ◄── outputs pipe ─── LogMsg  ReadyMsg  FailedMsg  OutputsMsg  ResultMsg  HeartbeatMsg  StoppedMsg  FatalMsg
 
 Messages are pickled by multiprocessing; every field is plain data, an engine dataclass or an exception that
 pickles (engine_worker.py replaces one that does not by a RuntimeError with its message).
@@ -54,6 +54,7 @@ class EngineInfo:
     num_pages: int
     max_model_len: int
     adapters_known: int
+    worker_pids: tuple[int, ...] = ()  # the tensor-parallel worker processes (ranks 1 ..), if any
 
 
 # ---- server → engine process -------------------------------------------------------------------------------
@@ -132,4 +133,9 @@ class StoppedMsg:
     pass
 
 
-FromEngine: TypeAlias = LogMsg | ReadyMsg | FailedMsg | OutputsMsg | ResultMsg | HeartbeatMsg | StoppedMsg
+@dataclass(frozen=True)
+class FatalMsg:
+    reason: str  # why the engine process is about to exit (a tensor-parallel worker died): the requests' error
+
+
+FromEngine: TypeAlias = LogMsg | ReadyMsg | FailedMsg | OutputsMsg | ResultMsg | HeartbeatMsg | StoppedMsg | FatalMsg
