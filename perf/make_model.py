@@ -98,8 +98,15 @@ LLAMA3_8B = ModelShape(4096, 14336, 32, 32, 8, 128256, 8192, rope_theta=500000.0
 QWEN25_7B = ModelShape(3584, 18944, 28, 28, 4, 152064, 32768, model_type="qwen2", rope_theta=1e6, rms_norm_eps=1e-6,
                        torch_dtype="bfloat16")  # fmt: skip
 
+# Tensor-parallel shapes (issue 30): Llama-2-13B's config.json, and Llama-3-70B's (GQA with 8 KV heads: at 8 ranks one
+# head each, whose pages then need page_size >= 32 to hold a hidden-wide lora_A row, backend/parallel/adapter_shard.py).
+LLAMA2_13B = ModelShape(5120, 13824, 40, 40, 40, 32000, 4096)
+LLAMA3_70B = ModelShape(8192, 28672, 80, 64, 8, 128256, 8192, rope_theta=500000.0, torch_dtype="bfloat16")
+
 SHAPES = {
     "llama2-7b": LLAMA2_7B,
+    "llama2-13b": LLAMA2_13B,
+    "llama3-70b": LLAMA3_70B,
     "llama3-8b": LLAMA3_8B,
     "qwen2.5-7b": QWEN25_7B,
     # Small enough for CPU smoke runs, large enough for prompts of up to 512 + 512 tokens. page_size 16 gives

@@ -13,6 +13,7 @@ layers, so the same collectives in the same order.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -70,10 +71,13 @@ class ShardedDecoder(DecoderModel):
         (a follower died) raises the group's error, which names the rank (workers.WorkerDiedError)."""
         if self.workers is None:
             raise RuntimeError("rank 0's decoder has no workers attached")
+        began = time.perf_counter()
         plan = plan_of(batch, adapters_of(batch))
         try:
             self.workers.send_step(plan)
-            self.comm.broadcast(batch.input_ids)
+            if self.comm.timer is not None:
+                self.comm.timer.add("step plan (host)", time.perf_counter() - began)
+            self.comm.broadcast(batch.input_ids, label="input tokens")
             return self.run(batch, plan, self._adapter_rows(batch), pool)
         except RuntimeError as exc:
             raise self.workers.error_for(exc) from exc
@@ -81,7 +85,7 @@ class ShardedDecoder(DecoderModel):
     @torch.inference_mode()
     def follow(self, plan: StepPlan, batch: ForwardBatch, adapters: list[ShardRows], pool: PagePool) -> None:
         """A follower: run rank 0's step (`batch` built from `plan`, step_plan.py); the logits stay on rank 0."""
-        self.comm.broadcast(batch.input_ids)
+        self.comm.broadcast(batch.input_ids, label="input tokens")
         self.run(batch, plan, adapters, pool)
 
     def run(self, batch: ForwardBatch, plan: StepPlan, adapters: list[ShardRows], pool: PagePool) -> torch.Tensor:
@@ -119,21 +123,22 @@ class ShardedDecoder(DecoderModel):
         outside = (local < 0) | (local >= self.plan.vocab)
         out = F.embedding(local.clamp(0, self.plan.vocab - 1), self.weights.embed)  # [num_tokens, hidden]
         out.masked_fill_(outside[:, None], 0)
-        self.comm.all_reduce(out)
+        self.comm.all_reduce(out, label="embedding all-reduce")
         return out
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
         local = F.linear(last, self.weights.lm_head)  # [num_sampled, vocab / n]
         if local.shape[0] == 0:  # no sequence samples this step (prompt chunks): nothing to gather
             return local.new_zeros((0, self.plan.spec.vocab_size), dtype=torch.float32)
-        gathered = self.comm.gather(local)  # rank 0: [n, num_sampled, vocab / n]
+        gathered = self.comm.gather(local, label="logits gather")  # rank 0: [n, num_sampled, vocab / n]
         if gathered is None:
             return local  # a follower's, never read
         logits = gathered.permute(1, 0, 2).reshape(local.shape[0], -1)
         return logits[:, : self.plan.spec.vocab_size].float()
 
     def _reduce(self, out: torch.Tensor) -> torch.Tensor:
-        self.comm.all_reduce(out)  # the row-parallel partial sums (the LoRA's slices already added: lora.py)
+        # the row-parallel partial sums (the LoRA's slices already added: lora.py)
+        self.comm.all_reduce(out, label="base all-reduce")
         return out
 
     def _lora(

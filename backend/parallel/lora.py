@@ -33,6 +33,8 @@ from slora.kernels.reference.lora import gather_rows
 from slora.kernels.settings import KernelSettings
 
 AdapterKey = tuple[str, int]
+LORA_ALL_GATHER = "lora all-gather"  # the collectives' labels (collectives.CollectiveTimer)
+LORA_ALL_REDUCE = "lora all-reduce"
 
 
 @dataclass(frozen=True)
@@ -297,7 +299,7 @@ class ShardedLora:
             site["gathered"] = h.new_empty((self.comm.size, tokens - start, local))
             site["full"] = h.new_empty((tokens, local * self.comm.size))
         gathered, full = site["gathered"], site["full"]
-        self.comm.all_gather(h[start:], out=gathered)  # [n, T_a, R/n]
+        self.comm.all_gather(h[start:], out=gathered, label=LORA_ALL_GATHER)  # [n, T_a, R/n]
         # column k·n + j of the full h is rank j's k-th row: padded row k·n + j of A (adapter_shard.py)
         full[start:].view(tokens - start, local, self.comm.size).copy_(gathered.permute(1, 2, 0))
         self.steps.expand(y, full, flat, meta.expand, first, offsets, widths, site)
@@ -308,6 +310,6 @@ class ShardedLora:
             return
         site = meta.launches.setdefault(("row", module, tuple(x.shape), tuple(y.shape)), {})
         h = self.steps.shrink(x, flat, meta.shrink, module, 1, site)  # [T, r] float32, this rank's partial sums
-        self.comm.all_reduce(h[meta.first_row :])
+        self.comm.all_reduce(h[meta.first_row :], label=LORA_ALL_REDUCE)
         start, _ = self.plan.hidden_range()
         self.steps.expand(y, h, flat, meta.expand, module, (start,), (self.plan.hidden,), site)

@@ -49,7 +49,7 @@ def _engine(config: EngineConfig) -> Iterator[LLMEngine]:
 
 
 def _jobs(model: ModelWithAdapters, lengths: list[int], seed: int) -> list[tuple[list[int], str | None]]:
-    """Every adapter (ranks 1 to 16, odd ranks, MLP-only, rslora, rank_pattern) and the base model, two prompts each."""
+    """Every adapter (ranks 1 to 64, odd ranks, MLP-only, rslora, rank_pattern) and the base model, two prompts each."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(160) for _ in range(n)] for n in lengths]
     names: list[str | None] = [None, *model.adapters]
@@ -93,19 +93,19 @@ def _equal_to_one_device_and_hf(model: ModelWithAdapters, size: int, lengths: li
     _check_against_hf(model, jobs, got)
 
 
-def test_llama_gqa_two_ranks(llama: ModelWithAdapters) -> None:
+def test_llama_gqa_two_ranks(llama_wide: ModelWithAdapters) -> None:
     """Two KV heads over two ranks; a small token budget chunks the prompts among other requests' decodes."""
-    _equal_to_one_device_and_hf(llama, 2, [5, 17, 9, 30], max_batch_tokens=40)
+    _equal_to_one_device_and_hf(llama_wide, 2, [5, 17, 9, 30], max_batch_tokens=40)
 
 
-def test_llama_four_ranks_replicate_kv_heads(llama: ModelWithAdapters) -> None:
-    """Four ranks over two KV heads: each head (and its cache) on two ranks; ranks 1 to 16 split 4 ways."""
-    _equal_to_one_device_and_hf(llama, 4, [5, 17, 9])
+def test_llama_four_ranks_replicate_kv_heads(llama_wide: ModelWithAdapters) -> None:
+    """Four ranks over two KV heads: each head (and its cache) on two ranks; ranks 1 to 64 split 4 ways."""
+    _equal_to_one_device_and_hf(llama_wide, 4, [5, 17, 9])
 
 
-def test_qwen2_two_ranks(qwen2: ModelWithAdapters) -> None:
+def test_qwen2_two_ranks(qwen2_wide: ModelWithAdapters) -> None:
     """qkv bias, tied embeddings (one vocabulary shard for both), one KV head replicated on both ranks."""
-    _equal_to_one_device_and_hf(qwen2, 2, [6, 19, 12])
+    _equal_to_one_device_and_hf(qwen2_wide, 2, [6, 19, 12])
 
 
 def test_triton_kernels_two_ranks(llama: ModelWithAdapters) -> None:
