@@ -67,8 +67,9 @@ class ShardedDecoder(DecoderModel):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: PagePool) -> torch.Tensor:
-        """Rank 0: tell the followers, then run the step; float32 logits [num_sampled, vocab]. A failed collective
-        (a follower died) raises the group's error, which names the rank (workers.WorkerDiedError)."""
+        """Rank 0: tell the followers, then run the step; float32 logits [num_sampled, vocab]. Any failure (a
+        collective failed: a follower died) gives the group up and raises workers.TensorParallelError, naming the
+        dead rank when one died (WorkerDiedError): the ranks are out of step once one leaves a forward."""
         if self.workers is None:
             raise RuntimeError("rank 0's decoder has no workers attached")
         began = time.perf_counter()
@@ -79,7 +80,7 @@ class ShardedDecoder(DecoderModel):
                 self.comm.timer.add("step plan (host)", time.perf_counter() - began)
             self.comm.broadcast(batch.input_ids, label="input tokens")
             return self.run(batch, plan, self._adapter_rows(batch), pool)
-        except RuntimeError as exc:
+        except Exception as exc:
             raise self.workers.error_for(exc) from exc
 
     @torch.inference_mode()

@@ -60,8 +60,12 @@ DEATH_WAIT_S = 5.0  # how long a failed collective waits for the dead worker to 
 STOP_TIMEOUT_S = 10.0
 
 
-class WorkerDiedError(RuntimeError):
-    """A tensor-parallel worker process exited: the engine cannot run another step."""
+class TensorParallelError(RuntimeError):
+    """The tensor-parallel group can run no more steps (its ranks are no longer in step with each other)."""
+
+
+class WorkerDiedError(TensorParallelError):
+    """A tensor-parallel worker process exited."""
 
 
 @dataclass
@@ -81,7 +85,8 @@ class WorkerGroup:
         self._store = store  # rank 0 serves the group's rendezvous store: kept while the group lives
         self.pool: MirroredPagePool | None = None  # rank 0's, attached once built: its events go with each step
         self.on_failure: Callable[[str], None] | None = None  # called (on a reader thread) when a worker dies
-        self.failure: str | None = None  # why the group cannot run: the first worker death
+        self.failure: str | None = None  # why the group cannot run: the first worker death, or rank 0's failed step
+        self._died = False  # whether `failure` is a worker's death
         self._workers = workers
         self._replies: queue.Queue[SyncReply] = queue.Queue()
         self._ready: queue.Queue[int] = queue.Queue()
@@ -153,13 +158,17 @@ class WorkerGroup:
         if errors:
             raise PoolIntegrityError("; ".join(errors))
 
-    def error_for(self, exc: BaseException) -> BaseException:
-        """The error to raise for a collective that failed with `exc`: the worker death behind it, when there is
-        one (waiting a little for it to be identified), else `exc`."""
+    def error_for(self, exc: BaseException) -> TensorParallelError:
+        """The error to raise for a step that failed with `exc` on rank 0: the worker death behind it (waiting a
+        little for it to be identified), else `exc` itself, after which the group is given up: the workers may be
+        waiting in a collective rank 0 will never reach, and the next step's would be paired with it."""
         deadline = time.monotonic() + DEATH_WAIT_S
         while self.failure is None and time.monotonic() < deadline and not self._closing:
             time.sleep(0.05)
-        return WorkerDiedError(self.failure) if self.failure is not None else exc
+        if self.failure is None:
+            self._give_up(f"rank 0's step failed ({type(exc).__name__}: {exc}); the workers were stopped")
+        assert self.failure is not None
+        return (WorkerDiedError if self._died else TensorParallelError)(self.failure)
 
     # ---- stopping and failing -------------------------------------------------------------------------------
 
@@ -207,22 +216,26 @@ class WorkerGroup:
                   + (f"exited with code {code}" if code is not None else "closed its channel"))  # fmt: skip
         if worker.failed:
             reason += f": {worker.failed}"
+        self._give_up(reason, died=True)
+
+    def _give_up(self, reason: str, died: bool = False) -> None:
+        """Record why no step can run any more, stop every worker, and tell `on_failure` (once)."""
         with self._lock:
             if self.failure is not None or self._closing:
                 return
-            self.failure = reason
+            self.failure, self._died = reason, died
         logger.error("%s; the engine cannot run another step", reason)
         if self.comm.device.type == "cuda":
             self.comm.abort()  # NCCL waits for a dead rank forever; gloo's collectives fail by themselves
-        _kill([w for w in self._workers if w is not worker])
+        _kill(self._workers)
         if self.on_failure is not None:
             self.on_failure(reason)
 
     def _check_alive(self) -> None:
         if self.failure is not None:
-            raise WorkerDiedError(self.failure)
+            raise (WorkerDiedError if self._died else TensorParallelError)(self.failure)
         if self._closing:
-            raise WorkerDiedError("the tensor-parallel workers have been stopped")
+            raise TensorParallelError("the tensor-parallel workers have been stopped")
 
     def _pool(self) -> MirroredPagePool:
         if self.pool is None:

@@ -33,9 +33,9 @@ _references: dict[tuple[str, str | None], Any] = {}  # HF models, loaded once pe
 
 
 def _config(model: ModelWithAdapters, size: int, **options: object) -> EngineConfig:
-    values = {"model": str(model.base), "adapter_root": str(model.adapter_root), "pool_bytes": 8 << 20,
-              "page_size": 8, "tensor_parallel_size": size, **CPU}  # fmt: skip
-    return EngineConfig(**{**values, **options})  # type: ignore[arg-type]
+    values: dict[str, Any] = {"model": str(model.base), "adapter_root": str(model.adapter_root),
+                              "pool_bytes": 8 << 20, "page_size": 8, "tensor_parallel_size": size, **CPU}  # fmt: skip
+    return EngineConfig(**{**values, **options})
 
 
 @contextmanager
@@ -104,8 +104,9 @@ def test_llama_four_ranks_replicate_kv_heads(llama_wide: ModelWithAdapters) -> N
 
 
 def test_qwen2_two_ranks(qwen2_wide: ModelWithAdapters) -> None:
-    """qkv bias, tied embeddings (one vocabulary shard for both), one KV head replicated on both ranks."""
-    _equal_to_one_device_and_hf(qwen2_wide, 2, [6, 19, 12])
+    """qkv bias, tied embeddings (one vocabulary shard for both), one KV head replicated on both ranks; with the
+    GPU's defaults of overlapped steps (the input tokens broadcast while still being sampled) and admit_when_copied."""
+    _equal_to_one_device_and_hf(qwen2_wide, 2, [6, 19, 12], overlap_steps=True, admit_when_copied=True)
 
 
 def test_triton_kernels_two_ranks(llama: ModelWithAdapters) -> None:

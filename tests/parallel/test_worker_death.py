@@ -10,10 +10,14 @@ import queue
 import signal
 import time
 
+import pytest
+
 from slora.backend.config import EngineConfig
 from slora.backend.engine.llm_engine import LLMEngine
 from slora.backend.engine.outputs import RequestOutput
 from slora.backend.engine.sampling_params import SamplingParams
+from slora.backend.parallel.decoder import ShardedDecoder
+from slora.backend.parallel.workers import TensorParallelError
 from slora.backend.runtime.engine_process import EngineProcess
 from slora.backend.runtime.engine_service import EngineService, LocalEngine
 from slora.backend.runtime.messages import Submission
@@ -95,3 +99,24 @@ def _tokens_of(outputs: queue.Queue[RequestOutput]) -> list[int]:
         tokens += output.new_token_ids
         if output.finished:
             return tokens
+
+
+def test_a_failed_step_on_rank_0_stops_the_workers(llama: ModelWithAdapters, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 leaving a forward half-way (here: a LoRA call raising) leaves the workers in a collective it will never
+    reach: the group is given up, its workers stopped, and every later step refuses with the reason."""
+    engine = LLMEngine(_config(llama))
+    assert engine.parallel is not None
+    workers = list(engine.parallel._workers)
+
+    def broken(*args: object) -> None:
+        raise ValueError("a bug in a LoRA call")
+
+    assert isinstance(engine.model, ShardedDecoder)
+    monkeypatch.setattr(engine.model.lora, "row", broken)
+    engine.add_request(PROMPT, "r3-all", SHORT)
+    with pytest.raises(TensorParallelError, match=r"rank 0's step failed \(ValueError: a bug in a LoRA call\)"):
+        engine.step()
+    assert all(w.process.poll() is not None for w in workers)
+    with pytest.raises(TensorParallelError, match="rank 0's step failed"):
+        engine.step()
+    engine.parallel.close()
