@@ -44,7 +44,8 @@ def test_three_modes_complete_every_request(tiny_model: Path, tiny_adapters: Pat
         assert m["triton_compiles"] == 0  # the torch kernels on CPU compile nothing
         roof = m["roofline"]  # the H200's least time for this trace, far below a CPU's
         assert roof["num_requests"] == 12 and 0 < m["roofline_fraction"] < 1
-        assert roof["limits"]["max_num_seqs"] == 256 and roof["dtype_bytes"] == 4  # float32 on CPU
+        config = run["options"]["engine"]["config"]
+        assert roof["limits"]["max_num_seqs"] == config["max_num_seqs"] and roof["dtype_bytes"] == 4  # float32
         kinds = m["step_kinds"]  # on CPU no graphs: prompts make mixed steps, then eager decode steps
         assert set(kinds) == {"mixed", "decode"}, kinds
         assert sum(k["steps"] for k in kinds.values()) == m["engine_steps"]

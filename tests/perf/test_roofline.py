@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,30 @@ def test_peaks_can_be_overridden_with_measured_figures() -> None:
     assert (custom.hbm_bytes_s, custom.flop_s) == pytest.approx((4.1e12, 700e12)) and "overridden" in custom.source
     with pytest.raises(ValueError, match="flop_s"):
         Peaks(1.0, 0.0, "x")
+
+
+def test_older_results_get_their_roofline(tiny_model: Path, tiny_adapters: Path, tmp_path: Path) -> None:
+    """python -m perf.roofline --results: each run without a roofline gets one, under its own engine's limits."""
+    from perf.results import append_runs, load_results, make_run
+    from perf.workload import TraceConfig, generate_trace, save_trace
+
+    config = TraceConfig(num_adapters=3, req_rate=50, duration=0.2, input_range=(4, 9), output_range=(2, 5),
+                         vocab_size=1024)  # fmt: skip
+    trace_path = save_trace(generate_trace(config), tmp_path / "s1-n3.jsonl")
+    trace = {"path": str(trace_path), "config": {"num_adapters": 3, "adapter_prefix": "s1-"}}
+    metrics = {"duration_s": 1.0}
+    engine = {"mode": "lora", "engine": {"config": {"max_num_seqs": 3, "max_batch_tokens": 16}}}
+    runs = [
+        make_run("e", "engine", trace, engine, dict(metrics)),
+        make_run("s", "serving", trace, {"mode": "base"}, dict(metrics)),
+        make_run("p", "peft", trace, {}, dict(metrics)),
+    ]
+    results = tmp_path / "results.json"
+    append_runs(results, runs)
+    roofline.main(["--model", str(tiny_model), "--adapter-root", str(tiny_adapters), "--results", str(results)])
+    stored = {run["name"]: run["metrics"] for run in load_results(results)["runs"]}
+    assert stored["e"]["roofline"]["limits"] == {"max_num_seqs": 3, "max_batch_tokens": 16}
+    served = stored["s"]["roofline"]
+    assert served["limits"] == asdict(Limits.engine_defaults()) and served["bytes"]["adapters"] == 0
+    assert stored["e"]["roofline_fraction"] == pytest.approx(stored["e"]["roofline"]["seconds"])
+    assert "roofline" not in stored["p"], "PEFT runs have no engine limits to model"
