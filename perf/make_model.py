@@ -9,8 +9,9 @@ The engine makes random weights of the config's shapes, so a Llama-2-7B-shaped m
 
 Shapes (--list prints them): llama2-7b (S-LoRA's model: MHA, vocab 32000), llama3-8b (GQA 32/8 heads, vocab
 128256, rope_theta 500000, context 8192), qwen2.5-7b (Qwen2ForCausalLM: GQA 28/4 heads, qkv bias, vocab 152064,
-rope_theta 1e6, context 32768), tiny and tiny-deep (CPU smoke runs). `--tiny` keeps a shape's architecture, bias,
-rope and head grouping and shrinks its widths, layers and vocabulary (ModelShape.tiny).
+rope_theta 1e6, context 32768), llama2-13b and llama3-70b (tensor parallelism), tiny and tiny-deep (CPU smoke
+runs). `--tiny` keeps a shape's architecture, bias, rope and head grouping and shrinks its widths, layers and
+vocabulary (ModelShape.tiny).
 
 The tokenizer (on by default) is a word-level one over the whole vocabulary: id i <-> the word "t<i>" (ids 0-2 are
 <unk>, <s>, </s>). A prompt of token ids rendered as "t17 t923 ..." tokenizes back to exactly those ids, so the
