@@ -27,6 +27,7 @@ class Collected:
     responses: int = 0
     final: bool = False
     error: str | None = None
+    first_token_at: float | None = None  # time.monotonic() of the first response carrying a token
 
     @property
     def text(self) -> str:
@@ -84,6 +85,8 @@ def _fold(collected: Collected, result: Any) -> None:
     collected.output_names.update(output.name for output in response.outputs)
     ids = result.as_numpy("output_ids")
     if ids is not None:
+        if ids.size and collected.first_token_at is None:
+            collected.first_token_at = time.monotonic()
         collected.token_ids += ids.tolist()
     text = result.as_numpy("text_output")
     if text is not None and text.size:

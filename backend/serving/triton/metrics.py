@@ -15,6 +15,12 @@
     slora_engine_serving                            gauge      1 while the engine serves, 0 while it restarts or
                                                                has failed (the model's readiness follows it)
     slora_requests_finished_total{reason=...}       counter    reason: length|stop|abort|error|rejected
+    slora_requests_refused_total{reason=...}        counter    refused by admission: ttft_slo (its deadline
+                                                               passed), ttft_slo_early, queue_timeout
+    slora_tenant_requests{tenant, state}            gauge      running / waiting requests of the busiest
+                                                               tenants (EngineConfig.tenant_stats_top of them;
+                                                               MAX_TENANT_SERIES tenants at most, ever)
+    slora_tenant_tokens{tenant, kind}               gauge      prompt / output tokens served to each of them
     slora_time_to_first_token_seconds               histogram  arrival at the model → first token
     slora_inter_token_latency_seconds               histogram  between two tokens of one request
     vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}   gauge (opt-in)
@@ -45,6 +51,8 @@ logger = logging.getLogger(__name__)
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 FINISH_REASONS = ("length", "stop", "abort", "error", "rejected")
+REFUSAL_REASONS = ("ttft_slo", "ttft_slo_early", "queue_timeout")  # EngineStats.refused_<reason>
+MAX_TENANT_SERIES = 256  # tenants with series of their own, in the server's life
 LORA_INFO_METRIC = "vllm:lora_requests_info"
 
 
@@ -97,7 +105,12 @@ class TritonMetrics(NullMetrics):
                 "slora_engine_restarts_total", "Engine processes started again after one exited unexpectedly", counter
             ),
         }
-        self.counters = {key: family.Metric(labels={}) for key, family in self.counters.items()}
+        refused = self._family("slora_requests_refused_total", "Requests refused by admission, by reason", counter)
+        self.counters.update({f"refused_{reason}": refused for reason in REFUSAL_REASONS})
+        self.counters = {
+            key: family.Metric(labels={"reason": key.removeprefix("refused_")} if key.startswith("refused_") else {})
+            for key, family in self.counters.items()
+        }
         finished = self._family("slora_requests_finished_total", "Requests finished, by reason", counter)
         self.finished = {reason: finished.Metric(labels={"reason": reason}) for reason in FINISH_REASONS}
         self.ttft = self._family("slora_time_to_first_token_seconds", "Arrival to first token", histogram).Metric(
@@ -109,6 +122,11 @@ class TritonMetrics(NullMetrics):
         self.serving = self._family("slora_engine_serving", "1 while the engine serves, else 0", gauge).Metric(
             labels={}
         )
+        self._tenant_families: tuple[Any, ...] = (
+            self._family("slora_tenant_requests", "Requests of the busiest tenants by state", gauge),
+            self._family("slora_tenant_tokens", "Tokens served to the busiest tenants by kind", gauge),
+        )
+        self._tenant_metrics: dict[str, tuple[Any, ...]] = {}
         self._lora_info = lora_info
         self._lora_family: Any = None
         self._lora_labels: tuple[str, str] | None = None
@@ -146,6 +164,8 @@ class TritonMetrics(NullMetrics):
         # Metrics must go before their families.
         self.pages = self.adapters = self.requests = self.counters = self.finished = {}
         self.kv_usage = self.ttft = self.itl = self.serving = self._lora_metric = self._lora_family = None
+        self._tenant_metrics = {}
+        self._tenant_families = ()
         self._families.clear()
 
     # ---- the metrics thread -----------------------------------------------------------------------------------
@@ -194,8 +214,32 @@ class TritonMetrics(NullMetrics):
             if total > self._counted[key]:
                 metric.increment(total - self._counted[key])
                 self._counted[key] = total
+        self._publish_tenants(stats)
         if self._lora_info:
             self._publish_lora_info(stats)
+
+    def _publish_tenants(self, stats: EngineStats) -> None:
+        """The busiest tenants' gauges. A tenant's series are made when it is first among them and kept (a
+        deleted series is a message to the server each time, and the busiest set changes every step), up to
+        MAX_TENANT_SERIES tenants in the server's life; tenants beyond that are not exported."""
+        for tenant in stats.tenants:
+            metrics = self._tenant_series(tenant.tenant)
+            if metrics is None:
+                continue
+            for metric, value in zip(metrics, (tenant.running, tenant.waiting, tenant.prompt_tokens,
+                                               tenant.output_tokens)):  # fmt: skip
+                metric.set(value)
+
+    def _tenant_series(self, name: str) -> tuple[Any, ...] | None:
+        if name not in self._tenant_metrics and len(self._tenant_metrics) < MAX_TENANT_SERIES:
+            requests, tokens = self._tenant_families
+            self._tenant_metrics[name] = (
+                requests.Metric(labels={"tenant": name, "state": "running"}),
+                requests.Metric(labels={"tenant": name, "state": "waiting"}),
+                tokens.Metric(labels={"tenant": name, "kind": "prompt"}),
+                tokens.Metric(labels={"tenant": name, "kind": "output"}),
+            )
+        return self._tenant_metrics.get(name)
 
     def _publish_lora_info(self, stats: EngineStats) -> None:
         labels = (",".join(stats.running_adapters), ",".join(stats.waiting_adapters))
