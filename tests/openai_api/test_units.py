@@ -12,11 +12,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from slora.backend.launcher.cli import parse_options
+from slora.backend.launcher.openai_frontend import OpenAILaunch, check_openai_port
 from slora.backend.serving.openai_api.app import build_app
 from slora.backend.serving.openai_api.chat import ChatRenderer
 from slora.backend.serving.openai_api.config import OpenAIConfig
 from slora.backend.serving.openai_api.errors import OpenAIError, from_triton
-from slora.backend.launcher.openai_frontend import OpenAILaunch, check_openai_port
 from slora.backend.serving.openai_api.models import ModelNames, ModelRegistry
 from slora.backend.serving.openai_api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from slora.backend.serving.openai_api.responses import Head
