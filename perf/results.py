@@ -4,7 +4,7 @@ A run records what was measured and how: its name, kind (engine | serving | peft
 summary, the options, the environment (commit, date, GPU, library versions) and the metrics of perf/metrics.py,
 with (engine and serving runs) `roofline` and `roofline_fraction` (perf/roofline.py); a served run of a rate sweep
 also has `sweep` (perf/bench_serving.py).
-Several processes append to the same file one after the other (perf/run_gpu.sh), so that one file holds every
+Several processes append to the same file one after the other (perf/offline/run_lab.sh), so that one file holds every
 figure of a session side by side.
 """
 

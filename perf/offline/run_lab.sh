@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Issue 5's benchmarks on one GPU host, inside its limits (10 minutes a command), writing under $OUT.
+# The benchmarks as suites for a lab GPU host without a package registry whose commands may last at most 10 minutes
+# (the bundle of perf/offline/gpu_wheels.sh carried beside the tree), writing under $OUT. On your own GPU machine, run
+# the commands of perf/README.md instead.
 #
-#   SLORA_COMMIT=$(git rev-parse HEAD) bash perf/run_gpu.sh [SUITE ...]        (default suite: all)
+#   SLORA_COMMIT=$(git rev-parse HEAD) bash perf/offline/run_lab.sh [SUITE ...]        (default suite: all)
 #
 # Suites (each meant to fit one 10-minute call; in brackets a planning estimate for the H200, not a measurement:
 # dominated by building 7B random weights once per engine/server process and by how fast the engine drains the
@@ -65,9 +67,9 @@
 # into gpu_log.csv), PY (python3), OUT, WORK, PORT_BASE (8000), GPU_ENV (.whl/gpu-env.sh; "none" skips it).
 # CPU rehearsal of the whole script (about 1-2 minutes on 2 cores; the torch kernels, as Triton needs a GPU):
 #   GPU_ENV=none PY=python KERNEL=torch SHAPE=tiny DEVICE=cpu N_BIG=40 RATE=20 DURATION=1 LENGTHS="8 48" \
-#   PROFILE="5 2" PEFT_REQUESTS=10 PEFT_LIMIT=20 OUT=/tmp/perf-out WORK=/tmp/perf-work bash perf/run_gpu.sh all
+#   PROFILE="5 2" PEFT_REQUESTS=10 PEFT_LIMIT=20 OUT=/tmp/perf-out WORK=/tmp/perf-work bash perf/offline/run_lab.sh all
 
-cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 GPU_ENV=${GPU_ENV:-.whl/gpu-env.sh}  # the GPU host's wheels and server bundle; GPU_ENV=none skips it
 if [[ -f $GPU_ENV ]]; then
   # shellcheck disable=SC1090
@@ -121,7 +123,7 @@ LOG=$OUT/run.log
 SERVER_PID=""
 mkdir -p "$OUT" "$WORK/traces"
 
-log() { echo "$(date +%T) run_gpu: $*" | tee -a "$LOG" >&2; }
+log() { echo "$(date +%T) run_lab: $*" | tee -a "$LOG" >&2; }
 elapsed() { echo $(( $(date +%s) - START )); }
 remaining() { echo $(( BUDGET_S - $(elapsed) )); }
 
@@ -152,7 +154,7 @@ setup() {
   "$PY" -c "import slora.backend.engine.llm_engine" 2>/dev/null \
     || "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 \
     || log "pip install -e . failed"
-  # Triton 2.51's stub needs NumPy 1 (backend/stub_compat.py): perf/gpu_wheels.sh carries it in .whl/stub/, for the
+  # Triton 2.51's stub needs NumPy 1 (backend/stub_compat.py): perf/offline/gpu_wheels.sh carries it in .whl/stub/, for the
   # stub alone (the host's SciPy needs its NumPy 2).
   if compgen -G ".whl/stub/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/stub-site .whl/stub/*.whl \
