@@ -32,7 +32,14 @@ from typing import Any
 from slora.backend.config import EngineConfig
 from slora.backend.launcher.model_repository import render_repository
 from slora.backend.launcher.openai_frontend import OpenAIFrontend, OpenAILaunch, check_openai_port
-from slora.backend.launcher.processes import answers_ok, child_setup, kill_group, reap_group
+from slora.backend.launcher.processes import (
+    answers_ok,
+    child_setup,
+    kill_group,
+    reap_group,
+    remove_shm_regions,
+    stub_shm_regions,
+)
 from slora.backend.launcher.server_locator import TritonInstall, locate_server
 from slora.backend.launcher.supervisor import Supervisor, SupervisorSettings
 from slora.backend.model.default_model import resolve_model_path
@@ -48,6 +55,7 @@ ENGINE_FLAGS = ("device", "dtype", "max_model_len", "max_num_seqs", "max_batch_t
                 "tensor_parallel_size")  # fmt: skip
 DRAIN_TIMEOUT_S = 10.0  # how long the slora model may take to end its requests before tritonserver is stopped anyway
 STOP_TIMEOUT_S = 60.0  # how long tritonserver may take to exit after SIGTERM before it is killed
+DRAINED_STOP_S = 8.0  # how long tritonserver may take to exit once every request has ended (open client streams)
 LEFTOVER_GRACE_S = 5.0  # how long its stubs and engine processes may take to follow it before they are killed
 
 
@@ -411,41 +419,53 @@ def _announce(options: LaunchOptions) -> None:
 
 def _shutdown(process: subprocess.Popen, force: threading.Event, drain_file: Path | None) -> int:
     """Stop tritonserver: the slora model ends its requests, then SIGTERM; kill it if it hangs or on a second
-    Ctrl-C. Then make sure that none of its processes (Python stubs, engine processes) outlives it."""
-    if process.poll() is None and drain_file is not None:
-        _drain(process, drain_file, force)
-    if process.poll() is None:
-        _terminate(process, force)
+    Ctrl-C. Then make sure that none of its processes (Python stubs, engine processes) outlives it, nor their
+    shared-memory regions. Returns its exit status, 0 when it was stopped after every request had ended."""
+    regions = stub_shm_regions(process.pid)
+    drained = process.poll() is None and drain_file is not None and _drain(process, drain_file, force)
+    stopped_after_drain = process.poll() is None and _terminate(process, force, drained)
     reap_group(process.pid, force, LEFTOVER_GRACE_S)
+    remove_shm_regions(regions)
     logger.info("tritonserver exited with status %s", process.returncode)
-    return int(process.returncode)
+    return 0 if stopped_after_drain else int(process.returncode)
 
 
-def _drain(process: subprocess.Popen, drain_file: Path, force: threading.Event) -> None:
-    """Ask the slora model to end every request in flight and wait until it has (drain.py)."""
+def _drain(process: subprocess.Popen, drain_file: Path, force: threading.Event) -> bool:
+    """Ask the slora model to end every request in flight and wait until it has (drain.py); False if it did not
+    say so in time."""
     logger.info("stopping: ending the requests in flight (Ctrl-C again to stop at once)")
     drain_file.touch()
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while not drain.done_file(drain_file).exists():
         if process.poll() is not None or force.is_set():
-            return
+            return False
         if time.monotonic() > deadline:
             logger.warning("the requests in flight did not end within %.0f s; stopping anyway", DRAIN_TIMEOUT_S)
-            return
+            return False
         force.wait(0.05)
+    return True
 
 
-def _terminate(process: subprocess.Popen, force: threading.Event) -> None:
+def _terminate(process: subprocess.Popen, force: threading.Event, drained: bool) -> bool:
+    """SIGTERM, and wait. Triton 2.51 then waits for every gRPC stream a client holds open, even an idle one, which
+    keeps its last model loaded: once every request has ended (`drained`), it gets DRAINED_STOP_S to exit and is then
+    stopped, which loses nothing (True). Killed on a second Ctrl-C or after STOP_TIMEOUT_S otherwise (False)."""
     logger.info("stopping tritonserver")
     process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
+    deadline = time.monotonic() + (DRAINED_STOP_S if drained else STOP_TIMEOUT_S)
     while process.poll() is None and not force.is_set() and time.monotonic() < deadline:
         force.wait(0.1)
-    if process.poll() is None:
+    if process.poll() is not None:
+        return False
+    if drained and not force.is_set():
+        logger.info("every request has ended, but tritonserver still waits for clients' open gRPC streams; "
+                    "stopping it")  # fmt: skip
+    else:
         reason = "interrupted again" if force.is_set() else f"tritonserver did not stop within {STOP_TIMEOUT_S:.0f} s"
         logger.warning("%s: killing it", reason)
-        kill_group(process.pid)
-        process.wait()
+    kill_group(process.pid)
+    process.wait()
+    return drained and not force.is_set()
 
 
 if __name__ == "__main__":

@@ -73,3 +73,27 @@ def kill_group(group: int) -> None:
         os.killpg(group, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+SHM_PREFIX = "triton_python_backend_shm_region_"  # the Python backend's region of each stub, named on its command line
+
+
+def stub_shm_regions(group: int) -> list[str]:
+    """The shared-memory regions of the Python stubs in process group `group` (read while they run)."""
+    regions = []
+    for pid in live_members(group):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        regions += [arg.decode() for arg in args if arg.startswith(SHM_PREFIX.encode())]
+    return regions
+
+
+def remove_shm_regions(regions: list[str]) -> None:
+    """Remove those of `regions` still in /dev/shm: a stub killed before it could clean up leaves its own."""
+    shm = Path("/dev/shm")
+    for name in regions:
+        for path in shm.glob(f"{name}*"):  # the region, and any the backend made beside it under its name
+            logger.info("removing the shared-memory region %s that a stopped stub left", path.name)
+            path.unlink(missing_ok=True)

@@ -149,3 +149,25 @@ def test_client_gone_mid_stream_does_not_hold_up_the_stop(tmp_path: Path) -> Non
     finally:
         _kill(server, groups)
     _check_stopped(server, code, seconds, remaining)
+
+
+def test_an_idle_client_stream_does_not_hold_up_the_stop(tmp_path: Path, tokenizer: Any) -> None:
+    """A client keeps its gRPC stream open after its request ended: Triton 2.51 unloads its models, then waits
+    for that stream; slora-serve stops it soon after, cleanly, and no shared-memory region of its stubs is left."""
+    server = launch(tmp_path, *SERVER_OPTIONS)
+    groups = _server_groups(server)
+    regions = [arg for _, command in live_processes().values() if str(server.workspace) in command
+               for arg in command.split() if arg.startswith("triton_python_backend_shm_region_")]  # fmt: skip
+    ids = tokenizer.encode(PROMPT, add_special_tokens=True)
+    stream = Stream(server.grpc_url, "slora", token_inputs(ids, sampling={"temperature": 0, "max_tokens": 4}))
+    try:
+        assert stream.wait_for_end() in ("length", "stop")  # the request is over; the stream stays open
+        started = time.monotonic()
+        server.process.send_signal(signal.SIGINT)
+        code, seconds = _wait_for_exit(server, started)
+        remaining = _remaining(groups)
+    finally:
+        stream.close()
+        _kill(server, groups)
+    _check_stopped(server, code, seconds, remaining)
+    assert regions and not [r for r in regions if list(Path("/dev/shm").glob(f"{r}*"))]
