@@ -31,14 +31,18 @@ class EngineConfig:
     page_size: int = 16  # tokens per KV page
     pool_bytes: int | None = None
     pool_fraction: float | None = None
-    max_batch_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
-    max_num_seqs: int = 256  # running requests at most
+    # Fields whose default is None ("auto") are resolved once at start from the device, the model and the pool, each
+    # by a rule of backend/engine/defaults.py, and logged; on CPU they resolve to what they were before "auto".
+    max_batch_tokens: int | None = None  # token budget of one step (prefill chunks + decodes); auto: 2048 on CPU
+    max_num_seqs: int | None = None  # running requests at most; auto: 256 on CPU, from the pool's tokens on CUDA
     max_model_len: int | None = None  # prompt + output tokens; defaults to the model's context
     max_waiting: int = 4096  # queued requests beyond this are refused (EngineOverloadedError)
     adapter_root: str | None = None  # adapters found by name: <adapter_root>/<name>/adapter_config.json
     adapter_registry: str | None = None  # multi_lora.json: {"name": "path", ...}
-    host_budget_bytes: int = 8 * GiB  # host memory for adapters, LRU beyond it
-    preload_adapters: bool = False  # load every known adapter into host memory at start (as S-LoRA assumes)
+    # Host memory for adapters, LRU beyond it; auto: 8 GiB on CPU, on CUDA a share of the machine's available memory.
+    host_budget_bytes: int | None = None
+    # Load known adapters into host memory at start (as S-LoRA assumes), up to host_budget_bytes; auto: on for CUDA.
+    preload_adapters: bool | None = None
     pin_host_adapters: bool = False  # page-lock each adapter in host memory (slow to allocate; see AdapterCache)
     max_lora_rank: int = 256
     prefetch_adapters: int = 8  # adapters of queued requests loaded ahead into free pages
@@ -49,7 +53,9 @@ class EngineConfig:
     # (the interval that served S-LoRA's S1 trace fastest, perf/RESULTS.md), else 1.
     admit_interval: int = 0
     kernel_backend: str = "auto"  # auto | torch | triton | bmm (S-LoRA's padded-rank baseline)
-    cuda_graphs: bool = False  # replay decode steps as captured CUDA graphs (CUDA + triton kernels; cuda_graphs.py)
+    # Replay decode steps as captured CUDA graphs (CUDA + triton kernels; cuda_graphs.py), buckets up to
+    # max_num_seqs; auto: on where the Triton kernels run on CUDA, without tensor parallelism.
+    cuda_graphs: bool | None = None
     # How the Triton kernels run a step (kernel_backend triton, or auto on CUDA; the torch references ignore these).
     # They reach the kernels as one kernels.settings.KernelSettings (kernel_settings()), built where the engine
     # builds its ops. Defaults: the rules that served the H200 benchmarks best (perf/RESULTS.md).
@@ -80,7 +86,7 @@ class EngineConfig:
     # requests run, instead of the step waiting on the host for that copy. None (auto): on for CUDA devices, where
     # copies run beside the steps and a step that waits for one holds every running request up.
     admit_when_copied: bool | None = None
-    warmup: bool = False  # run synthetic batches at start, so kernels compile before the first request (warmup.py)
+    warmup: bool | None = None  # synthetic batches at start so kernels compile before requests (warmup.py); auto: CUDA
     seed: int = 0  # for requests that give no seed
     # Which waiting request is admitted next (backend/engine/scheduling_policy.py): fcfs (arrival order), fair
     # (VTC: the tenant served least, by weighted tokens), priority (the request's `priority`, higher first, aged).
@@ -107,9 +113,25 @@ class EngineConfig:
     # device on (NCCL), or processes on the CPU (gloo). The engine's process is rank 0 and schedules; it starts one
     # worker process for each other rank. 1: none. No CUDA graphs or bmm kernels with it yet.
     tensor_parallel_size: int = 1
+    # ---- the disk tier and adapter-aware admission (backend/adapters/read_ahead.py, image_cache.py; scheduler.py)
+    # Adapters of the next waiting requests (in the policy's order) read from disk into host memory ahead of their
+    # admission, on the store's reader threads; what they hold is bounded by a quarter of host_budget_bytes.
+    adapter_read_ahead: int = 32
+    # A waiting request the pool has no room for is passed over (keeping its place) until this many requests behind
+    # it have been admitted ahead of it, then admission waits at it: requests whose adapters are resident run
+    # meanwhile, and none starves. 0: strict order (admission stops at the first request that does not fit).
+    # None (auto): 0 on CPU (the order engines always had there), defaults.AUTO_MAX_BYPASS on CUDA.
+    max_bypass: int | None = None
+    # Converted page images of adapters on local disk (image_cache.py): "auto" (a folder of $SLORA_CACHE on CUDA
+    # servers without tensor parallelism, off on CPU), "off", or a directory.
+    adapter_image_cache: str = "auto"
 
     def __post_init__(self) -> None:
-        _positive(self, "page_size", "max_batch_tokens", "max_num_seqs", "max_waiting", "host_budget_bytes")
+        _positive(self, "page_size", "max_waiting")
+        for name in ("max_batch_tokens", "max_num_seqs", "host_budget_bytes"):
+            if getattr(self, name) is not None:
+                _positive(self, name)
+        _check_disk_tier(self)
         _positive(self, "max_lora_rank")
         self.kernel_settings()  # validates the kernel fields, naming the field
         _integer_at_least(self, 0, "0 (auto) or a positive integer", "admit_interval")
@@ -172,6 +194,8 @@ def _parse(key: str, value: Any, type_name: str) -> Any:
         if "None" in type_name:
             return None
         raise ValueError(f"{key} needs a value")
+    if value.lower() == "auto" and "None" in type_name and not type_name.startswith("str"):
+        return None  # an option resolved at start (backend/engine/defaults.py)
     try:
         if type_name.startswith("int"):
             return parse_size(value)
@@ -239,6 +263,14 @@ def _check_tensor_parallel(config: EngineConfig) -> None:
         raise ValueError("tensor_parallel_size > 1 does not run CUDA graphs yet: set cuda_graphs=false")
     if config.tensor_parallel_size > 1 and config.kernel_backend == "bmm":
         raise ValueError("tensor_parallel_size > 1 needs kernel_backend auto, torch or triton, not 'bmm'")
+
+
+def _check_disk_tier(config: EngineConfig) -> None:
+    _integer_at_least(config, 0, "an integer >= 0", "adapter_read_ahead")
+    if config.max_bypass is not None:
+        _integer_at_least(config, 0, "an integer >= 0", "max_bypass")
+    if not isinstance(config.adapter_image_cache, str) or not config.adapter_image_cache.strip():
+        raise ValueError(f"adapter_image_cache must be auto, off or a directory, got {config.adapter_image_cache!r}")
 
 
 def _choice(config: EngineConfig, name: str, choices: tuple[str, ...]) -> None:

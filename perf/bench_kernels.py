@@ -39,6 +39,7 @@ import triton
 
 from slora.backend.adapters.host_adapter import HostAdapter
 from slora.backend.config import EngineConfig
+from slora.backend.engine.defaults import AUTO_SEQS
 from slora.backend.engine.request import Request
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.executor.batch import ScheduledSeq, build_batch, build_lora_meta, order_by_adapter
@@ -397,7 +398,7 @@ def lora_split(y: torch.Tensor, *args: Any) -> None:
     TritonOps(dataclasses.replace(kernel_settings, lora_split=True)).lora(y, *args)
 
 
-GRAPH_MAX_SEQS = EngineConfig.max_num_seqs  # the default: its decode graphs' buckets (cuda_graphs.bucket_sizes)
+GRAPH_MAX_SEQS = AUTO_SEQS[1]  # the most max_num_seqs resolves to on CUDA: its graphs' buckets (cuda_graphs.py)
 GRAPH_MAX_RANK = EngineConfig.max_lora_rank  # the default: the cap of a graph's rank bound
 
 

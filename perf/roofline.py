@@ -44,7 +44,7 @@ import math
 import struct
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -103,10 +103,11 @@ class Limits:
 
     @classmethod
     def engine_defaults(cls) -> Limits:
-        from slora.backend.config import EngineConfig
+        """The limits of an engine given none: "auto", which a CPU engine resolves to these (a CUDA engine sizes
+        them from its pool at start and logs them: pass those to compare with a served GPU run)."""
+        from slora.backend.engine.defaults import CPU_MAX_BATCH_TOKENS, CPU_MAX_NUM_SEQS
 
-        defaults: dict[str, Any] = {f.name: f.default for f in fields(EngineConfig)}
-        return cls(int(defaults["max_num_seqs"]), int(defaults["max_batch_tokens"]))
+        return cls(CPU_MAX_NUM_SEQS, CPU_MAX_BATCH_TOKENS)
 
 
 @dataclass(frozen=True)

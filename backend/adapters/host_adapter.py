@@ -13,6 +13,7 @@ layers, the difference is folded into that layer's B.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -43,6 +44,28 @@ _KEY = re.compile(
 )
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """What a queued request holds of its adapter: which one it is and how large, not its weights (so a long queue
+    pins no host memory). Known from the adapter's config and safetensors header (describe.py), or from a
+    HostAdapter; the scheduler gets the weights from the store when it admits the request (or reads ahead)."""
+
+    name: str
+    path: Path
+    generation: int
+    ranks: tuple[int, ...]  # per module of LORA_MODULES; 0 = not targeted
+    num_pages: int  # pool pages it takes when resident
+    nbytes: int  # bytes of its image in host memory
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.name, self.generation)
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        return tuple(m for m, r in zip(LORA_MODULES, self.ranks) if r)
 
 
 @dataclass
@@ -77,6 +100,17 @@ class HostAdapter:
     @property
     def target_modules(self) -> tuple[str, ...]:
         return tuple(m for m, r in zip(LORA_MODULES, self.ranks) if r)
+
+    @property
+    def ref(self) -> AdapterRef:
+        """What a queued request keeps of this adapter: its identity and size, not its weights."""
+        return AdapterRef(self.name, self.path, self.generation, self.ranks, self.num_pages, self.nbytes)
+
+    def without_image(self) -> HostAdapter:
+        """This adapter with its image replaced by a meta tensor of the same shape and dtype: every field and
+        property still answers, no host memory is held, and a copy out of it raises instead of copying garbage.
+        What the pool keeps of an adapter once its copy is done (adapter_cache.py)."""
+        return dataclasses.replace(self, image=torch.empty(self.image.shape, dtype=self.image.dtype, device="meta"))
 
 
 def load_peft_adapter(
@@ -206,15 +240,7 @@ def _is_int(value: object) -> TypeGuard[int]:
 
 
 def _read_tensors(name: str, path: Path, spec: ModelSpec, max_rank: int) -> dict[str, torch.Tensor]:
-    weights = path / WEIGHTS_FILE
-    if not weights.is_file():
-        pickles = [p for p in PICKLE_FILES if (path / p).exists()]
-        if pickles:
-            raise AdapterError(
-                f"adapter {name!r}: {path / pickles[0]} is a pickle file, which is never loaded; "
-                f"save the adapter with safetensors ({WEIGHTS_FILE})"
-            )
-        raise AdapterError(f"adapter {name!r}: {weights} is missing")
+    weights = weights_file(name, path)
     try:
         with safe_open(str(weights), framework="pt") as handle:
             tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
@@ -227,7 +253,37 @@ def _read_tensors(name: str, path: Path, spec: ModelSpec, max_rank: int) -> dict
     return tensors
 
 
+def weights_file(name: str, path: Path) -> Path:
+    """The adapter's safetensors file; raises AdapterError when it is missing (naming a pickle file found instead)."""
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        pickles = [p for p in PICKLE_FILES if (path / p).exists()]
+        if pickles:
+            raise AdapterError(
+                f"adapter {name!r}: {path / pickles[0]} is a pickle file, which is never loaded; "
+                f"save the adapter with safetensors ({WEIGHTS_FILE})"
+            )
+        raise AdapterError(f"adapter {name!r}: {weights} is missing")
+    return weights
+
+
 def _check_tensor(name: str, weights: Path, key: str, tensor: torch.Tensor, spec: ModelSpec, max_rank: int) -> None:
+    floating = tensor.is_floating_point()
+    check_tensor_shape(name, weights, key, tuple(tensor.shape), (floating, str(tensor.dtype)), spec, max_rank)
+
+
+def check_tensor_shape(
+    name: str,
+    weights: Path,
+    key: str,
+    shape: tuple[int, ...],
+    dtype: tuple[bool, str],
+    spec: ModelSpec,
+    max_rank: int,
+) -> None:
+    """Refuse a tensor that is no LoRA weight of the base model, from its name, shape and dtype (whether it is a
+    floating-point one, its name): a full read's checks, made from a safetensors header alone too (adapter_ref.py)."""
+
     def refuse(reason: str) -> AdapterError:
         return AdapterError(f"adapter {name!r}: {weights}: tensor {key!r} {reason}")
 
@@ -239,13 +295,13 @@ def _check_tensor(name: str, weights: Path, key: str, tensor: torch.Tensor, spec
         raise refuse(f"targets unknown module {parent}.{module}")
     if layer >= spec.num_layers:
         raise refuse(f"targets layer {layer}, but the base model has {spec.num_layers} layers")
-    if tensor.dim() != 2 or not tensor.is_floating_point():
-        raise refuse(f"must be a 2-D floating-point matrix, got {tuple(tensor.shape)} {tensor.dtype}")
+    if len(shape) != 2 or not dtype[0]:
+        raise refuse(f"must be a 2-D floating-point matrix, got {shape} {dtype[1]}")
     in_features, out_features = spec.module_shape(module)
-    rank = tensor.shape[0] if side == "A" else tensor.shape[1]
+    rank = shape[0] if side == "A" else shape[1]
     expected = (rank, in_features) if side == "A" else (out_features, rank)
-    if tuple(tensor.shape) != expected:
-        raise refuse(f"has shape {tuple(tensor.shape)}, but the base model's {module} needs {expected}")
+    if shape != expected:
+        raise refuse(f"has shape {shape}, but the base model's {module} needs {expected}")
     if not 1 <= rank <= max_rank:
         raise refuse(f"has rank {rank}; ranks 1 to {max_rank} are supported")
 
@@ -254,20 +310,28 @@ def _collect(
     name: str, path: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any], spec: ModelSpec
 ) -> dict[str, dict[int, tuple[int, float]]]:
     """module → layer → (rank, PEFT scale), after checking that every A has its B of the same rank."""
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+    return collect_shapes(name, path, {key: tuple(t.shape) for key, t in tensors.items()}, config)
+
+
+def collect_shapes(
+    name: str, path: Path, shapes: dict[str, tuple[int, ...]], config: dict[str, Any]
+) -> dict[str, dict[int, tuple[int, float]]]:
+    """module → layer → (rank, PEFT scale) from each LoRA tensor's shape (already checked by check_tensor_shape),
+    after checking that every A has its B of the same rank."""
+    pairs: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
+    for key, shape in shapes.items():
         match = _KEY.match(key)
-        assert match is not None  # checked in _check_tensor
-        pairs.setdefault((int(match[1]), match[3]), {})[match[4]] = tensor
+        assert match is not None  # checked in check_tensor_shape
+        pairs.setdefault((int(match[1]), match[3]), {})[match[4]] = shape
     per_module: dict[str, dict[int, tuple[int, float]]] = {m: {} for m in LORA_MODULES}
     weights = path / WEIGHTS_FILE
     for (layer, module), sides in sorted(pairs.items()):
         where = f"adapter {name!r}: {weights}: layer {layer} {module}"
         if set(sides) != {"A", "B"}:
             raise AdapterError(f"{where} has lora_{''.join(sides)} without its lora_{'B' if 'A' in sides else 'A'}")
-        rank = sides["A"].shape[0]
-        if sides["B"].shape[1] != rank:
-            raise AdapterError(f"{where}: lora_A rank {rank} != lora_B rank {sides['B'].shape[1]}")
+        rank = sides["A"][0]
+        if sides["B"][1] != rank:
+            raise AdapterError(f"{where}: lora_A rank {rank} != lora_B rank {sides['B'][1]}")
         module_key = f"model.layers.{layer}.{_PARENT[module]}.{module}"
         per_module[module][layer] = (rank, _checked_scale(name, path, config, module_key, rank))
     return per_module

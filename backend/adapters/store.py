@@ -1,9 +1,15 @@
 """The host adapter store: which adapters exist (registry + adapter root) and which are in host memory.
 
-Adapters are loaded lazily from disk on first use and kept in host memory up to a byte budget, least recently used
-first out (copies to the GPU go through a page-locked staging buffer, see adapter_cache.py). A request holds a
-reference to its HostAdapter, so dropping an adapter from the store never pulls weights from under a queued
-request; the next request reloads it.
+Adapters are read from disk on first use and kept in host memory up to a byte budget, least recently used first
+out (copies to the GPU go through a page-locked staging buffer, see adapter_cache.py). A queued request holds only
+its adapter's AdapterRef (name, generation, path, ranks, pages, bytes: `describe`, from the config and the
+safetensors header when the store has a describer), so a long queue pins no host memory; the scheduler asks for
+the weights when it reads ahead or admits the request (`fetch`: a read on one of the store's reader threads, never
+on the engine's). A ref names the path and generation it was described at, so a request queued before its name
+was registered again or removed is served the adapter it was taken in with (while its files are there).
+
+The tiers, top down: the pool (adapter_cache.py), host memory (this store's budget), converted page images on
+local disk (image_cache.py, memory-mapped: the OS page cache sits below host memory), the PEFT files themselves.
 
 Names come from clients, so they are checked: letters, digits, '_', '.', '-', not starting with '.', no '..',
 and an adapter of the root must lie inside it: neither its folder nor the files read from it may be symlinks that
@@ -19,6 +25,7 @@ Thread-safe: the server registers and looks up adapters from request threads whi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -31,10 +38,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
-from slora.backend.adapters.host_adapter import CONFIG_FILE, WEIGHTS_FILE, HostAdapter
+from slora.backend.adapters.host_adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterRef, HostAdapter
 from slora.backend.errors import AdapterError, AdapterExistsError, AdapterNotFoundError
 
 logger = logging.getLogger(__name__)
@@ -44,8 +52,17 @@ _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)  # what the loader reads from an adapter's folder
 ROOT_LISTING_TTL_S = 10.0  # the adapter root is listed at most this often for statistics
 MAX_PRELOAD_WORKERS = 8  # preload's threads at most (their Python work shares the GIL)
+_BUDGET_FULL = "host budget full"  # preload's mark of an adapter left on disk
+READER_THREADS = 4  # fetch's reads at once (disk reads, and conversions where the image cache has none)
 
-AdapterLoader = Callable[[str, Path, int], HostAdapter]
+AdapterLoader = Callable[[str, Path, int], HostAdapter]  # (name, path, generation) → the adapter, read and checked
+AdapterDescriber = Callable[[str, Path, int], AdapterRef]  # the same arguments → its ref, without the weights
+
+
+class Submitter(Protocol):
+    """Where fetch runs its reads: a ThreadPoolExecutor, or (servers) runtime's FreshThreadExecutor."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any) -> Future[Any]: ...
 
 
 @dataclass(frozen=True)
@@ -94,8 +111,14 @@ class AdapterStore:
         budget_bytes: int,
         root: str | Path | None = None,
         registry_file: str | Path | None = None,
+        describer: AdapterDescriber | None = None,
+        readers: Submitter | None = None,
     ) -> None:
+        """`describer`: refs without reading the weights (without it, `describe` reads the adapter). `readers`: where
+        `fetch` reads (default: a pool of READER_THREADS threads)."""
         self._loader = loader
+        self._describer = describer
+        self._readers: Submitter = readers or ThreadPoolExecutor(READER_THREADS, thread_name_prefix="slora-read")
         self.budget_bytes = budget_bytes
         self.root = Path(root).resolve() if root else None
         self._lock = threading.Lock()
@@ -103,6 +126,7 @@ class AdapterStore:
         self._generation: dict[str, int] = {}
         self._host: OrderedDict[str, HostAdapter] = OrderedDict()
         self._ranks: dict[str, dict[str, int]] = {}
+        self._refs: dict[str, AdapterRef] = {}  # name → its ref at its current generation
         self.host_bytes = 0
         self.loads = 0
         self.host_evictions = 0
@@ -147,6 +171,7 @@ class AdapterStore:
             self._registered[name] = path
             self._generation[name] = generation
             self._drop(name)
+            self._refs.pop(name, None)
             if adapter is not None:
                 self._insert(adapter)
         logger.debug("registered adapter %r at %s", name, path)
@@ -181,6 +206,7 @@ class AdapterStore:
             self._generation[name] = self._generation.get(name, 0) + 1
             self._drop(name)
             self._ranks.pop(name, None)
+            self._refs.pop(name, None)
         return path
 
     def in_root(self, name: str) -> bool:
@@ -191,6 +217,74 @@ class AdapterStore:
         """Whether `get(name)` would return without reading the disk."""
         with self._lock:
             return name in self._host
+
+    def describe(self, name: str) -> AdapterRef:
+        """The ref of `name` at its current generation (what a queued request holds): from memory when known, else
+        from its config and safetensors header (the describer; without one, by reading the adapter as `get` does).
+        Raises AdapterError (AdapterNotFoundError) as `get` does."""
+        validate_adapter_name(name)
+        with self._lock:
+            known = self._refs.get(name)
+            if known is not None:
+                return known
+            path = self._path(name)
+            generation = self._generation.get(name, 0)
+        if self._describer is None:
+            return self.get(name).ref
+        ref = self._describer(name, path, generation)
+        with self._lock:
+            if self._generation.get(name, 0) == generation:  # not registered again meanwhile
+                self._refs[name] = ref
+                self._ranks[name] = _rank_map(ref.target_modules, ref.ranks)
+        return ref
+
+    def is_described(self, name: str) -> bool:
+        """Whether `describe(name)` would return without reading the disk."""
+        with self._lock:
+            return name in self._refs
+
+    def lookup(self, ref: AdapterRef) -> HostAdapter | None:
+        """`ref`'s adapter if host memory holds it (marked as just used), else None; never reads."""
+        with self._lock:
+            adapter = self._host.get(ref.name)
+            if adapter is None or adapter.generation != ref.generation:
+                return None
+            self._host.move_to_end(ref.name)
+            return adapter
+
+    def fetch(self, ref: AdapterRef) -> Future[HostAdapter]:
+        """`ref`'s adapter in host memory: a done Future when it is there, else one that a reader thread completes
+        with the adapter (kept in host memory unless its name was registered again) or the read's error. Never
+        blocks; one read per adapter however many ask at once (`get`'s reads included)."""
+        adapter = self.lookup(ref)
+        if adapter is not None:
+            return _done(adapter)
+        with self._lock:
+            pending = self._loading.get(ref.key)
+            if pending is not None:
+                return pending
+            self._loading[ref.key] = loading = Future[HostAdapter]()
+        try:
+            self._readers.submit(self._read, [(ref, loading)])
+        except RuntimeError as exc:  # the readers were shut down: the engine is stopping
+            with self._lock:
+                self._loading.pop(ref.key, None)
+            loading.set_exception(AdapterError(f"adapter {ref.name!r} cannot be read: {exc}"))
+        return loading
+
+    def read_if_room(self, ref: AdapterRef) -> bool:
+        """Read `ref`'s adapter into host memory now (waiting for the read) if the budget has room for it without
+        dropping another; returns whether it is in host memory. While memory has room, a request's adapter is read
+        when it is taken in (on the intake's thread); beyond that, reads follow the queue (the scheduler's
+        read-ahead), so that adapters of requests far back in a long queue do not push out those of the next ones.
+        Raises the read's error."""
+        if self.lookup(ref) is not None:
+            return True
+        with self._lock:
+            if self.host_bytes + ref.nbytes > self.budget_bytes:
+                return False
+        self.fetch(ref).result()
+        return True
 
     def get(self, name: str) -> HostAdapter:
         """The adapter in host memory, loading it from disk if needed (in the caller's thread). Callers that ask for
@@ -213,6 +307,14 @@ class AdapterStore:
             return pending.result()
         return self._load(name, path, generation, loading)
 
+    def _read(self, task: list[tuple[AdapterRef, Future[HostAdapter]]]) -> None:
+        """fetch's read, on a reader thread: its result or error goes to the task's Future (and so to whoever
+        waits). The task is emptied first: an executor may keep its last task's arguments after running it
+        (FreshThreadExecutor's dispatcher does, until the next one), and they must not keep the adapter alive."""
+        ref, loading = task.pop()
+        with contextlib.suppress(Exception):
+            self._load(ref.name, ref.path, ref.generation, loading)
+
     def _load(self, name: str, path: Path, generation: int, loading: Future[HostAdapter]) -> HostAdapter:
         """Read the adapter, keep it unless re-registered meanwhile, and hand it (or the error) to the waiters."""
         try:
@@ -232,7 +334,8 @@ class AdapterStore:
 
     def preload(self, workers: int | None = None, names: list[str] | None = None) -> int:
         """Load every known adapter (or those of `names`) into host memory, `workers` threads at a time (default:
-        one per core, at most MAX_PRELOAD_WORKERS); stops adding beyond the budget. Returns count.
+        one per core, at most MAX_PRELOAD_WORKERS); stops once the budget is full (the rest stay on disk, read
+        when first used, instead of being read only to push out the ones read before them). Returns count.
 
         The loads run their tensor operations on one intra-op thread each: spread over torch's intra-op threads,
         every operation waits for all of them, so one core busy with anything else stalls each of them (3-10x
@@ -241,19 +344,28 @@ class AdapterStore:
         wanted = None if names is None else set(names)
         names = [info.name for info in self.list() if not info.in_host and (wanted is None or info.name in wanted)]
         workers = preload_workers() if workers is None else max(1, workers)
-        loaded, start = 0, time.monotonic()
+        loaded, left, start = 0, 0, time.monotonic()
         with _intra_op_threads(1), ThreadPoolExecutor(max_workers=workers) as pool:
-            for name, error in zip(names, pool.map(self._try_get, names)):
-                if error:
+            for name, error in zip(names, pool.map(self._try_preload, names)):
+                if error is _BUDGET_FULL:
+                    left += 1
+                elif error:
                     logger.warning("preload: adapter %r skipped: %s", name, error)
                 else:
                     loaded += 1
         logger.info("preloaded %d adapters into host memory (%d bytes) in %.1f s with %d threads", loaded,
                     self.host_bytes, time.monotonic() - start, workers)  # fmt: skip
+        if left:
+            logger.info("preload: the host budget (%d bytes) is full; %d adapters stay on disk until used",
+                        self.budget_bytes, left)  # fmt: skip
         return loaded
 
-    def _try_get(self, name: str) -> str | None:
+    def _try_preload(self, name: str) -> str | None:
+        """None when read, _BUDGET_FULL when left on disk (it would push out another), else why it was skipped."""
         try:
+            size = self.describe(name).nbytes if self._describer is not None else 0
+            if self.host_bytes + size > self.budget_bytes or self.host_bytes >= self.budget_bytes:
+                return _BUDGET_FULL
             self.get(name)
         except AdapterError as exc:
             return str(exc)
@@ -363,19 +475,31 @@ class AdapterStore:
                 f"host budget ({self.budget_bytes} bytes)"
             )
         self._host[adapter.name] = adapter
-        self._ranks[adapter.name] = dict(zip(adapter.target_modules, [r for r in adapter.ranks if r]))
+        self._ranks[adapter.name] = _rank_map(adapter.target_modules, adapter.ranks)
+        self._refs[adapter.name] = adapter.ref
         self.host_bytes += adapter.nbytes
         self.loads += 1
         while self.host_bytes > self.budget_bytes:
             victim, _ = next(iter(self._host.items()))
             self._drop(victim)
             self.host_evictions += 1
-            logger.info("host budget: dropped adapter %r from host memory", victim)
+            logger.debug("host budget: dropped adapter %r from host memory", victim)  # counted: host_evictions
 
     def _drop(self, name: str) -> None:
         adapter = self._host.pop(name, None)
         if adapter is not None:
             self.host_bytes -= adapter.nbytes
+
+
+def _rank_map(modules: tuple[str, ...], ranks: tuple[int, ...]) -> dict[str, int]:
+    """module → rank of the modules an adapter targets (AdapterInfo.ranks)."""
+    return dict(zip(modules, [r for r in ranks if r]))
+
+
+def _done(adapter: HostAdapter) -> Future[HostAdapter]:
+    future = Future[HostAdapter]()
+    future.set_result(adapter)
+    return future
 
 
 def validate_name_quietly(name: object) -> bool:

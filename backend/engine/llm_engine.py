@@ -6,8 +6,8 @@
         for out in engine.step(): ...
 
 Single-threaded: add_request, abort and step must come from one thread (engine_loop.py runs it in a thread of
-its own for servers). `prepare` may be called from any thread: it checks the request and loads its adapter into
-host memory without touching the engine's state.
+its own for servers). `prepare` may be called from any thread: it checks the request and describes its adapter
+(reading it into host memory while the budget has room) without touching the engine's state.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from slora.backend.adapters.store import AdapterInfo
+from slora.backend.adapters.store import AdapterInfo, AdapterStore
 from slora.backend.config import EngineConfig, admit_when_copied, effective_admit_interval, overlap_enabled
 from slora.backend.engine.detokenizer import IncrementalDetokenizer
 from slora.backend.engine.inflight import InflightStep
@@ -42,11 +42,13 @@ from slora.backend.model.spec import LORA_MODULES
 
 logger = logging.getLogger(__name__)
 
+READ_AHEAD_SHARE = 4  # adapter reads ahead of admission hold at most 1/4 of the host budget (EngineConfig)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
-        self.config = config or EngineConfig()
-        parts = build_components(self.config)
+        parts = build_components(config or EngineConfig())
+        self.config = parts.config  # its "auto" options resolved (defaults.py)
         self.spec = parts.spec
         self.device = parts.device
         self.dtype = parts.dtype
@@ -61,8 +63,9 @@ class LLMEngine:
         c = self.config
         admit = effective_admit_interval(c)
         limits = SchedulerLimits(c.max_batch_tokens, c.max_num_seqs, c.prefetch_adapters, admit,
-                                 admit_when_copied(c, self.device))  # fmt: skip
-        self.scheduler = _scheduler(c, limits, parts.pool, parts.cache)
+                                 admit_when_copied(c, self.device), c.adapter_read_ahead,
+                                 parts.store.budget_bytes // READ_AHEAD_SHARE, c.max_bypass)  # fmt: skip
+        self.scheduler = _scheduler(c, limits, parts.pool, parts.cache, parts.store)
         self.runner = ModelRunner(self.model, self.pool, parts.graphs)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -92,7 +95,8 @@ class LLMEngine:
         priority: int = 0,
         ttft_slo_s: float | None = None,
     ) -> Request:
-        """Check a request and load its adapter into host memory; raises InvalidRequestError/AdapterError.
+        """Check a request, and read its adapter into host memory while the host budget has room (else the
+        scheduler reads it ahead of its admission); raises InvalidRequestError/AdapterError.
 
         With `detokenize=False` (and no stop strings) outputs carry token ids only: no text is decoded.
         `tenant` (default: the adapter's name, or "<base>") is who it is served for under the `fair` policy;
@@ -114,8 +118,10 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer, and this model has none")
-        host = self.store.get(adapter) if adapter else None
-        need = self.scheduler.pages_for(total) + (host.num_pages if host else 0)
+        ref = self.store.describe(adapter) if adapter else None
+        if ref is not None:
+            self.store.read_if_room(ref)
+        need = self.scheduler.pages_for(total) + (ref.num_pages if ref else 0)
         if need > self.pool.num_pages:
             raise CapacityError(
                 f"request needs {need} pages (KV for {total} tokens + adapter), the pool has {self.pool.num_pages}"
@@ -129,7 +135,7 @@ class LLMEngine:
             token_ids=prompt_ids,
             num_prompt=len(prompt_ids),
             sampling=params,
-            adapter=host,
+            adapter=ref,
             generator=generator,
             detokenizer=detok,
             arrival_time=arrival,
@@ -215,7 +221,7 @@ class LLMEngine:
             self.finished_requests += 1
             outputs.append(failed_output(request.request_id, error, "rejected"))
         if not plan.seqs:
-            if previous is None and not plan.refused:
+            if previous is None and not plan.refused and not plan.reading:
                 raise RuntimeError("scheduler made no progress with work pending (pool accounting bug)")
             return None  # every running request's last token is in flight, or every waiting one was refused
         launched = self.runner.launch(plan.seqs, previous)
@@ -393,11 +399,13 @@ class LLMEngine:
             return int(torch.randint(0, 2**62, (1,), generator=self._seeds))
 
 
-def _scheduler(config: EngineConfig, limits: SchedulerLimits, pool: PagePool, cache: AdapterCache) -> Scheduler:
+def _scheduler(
+    config: EngineConfig, limits: SchedulerLimits, pool: PagePool, cache: AdapterCache, store: AdapterStore
+) -> Scheduler:
     """The scheduler with the configured policy, tenant weights (read from their file now) and SLO settings."""
     weights = load_weights_file(config.tenant_weights_file) if config.tenant_weights_file else {}
     book = TenantBook(weights)
     policy = make_policy(config.scheduling_policy, book, config.fair_prompt_cost, config.fair_output_cost,
                          config.priority_aging_rate)  # fmt: skip
     guard = SloGuard(SloSettings(config.ttft_slo_s, config.queue_timeout_s, config.early_abort))
-    return Scheduler(limits, pool, cache, policy, book, guard)
+    return Scheduler(limits, pool, cache, policy, book, guard, hosts=store)

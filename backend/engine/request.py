@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slora.backend.adapters.host_adapter import HostAdapter
+from slora.backend.adapters.host_adapter import AdapterRef
 from slora.backend.engine.detokenizer import IncrementalDetokenizer
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.engine.tenants import BASE_TENANT
@@ -36,7 +36,7 @@ class Request:
     token_ids: list[int]  # prompt followed by generated tokens
     num_prompt: int
     sampling: SamplingParams
-    adapter: HostAdapter | None = None
+    adapter: AdapterRef | None = None  # which adapter, not its weights: the scheduler fetches those (store.py)
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     status: RequestStatus = RequestStatus.WAITING

@@ -6,9 +6,13 @@ scheduled this step is preempted (its pages freed; it is recomputed later): the 
 most recently admitted. (2) If nothing was preempted (and, with admit_interval > 1 while requests run, on every
 admit_interval-th step), waiting requests are admitted in the policy's order (fcfs: arrival order) while the
 token budget, the sequence limit and the pool allow: a request is admitted only when its adapter is (or can be
-made) resident and pinned and the pages for its whole prompt are allocated; with admit_when_copied, a request whose
-adapter copy is not issued yet is passed over while others run (it keeps its place at the head of the queue).
-(3) Adapters of the next waiting requests are copied into free pages ahead of time.
+made) resident and pinned and the pages for its whole prompt are allocated. Requests that cannot be admitted yet
+are passed over and keep their place in the queue: one whose adapter is still being read into host memory (the read
+runs on the store's threads whatever the step does), with admit_when_copied one whose adapter copy is not issued
+yet while others run, and (bounded bypass) one the pool has no room for until max_bypass requests behind it have
+been admitted ahead of it: then admission waits at it for room, as it always did without bypass. (3) Ahead of
+admission, in the policy's order, adapters of the next waiting requests are copied into free pages and, further
+ahead, read from disk into host memory (read_ahead.py).
 
 Admission order and preemption victims are the scheduling policy's (scheduling_policy.py: fcfs, fair,
 priority). With first-token SLOs or a queue timeout, waiting requests that can no longer meet them are refused
@@ -19,20 +23,25 @@ The scheduler owns each request's pages and adapter pin; the pool only counts pa
 
 from __future__ import annotations
 
+import enum
+import itertools
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from slora.backend.adapters.host_adapter import AdapterRef, HostAdapter
+from slora.backend.adapters.read_ahead import HostSource, ReadAhead
 from slora.backend.engine.outputs import TenantStats
 from slora.backend.engine.request import FinishReason, Request, RequestStatus
 from slora.backend.engine.scheduling_policy import FcfsPolicy, SchedulingPolicy
 from slora.backend.engine.slo import SWEEP_INTERVAL_S, SloGuard, SloSettings
 from slora.backend.engine.tenants import TenantBook, served_tokens
-from slora.backend.errors import SloRefusedError
+from slora.backend.errors import AdapterError, SloraError, SloRefusedError
 from slora.backend.executor.batch import ScheduledSeq
-from slora.backend.memory.adapter_cache import AdapterCache
+from slora.backend.memory.adapter_cache import AdapterCache, ResidentAdapter
 from slora.backend.memory.page_pool import PageKind, PagePool
 
 logger = logging.getLogger(__name__)
@@ -45,13 +54,32 @@ class SchedulerLimits:
     prefetch_adapters: int
     admit_interval: int = 1  # while requests run, admit waiting ones every Nth step (EngineConfig.admit_interval)
     admit_when_copied: bool = False  # pass over requests whose adapter copy is not issued (EngineConfig)
+    read_ahead: int = 1  # adapters of the next waiting requests read into host memory ahead (EngineConfig)
+    read_ahead_bytes: int = 0  # ... holding at most this many bytes (the queue's head is read whatever it takes)
+    max_bypass: int = 0  # admissions ahead of a request the pool has no room for, at most (EngineConfig)
+
+
+class Admission(enum.Enum):
+    """What admitting a waiting request came to."""
+
+    ADMITTED = "admitted"
+    NO_ROOM = "no room"  # the pool lacks pages for its KV or its adapter now
+    READING = "reading"  # its adapter is being read into host memory
+    COPYING = "copying"  # its adapter's copy into the pool is not issued yet (admit_when_copied)
+
+
+MAX_PASSES = 64  # waiting requests passed over in one step at most (each costs host time)
+PREFETCH_SCAN = 512  # waiting requests prefetch looks at in one step at most
+IDLE_READ_WAIT_S = 0.05  # with nothing to run but adapter reads under way, a step waits this long for one
 
 
 @dataclass
 class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    refused: list[tuple[Request, SloRefusedError]] = field(default_factory=list)  # finished: "rejected"
+    # Finished "rejected": their SLO could not be met (SloRefusedError), or their adapter's read failed.
+    refused: list[tuple[Request, SloraError]] = field(default_factory=list)
+    reading: int = 0  # requests passed over because their adapter is still being read (the step may be empty)
 
     @property
     def num_tokens(self) -> int:
@@ -70,7 +98,9 @@ class Scheduler:
         book: TenantBook | None = None,
         guard: SloGuard | None = None,
         clock: Callable[[], float] = time.monotonic,
+        hosts: HostSource | None = None,
     ) -> None:
+        """`hosts`: where adapters' weights come from (the AdapterStore); needed once a request has an adapter."""
         self.limits = limits
         self.pool = pool
         self.adapters = adapters
@@ -84,6 +114,8 @@ class Scheduler:
         self.refusals: Counter[str] = Counter()  # SLO refusals by reason (slo.RefusalReason)
         self._steps_since_admission = 0
         self._admissions = 0
+        self.reads = ReadAhead(hosts or _NoHosts(), limits.read_ahead, limits.read_ahead_bytes)
+        self._bypassed: dict[Request, int] = {}  # requests passed over for want of room → admissions ahead of them
         settings = self.guard.settings
         self._deadlines = settings.ttft_slo_s is not None or settings.queue_timeout_s is not None
 
@@ -113,6 +145,9 @@ class Scheduler:
         admission = not out.preempted and self._admission_due()
         if admission:
             admitted = self._admit_waiting(out, budget)
+            if not out.seqs and not out.refused and out.reading and self.reads.pending():
+                self.reads.wait(IDLE_READ_WAIT_S)  # nothing else to do: admit what the read brings, in this step
+                admitted = self._admit_waiting(out, budget)
         self.policy.served(out.seqs)
         self._prefetch()
         if self._deadlines and out.seqs:
@@ -159,6 +194,7 @@ class Scheduler:
         elif request in self.policy:
             self.policy.remove(request)
         self._free(request)
+        self._bypassed.pop(request, None)
         request.status = RequestStatus.FINISHED
         self.book.finished(request)
         if not self.has_work():
@@ -221,37 +257,62 @@ class Scheduler:
             request.resident = None
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        """Admit from the head of the policy's queue; returns how many were admitted."""
-        # Requests passed over (their adapter copy not issued) keep their place in the queue, ahead of the rest.
-        # Admission stops after prefetch_adapters of them (each may have started an adapter load).
+        """Admit from the head of the policy's queue; returns how many were admitted. Requests passed over (module
+        docstring) keep their place in the queue, ahead of the rest; admission stops after prefetch_adapters
+        passed over for their copy (each may have started an adapter load), or MAX_PASSES in all."""
         passed_over: list[Request] = []
+        blocked: list[Request] = []  # passed over for want of room: each admission behind them bypasses them
         may_pass = self.limits.admit_when_copied and bool(out.seqs)  # only while other work keeps the step busy
-        max_passes = max(self.limits.prefetch_adapters, 1)
-        admitted_count = 0
+        copies, max_copies = 0, max(self.limits.prefetch_adapters, 1)
+        admitted_count = out.reading = 0
         while self.policy and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            if may_pass and len(passed_over) >= max_passes:
+            if copies >= max_copies or len(passed_over) >= MAX_PASSES:
                 break
             request = self.policy.peek()
             if request is None:
                 break
             if self._deadlines and self._refuse_if_late(request, out):
                 continue
-            admitted = self._admit(request, may_pass)
-            if admitted is None:
-                self.policy.set_aside(request)
-                passed_over.append(request)
+            outcome = self._try_admit(request, may_pass, not passed_over, out)
+            if outcome is None:
+                continue  # refused: its adapter could not be read
+            if outcome is Admission.ADMITTED:
+                budget -= self._start(request, budget, out)
+                admitted_count += 1
+                for other in blocked:
+                    self._bypassed[other] = self._bypassed.get(other, 0) + 1
                 continue
-            if not admitted:
-                break
-            self.policy.take(request)
-            self.running.append(request)
-            n = min(request.num_pending, budget)
-            out.seqs.append(ScheduledSeq(request, n))
-            budget -= n
-            admitted_count += 1
+            if outcome is Admission.NO_ROOM and self._bypassed.get(request, 0) >= self.limits.max_bypass:
+                break  # bypassed enough (or bypass is off): wait for room at this request
+            self.policy.set_aside(request)
+            passed_over.append(request)
+            copies += outcome is Admission.COPYING
+            out.reading += outcome is Admission.READING
+            if outcome is Admission.NO_ROOM:
+                blocked.append(request)
         self.policy.put_back(passed_over)
         self._count_admissions(admitted_count)
         return admitted_count
+
+    def _try_admit(self, request: Request, may_pass: bool, head: bool, out: SchedulerOutput) -> Admission | None:
+        """_admit, with a failed adapter read refusing the request (None)."""
+        try:
+            return self._admit(request, may_pass, head)
+        except SloraError as exc:
+            assert request.adapter is not None  # only an adapter's read raises here
+            self.reads.forget(request.adapter)
+            logger.warning("request %s refused: %s", request.request_id, exc)
+            self._refuse(request, exc, out)
+            return None
+
+    def _start(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+        """Run an admitted request from this step on; returns the tokens of the budget it takes."""
+        self.policy.take(request)
+        self._bypassed.pop(request, None)
+        self.running.append(request)
+        n = min(request.num_pending, budget)
+        out.seqs.append(ScheduledSeq(request, n))
+        return n
 
     def _count_admissions(self, n: int) -> None:
         """Every FORGET_EVERY admissions, drop what the policy and the book keep of tenants now idle."""
@@ -279,53 +340,110 @@ class Scheduler:
             self._refuse(request, error, out)
         return error is not None
 
-    def _refuse(self, request: Request, error: SloRefusedError, out: SchedulerOutput) -> None:
+    def _refuse(self, request: Request, error: SloraError, out: SchedulerOutput) -> None:
+        """Finish a waiting request "rejected": its SLO cannot be met (counted by reason), or its adapter's read
+        failed."""
         logger.debug("%s", error)  # counted in the statistics; under overload there are many
         self.policy.remove(request)
         self._free(request)
+        self._bypassed.pop(request, None)
         request.status = RequestStatus.FINISHED
         request.finish_reason = FinishReason.REJECTED
         self.book.finished(request)
-        self.refusals[error.reason] += 1
+        if isinstance(error, SloRefusedError):
+            self.refusals[error.reason] += 1
         out.refused.append((request, error))
 
-    def _admit(self, request: Request, may_pass: bool = False) -> bool | None:
-        """Pin the request's adapter and allocate pages for all its tokens; on failure change nothing. None (with
-        `may_pass`): its adapter is resident but the copy into its pages is not issued yet; nothing pinned."""
+    def _admit(self, request: Request, may_pass: bool = False, head: bool = True) -> Admission:
+        """Pin the request's adapter and allocate pages for all its tokens; on failure change nothing (an adapter
+        made resident stays, unpinned). READING: its adapter is not in host memory yet (its read is started, when
+        the read-ahead window has room or the request is the queue's `head`); COPYING (with `may_pass`): its
+        adapter is resident but the copy into its pages is not issued yet; nothing pinned. Raises SloraError when
+        its adapter's read failed."""
         if request.adapter is not None:
             resident = self.adapters.get(request.adapter.key)
             if resident is None:
-                if not self.adapters.evict(request.adapter.num_pages):
-                    return False
-                resident = self.adapters.load(request.adapter)
+                host = self.reads.host_copy(request.adapter, force=head)
+                if host is None:
+                    return Admission.READING
+                self._check_fits(request, host)
+                if not self.adapters.evict(host.num_pages):
+                    return Admission.NO_ROOM
+                resident = self.adapters.load(host)
                 if resident is None:
-                    return False
+                    return Admission.NO_ROOM
+                self.reads.forget(request.adapter)
             if may_pass and not resident.copy_issued:
                 self.adapters.touch(resident)
-                return None
+                return Admission.COPYING
             self.adapters.pin(resident)
             request.resident = resident
         pages = self._alloc(self.pages_for(request.num_tokens), request)
         if pages is None:
             self._free(request)
-            return False
+            return Admission.NO_ROOM
         request.pages = pages
         request.status = RequestStatus.RUNNING
-        return True
+        return Admission.ADMITTED
+
+    def _check_fits(self, request: Request, host: HostAdapter) -> None:
+        """Raise AdapterError if the adapter read is too large for the pool with the request's KV (its files were
+        rewritten since the request was checked against its ref): it could never be admitted."""
+        need = host.num_pages + self.pages_for(request.num_prompt + request.sampling.max_tokens)
+        if need > self.pool.num_pages:
+            raise AdapterError(
+                f"adapter {host.name!r} now needs {host.num_pages} pages (its files changed since the request was "
+                f"taken in): with the request's KV {need}, more than the pool's {self.pool.num_pages}"
+            )
 
     def _prefetch(self) -> None:
-        """Copy adapters of the next waiting requests into free pages, keeping a page per running request."""
+        """Ahead of admission, in the policy's order: copy the adapters of the next waiting requests (the first
+        prefetch_adapters distinct ones) into free pages, keeping a page per running request, and start reading
+        those of the first read_ahead into host memory (read_ahead.py bounds what the reads hold)."""
         reserve = len(self.running)
         seen: set[tuple[str, int]] = set()
-        for request in self.policy.upcoming():
-            if len(seen) >= self.limits.prefetch_adapters:
+        window = max(self.limits.prefetch_adapters, self.limits.read_ahead)
+        for request in itertools.islice(self.policy.upcoming(), PREFETCH_SCAN):
+            if len(seen) >= window:
                 break
-            adapter = request.adapter
-            if adapter is None or adapter.key in seen:
+            ref = request.adapter
+            if ref is None or ref.key in seen:
                 continue
-            seen.add(adapter.key)
-            resident = self.adapters.get(adapter.key)
-            if resident is None and self.pool.num_free - adapter.num_pages >= reserve:
-                resident = self.adapters.load(adapter)
+            seen.add(ref.key)
+            resident = self.adapters.get(ref.key)
+            if resident is None and len(seen) <= self.limits.prefetch_adapters:
+                resident = self._copy_ahead(ref, reserve)
+            elif resident is None:
+                self._read_ahead(ref)
             if resident is not None:
                 self.adapters.touch(resident)
+        self.reads.keep_only(seen)
+
+    def _copy_ahead(self, ref: AdapterRef, reserve: int) -> ResidentAdapter | None:
+        """`ref`'s adapter made resident in free pages (leaving `reserve`) if host memory holds it, else None
+        (its read started)."""
+        host = self._read_ahead(ref)
+        if host is None or self.pool.num_free - host.num_pages < reserve:
+            return None
+        resident = self.adapters.load(host)
+        if resident is not None:
+            self.reads.forget(ref)
+        return resident
+
+    def _read_ahead(self, ref: AdapterRef) -> HostAdapter | None:
+        """`ref`'s adapter if host memory holds it, else None after starting its read (a failed read is left for
+        admission to report)."""
+        try:
+            return self.reads.host_copy(ref)
+        except SloraError:
+            return None
+
+
+class _NoHosts:
+    """The host source of a scheduler built without one: no request of it may have an adapter."""
+
+    def lookup(self, ref: AdapterRef) -> HostAdapter | None:
+        raise RuntimeError(f"adapter {ref.name!r}: this scheduler has no adapter store")
+
+    def fetch(self, ref: AdapterRef) -> Future[HostAdapter]:
+        raise RuntimeError(f"adapter {ref.name!r}: this scheduler has no adapter store")

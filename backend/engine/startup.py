@@ -4,24 +4,35 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from slora.backend.adapters.host_adapter import HostAdapter, load_peft_adapter
-from slora.backend.adapters.store import AdapterStore
+from slora.backend.adapters.describe import describe_peft_adapter
+from slora.backend.adapters.host_adapter import AdapterRef, HostAdapter, load_peft_adapter
+from slora.backend.adapters.image_cache import ImageCache
+from slora.backend.adapters.store import READER_THREADS, AdapterStore
 from slora.backend.config import EngineConfig, MiB
+from slora.backend.engine.defaults import (
+    Choice,
+    available_host_bytes,
+    checkpoint_bytes,
+    derived_choices,
+    log_choices,
+    resolve_before_model,
+    resolve_with_pool,
+)
 from slora.backend.executor.cuda_graphs import DecodeGraphs, GraphLimits
 from slora.backend.memory.adapter_cache import AdapterCache
 from slora.backend.memory.page_pool import PagePool, PoolGeometry
 from slora.backend.model.checkpoint import load_checkpoint, random_weights
 from slora.backend.model.decoder import DecoderModel
-from slora.backend.model.default_model import resolve_model_path
+from slora.backend.model.default_model import cache_root, resolve_model_path
 from slora.backend.model.spec import LORA_MODULES, ModelSpec
 from slora.backend.model.tokenizer import load_tokenizer
+from slora.backend.runtime.fresh_threads import FreshThreadExecutor
 from slora.kernels.ops import KERNELS_EXTRA, Ops, make_ops
 from slora.kernels.settings import KernelSettings, triton_interpreted, warn_retired_environment
 
@@ -53,17 +64,26 @@ class Components:
 
 
 def build_components(config: EngineConfig) -> Components:
+    """The engine's parts, with the config's "auto" options resolved (defaults.py) and logged; `config` of the
+    result is the resolved one."""
     device = config.torch_device()
     if config.kernel_backend == "triton" and device.type != "cuda" and not triton_interpreted():
         raise ValueError("kernel_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 to interpret on CPU)")
     if config.cuda_graphs and (device.type != "cuda" or config.kernel_backend not in ("auto", "triton")):
         raise ValueError("cuda_graphs needs a CUDA device and the triton kernel backend")
+    model_path = resolve_model_path(config.model)
+    weights = checkpoint_bytes(model_path) if config.load_format == "safetensors" else 0
+    config, early = resolve_before_model(config, device, available_host_bytes(), weights, cache_root())
     if config.tensor_parallel_size > 1:  # rank 0 of a sharded model, workers started (backend/parallel/)
         from slora.backend.parallel.startup import build_sharded_components
 
-        return build_sharded_components(config)
+        return _resolved(build_sharded_components(config), early)
+    return _resolved(_build_one_device(config, device, model_path), early)
+
+
+def _build_one_device(config: EngineConfig, device: torch.device, model_path: Path) -> Components:
+    """Every part but the decode graphs (built once the batch limits are resolved, _resolved)."""
     dtype = config.torch_dtype(device)
-    model_path = resolve_model_path(config.model)
     spec = ModelSpec.from_dir(model_path)
     max_model_len = _max_model_len(config, spec)
     logger.info("loading %s (%s, %d layers) on %s as %s", model_path, spec.architecture, spec.num_layers,
@@ -72,8 +92,7 @@ def build_components(config: EngineConfig) -> Components:
         weights = random_weights(spec, dtype, device, seed=config.seed)
     else:
         weights = load_checkpoint(model_path, spec, dtype, device)
-    settings = config.kernel_settings()  # the kernels' knobs, one value for the ops and the decode graphs
-    model = DecoderModel(spec, weights, _ops(config, device, settings), max_model_len)
+    model = DecoderModel(spec, weights, _ops(config, device, config.kernel_settings()), max_model_len)
     geometry = PoolGeometry(spec.num_layers, config.page_size, spec.num_kv_heads, spec.head_dim)
     geometry.validate(max(spec.hidden_size, spec.intermediate_size, spec.q_size))
     pool = PagePool(geometry, _num_pages(config, geometry, dtype, device), dtype, device)
@@ -83,7 +102,6 @@ def build_components(config: EngineConfig) -> Components:
     tokenizer = load_tokenizer(tokenizer_path)
     if tokenizer is None:
         logger.info("no tokenizer files in %s: prompts must be token ids", tokenizer_path)
-    graphs = _decode_graphs(config, model, pool, max_model_len, settings)
     return Components(
         config=config,
         device=device,
@@ -97,8 +115,20 @@ def build_components(config: EngineConfig) -> Components:
         pool=pool,
         store=_adapter_store(config, spec, geometry, dtype, device),
         cache=AdapterCache(pool),
-        graphs=graphs,
+        graphs=None,
     )
+
+
+def _resolved(parts: Components, early: list[Choice]) -> Components:
+    """`parts` with the options the kernels and the pool decide resolved, every option's value logged, and the
+    decode graphs captured for the resolved batch limits."""
+    pool_tokens = parts.pool.num_pages * parts.pool.geometry.block_size
+    config, late = resolve_with_pool(parts.config, parts.device, parts.model.ops.name, pool_tokens)
+    log_choices(early + late + derived_choices(config, parts.device))
+    parts.config = config
+    if parts.graphs is None:
+        parts.graphs = _decode_graphs(config, parts.model, parts.pool, parts.max_model_len, config.kernel_settings())
+    return parts
 
 
 def _ops(config: EngineConfig, device: torch.device, settings: KernelSettings) -> Ops:
@@ -140,20 +170,12 @@ def _num_pages(config: EngineConfig, geometry: PoolGeometry, dtype: torch.dtype,
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * (config.pool_fraction or CUDA_DEFAULT_POOL_FRACTION))
     elif config.pool_fraction is not None:
-        budget = int(_available_host_bytes() * config.pool_fraction)
+        budget = int(available_host_bytes() * config.pool_fraction)
     else:
         budget = CPU_DEFAULT_POOL_BYTES
     if budget < page_bytes:
         raise ValueError(f"the page pool ({budget} bytes) is smaller than one page ({page_bytes} bytes)")
     return budget // page_bytes
-
-
-def _available_host_bytes() -> int:
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def _eos_ids(model_path: Path, spec: ModelSpec, tokenizer: Any | None) -> frozenset[int]:
@@ -170,12 +192,39 @@ def _eos_ids(model_path: Path, spec: ModelSpec, tokenizer: Any | None) -> frozen
 def _adapter_store(
     config: EngineConfig, spec: ModelSpec, geometry: PoolGeometry, dtype: torch.dtype, device: torch.device
 ) -> AdapterStore:
+    """The store: adapters described from their headers, read on fresh threads (fresh_threads.py says why), through
+    the image cache when config.adapter_image_cache names one."""
     pin = device.type == "cuda" and config.pin_host_adapters
 
-    def load(name: str, path: Path, generation: int) -> HostAdapter:
+    def convert(name: str, path: Path, generation: int) -> HostAdapter:
         adapter = load_peft_adapter(name, path, spec, geometry, dtype, pin, config.max_lora_rank, generation)
         ranks = {m: r for m, r in zip(LORA_MODULES, adapter.ranks) if r}
         logger.info("loaded adapter %r into host memory: ranks %s, %d pages", name, ranks, adapter.num_pages)
         return adapter
 
-    return AdapterStore(load, config.host_budget_bytes, config.adapter_root, config.adapter_registry)
+    def describe(name: str, path: Path, generation: int) -> AdapterRef:
+        return describe_peft_adapter(name, path, spec, geometry, dtype, config.max_lora_rank, generation)
+
+    cache = _image_cache(config, spec, geometry, dtype, pin)
+    load = cache.wrap(convert) if cache is not None else convert
+    readers = FreshThreadExecutor(max_workers=READER_THREADS, thread_name_prefix="slora-read")
+    budget = config.host_budget_bytes
+    assert budget is not None  # resolved (defaults.py)
+    return AdapterStore(load, budget, config.adapter_root, config.adapter_registry, describe, readers)
+
+
+def _image_cache(
+    config: EngineConfig, spec: ModelSpec, geometry: PoolGeometry, dtype: torch.dtype, pin: bool
+) -> ImageCache | None:
+    """The image cache config.adapter_image_cache names (resolved: "off" or a directory), or None; a directory
+    that cannot be made is logged and the engine runs without the cache."""
+    if config.adapter_image_cache == "off":
+        return None
+    try:
+        cache = ImageCache(config.adapter_image_cache, spec, geometry, dtype, config.max_lora_rank, pin)
+    except OSError as exc:
+        logger.warning("adapter_image_cache: %s cannot be used (%s); adapters are converted at every read",
+                       config.adapter_image_cache, exc)  # fmt: skip
+        return None
+    logger.info("adapter image cache: %s", cache.directory)
+    return cache

@@ -8,6 +8,10 @@ current step; the runner waits for an adapter's copy before the first batch that
 Host images are ordinary (pageable) memory unless `pin_host_adapters` is set: page-locking each adapter costs far
 more than the copy (2000 7B rank-8 adapters, 33.5 GB, took 148 s to pin on the H200 host). The copier stages
 them through a few page-locked buffers instead.
+
+Once its copy is done a resident adapter keeps its HostAdapter without the image (HostAdapter.without_image): the
+pool's copy is the one steps read, so the pool holds no host memory, and host memory stays within the store's
+budget however many adapters the pool holds. An adapter evicted from the pool is read from the store again.
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ class ResidentAdapter:
     def copy_issued(self) -> bool:
         """Whether the copy into the pool is issued (on CUDA, a stream can follow it without the host waiting)."""
         return self.ready is None or self.ready.done()
+
+    def release_image(self, _copy: object = None) -> None:
+        """Drop the host image once the copy out of it is done (the copy's done-callback, on the copier's thread):
+        from then on `host` answers every field but holds no memory."""
+        self.host = self.host.without_image()
 
     def wait_copied(self, device: torch.device) -> None:
         """Wait until the copy into the pool is issued and, on CUDA, make the current stream follow it. Work
@@ -156,4 +165,6 @@ class AdapterCache:
         # The copier makes the copy wait for the work queued so far on the compute stream: with overlapped steps a
         # launched step may still read or write these pages, freed after it was launched.
         ready = self.copier.submit(host.image, torch.from_numpy(page_index))
-        return ResidentAdapter(host, pages, a_rows, b_rows, ready=ready)
+        resident = ResidentAdapter(host, pages, a_rows, b_rows, ready=ready)
+        ready.add_done_callback(resident.release_image)
+        return resident
