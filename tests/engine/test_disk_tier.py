@@ -164,7 +164,7 @@ def test_a_slow_disk_read_does_not_hold_up_other_requests(
     engine = _engine(llama, llama.adapter_root, pool_bytes=8 << 20)
     engine.store.get("r1-qv")
     _lazy_intake(engine, monkeypatch)
-    slow_s = 1.5
+    slow_s = 2.0
     _slowed(engine, "r16-all", slow_s)
     prompts = _prompts(6, seed=8)
     adapters: list[str | None] = ["r16-all", None, "r1-qv", None, "r1-qv", "r3-all"]
@@ -180,7 +180,7 @@ def test_a_slow_disk_read_does_not_hold_up_other_requests(
         steps.append(time.perf_counter() - began)
         finished_at.update({i: steps[-1] + began - start for i in watch.reasons if i not in finished_at})
     assert max(finished_at[i] for i in ids[1:]) < slow_s < finished_at[ids[0]], "the others did not wait for it"
-    assert max(steps) < slow_s / 5, f"a step waited {max(steps):.2f} s for the disk"
+    assert max(steps) < slow_s / 4, f"a step waited {max(steps):.2f} s for the disk"
     expected = _engine(llama, llama.adapter_root, pool_bytes=8 << 20).generate(prompts, adapters, sampling)
     assert [watch.tokens[i] for i in ids] == [c.token_ids for c in expected]
     engine.check_idle_integrity()
