@@ -155,7 +155,8 @@ class AdapterStore:
     def register(self, name: str, path: str | Path, load: bool = True, replace: bool = False) -> HostAdapter | None:
         """Register `name` → `path`. With `load`, the adapter is read now so that a bad one is refused (and nothing
         changes). A name already registered or present under the adapter root raises AdapterExistsError unless
-        `replace`: then requests after this one get the new adapter, requests already holding the old one keep it."""
+        `replace`: then requests after this one get the new adapter, requests already taken in keep the old one (their
+        refs name its path and generation)."""
         validate_adapter_name(name)
         path = Path(path)
         if not (path / CONFIG_FILE).is_file():
@@ -172,6 +173,7 @@ class AdapterStore:
             self._generation[name] = generation
             self._drop(name)
             self._refs.pop(name, None)
+            self._ranks.pop(name, None)
             if adapter is not None:
                 self._insert(adapter)
         logger.debug("registered adapter %r at %s", name, path)
@@ -242,6 +244,18 @@ class AdapterStore:
         """Whether `describe(name)` would return without reading the disk."""
         with self._lock:
             return name in self._refs
+
+    def reads_on_intake(self, name: str) -> bool:
+        """Whether taking in a request for `name` (describe, then read_if_room) may read the disk: it is not
+        described yet, or not in host memory while the budget has room for it."""
+        with self._lock:
+            ref = self._refs.get(name)
+            if ref is None:
+                return True
+            held = self._host.get(name)
+            if held is not None and held.generation == ref.generation:
+                return False
+            return self.host_bytes + ref.nbytes <= self.budget_bytes
 
     def lookup(self, ref: AdapterRef) -> HostAdapter | None:
         """`ref`'s adapter if host memory holds it (marked as just used), else None; never reads."""

@@ -199,7 +199,8 @@ def _adapter_store(
     def convert(name: str, path: Path, generation: int) -> HostAdapter:
         adapter = load_peft_adapter(name, path, spec, geometry, dtype, pin, config.max_lora_rank, generation)
         ranks = {m: r for m, r in zip(LORA_MODULES, adapter.ranks) if r}
-        logger.info("loaded adapter %r into host memory: ranks %s, %d pages", name, ranks, adapter.num_pages)
+        # DEBUG: with more adapters than the host budget holds, conversions go on all the time (counted in the stats)
+        logger.debug("converted adapter %r: ranks %s, %d pages", name, ranks, adapter.num_pages)
         return adapter
 
     def describe(name: str, path: Path, generation: int) -> AdapterRef:

@@ -86,9 +86,9 @@ class LocalEngine:
         self.loop.start()
 
     def submit(self, job: Submission, callback: OutputCallback) -> None:
-        """Queue `job`; if its adapter must be read from disk, that happens in the intake pool so that the
+        """Queue `job`; if taking it in may read its adapter from disk, that happens in the intake pool so that the
         requests after it are taken in meanwhile."""
-        if job.adapter and not self.loop.engine.store.in_host(job.adapter):
+        if job.adapter and self.loop.engine.store.reads_on_intake(job.adapter):
             self._intake.submit(self._submit, job, callback)
         else:
             self._submit(job, callback)

@@ -117,3 +117,15 @@ def test_a_ref_keeps_the_adapter_it_was_described_as(llama: ModelWithAdapters, t
     assert store.fetch(new).result(timeout=30).ref == new and store.in_host("alias")
     store.unregister("alias")
     assert store.fetch(new).result(timeout=30).ref == new  # from its path: a queued request still finishes
+
+
+def test_reads_on_intake_says_when_taking_a_request_in_may_read_the_disk(llama: ModelWithAdapters) -> None:
+    disk = Disk(llama)
+    store = disk.store(llama.adapter_root, budget=disk.nbytes(llama, "r3-all"))
+    assert store.reads_on_intake("r3-all")  # not described yet
+    store.describe("r3-all")
+    assert store.reads_on_intake("r3-all")  # the budget has room: intake reads it
+    store.read_if_room(store.describe("r3-all"))
+    assert not store.reads_on_intake("r3-all")  # in host memory
+    store.describe("r16-all")
+    assert not store.reads_on_intake("r16-all")  # no room: only described, the scheduler reads it later
