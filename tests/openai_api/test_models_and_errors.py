@@ -27,6 +27,15 @@ def _wait_for(predicate: Any, timeout_s: float = 10.0) -> None:
         time.sleep(0.2)
 
 
+def _listing_with(server: OpenAIServer, name: str) -> dict[str, Any]:
+    """The first model listing that holds `name`."""
+    deadline = time.monotonic() + 30
+    while name not in (models := _models(server)):
+        assert time.monotonic() < deadline, f"{name} did not appear in the model list in time"
+        time.sleep(0.2)
+    return models
+
+
 def test_models_list_the_base_and_every_adapter_with_tier_and_rank(openai_server: OpenAIServer) -> None:
     client = openai_server.client()
     client.completions.create(model="demo-mlp-r16", prompt="Hi", max_tokens=1)  # now in host memory or the pool
@@ -45,8 +54,9 @@ def test_a_loaded_adapter_appears_and_an_unloaded_one_disappears(openai_server: 
     client = openai_server.client()
     adapter_command(openai_server.http_url, "load", "runtime-spare", str(openai_server.spare_adapter))
     try:
-        _wait_for(lambda: "runtime-spare" in _models(openai_server))
-        card = _models(openai_server)["runtime-spare"].model_dump()
+        # Each of the server's workers keeps its own list for up to its TTL: read the card from the listing that
+        # has it, not from the next one (another worker's, maybe older).
+        card = _listing_with(openai_server, "runtime-spare")["runtime-spare"].model_dump()
         assert card["slora"]["tier"] in ("host", "gpu") and card["slora"]["rank"] == 2
         ask = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
         spare = client.completions.create(model="runtime-spare", **ask).choices[0].text
