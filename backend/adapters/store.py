@@ -376,9 +376,11 @@ class AdapterStore:
 
     def _try_preload(self, name: str) -> str | None:
         """None when read, _BUDGET_FULL when left on disk (it would push out another), else why it was skipped."""
+        if self.host_bytes >= self.budget_bytes:
+            return _BUDGET_FULL
         try:
             size = self.describe(name).nbytes if self._describer is not None else 0
-            if self.host_bytes + size > self.budget_bytes or self.host_bytes >= self.budget_bytes:
+            if self.host_bytes + size > self.budget_bytes:
                 return _BUDGET_FULL
             self.get(name)
         except AdapterError as exc:
