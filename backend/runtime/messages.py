@@ -55,6 +55,7 @@ class EngineInfo:
     max_model_len: int
     adapters_known: int
     worker_pids: tuple[int, ...] = ()  # the tensor-parallel worker processes (ranks 1 ..), if any
+    max_num_seqs: int = 0  # running requests at most, as resolved at start (EngineConfig's "auto" included)
 
 
 # ---- server → engine process -------------------------------------------------------------------------------

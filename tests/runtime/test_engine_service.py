@@ -97,6 +97,16 @@ def test_greedy_tokens_equal_the_engine_called_directly(service: EngineService, 
     assert stats.adapter_disk_reads >= 3 and stats.adapter_host_evictions == 0  # three adapters, a roomy budget
 
 
+def test_the_engine_info_holds_the_resolved_batch_limit(service: EngineService, llama: ModelWithAdapters) -> None:
+    """Servers read the engine's batch limit from EngineInfo (the LoRA gauge's max_lora), "auto" resolved."""
+    assert service.info.max_num_seqs == 8
+    auto = LocalEngine(LLMEngine(replace(_config(llama), max_num_seqs=None)))
+    try:
+        assert auto.info.max_num_seqs == 256  # the CPU rule (engine/defaults.py)
+    finally:
+        auto.stop()
+
+
 def test_refusals_reach_the_callback_with_their_kind(service: EngineService) -> None:
     got = Collector()
     service.submit(Submission("bad-adapter", [1, 2], "no-such-adapter", GREEDY), got.callback)

@@ -81,7 +81,7 @@ class TritonPythonModel:
         started = time.monotonic()
         self.encoder = _prompt_encoder(self.options)
         self.engine = _start_engine(self.options)
-        self.metrics = _metrics(self.options)
+        self.metrics = _metrics(self.options, self.engine.info.max_num_seqs)
         self.engine.on_stats(self.metrics.update_stats)
         health_file = Path(self.options.health_file) if self.options.health_file else None
         self.health = HealthReporter(self.engine.health, health_file, self.metrics.set_serving)
@@ -172,9 +172,10 @@ def _prompt_encoder(options: ServingOptions) -> PromptEncoder:
     return PromptEncoder(tokenizer, options.apply_chat_template)
 
 
-def _metrics(options: ServingOptions) -> NullMetrics:
+def _metrics(options: ServingOptions, max_num_seqs: int) -> NullMetrics:
+    """The slora_* metrics; `max_num_seqs` (the engine's, resolved) is the LoRA gauge's max_lora."""
     try:
-        return TritonMetrics(max_lora=options.engine.max_num_seqs, lora_info=options.lora_info_metric)
+        return TritonMetrics(max_lora=max_num_seqs, lora_info=options.lora_info_metric)
     except pb_utils.TritonModelException as exc:  # the server runs with --allow-metrics=false
         logger.info("metrics are off: %s", exc)
         return NullMetrics()
