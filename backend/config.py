@@ -31,6 +31,11 @@ class EngineConfig:
     page_size: int = 16  # tokens per KV page
     pool_bytes: int | None = None
     pool_fraction: float | None = None
+    # The "what unified paging buys" ablation (S-LoRA's Fig. 5, "no unified memory"): None, the default, is the
+    # unified pool, KV blocks and adapter weights taking pages from one free list. A fraction in (0, 1) reserves that
+    # share of the pool's pages for adapter weights only and leaves the rest to KV only (memory/page_pool.py): an
+    # adapter larger than its region, or a request's KV larger than the rest, is refused.
+    adapter_region_fraction: float | None = None
     # Fields whose default is None ("auto") are resolved once at start from the device, the model and the pool, each
     # by a rule of backend/engine/defaults.py, and logged; on CPU they resolve to what they were before "auto".
     max_batch_tokens: int | None = None  # token budget of one step (prefill chunks + decodes); auto: 2048 on CPU
@@ -143,6 +148,7 @@ class EngineConfig:
             raise ValueError(f"pool_fraction must be in (0, 1), got {self.pool_fraction!r}")
         if self.pool_bytes is not None and self.pool_fraction is not None:
             raise ValueError("give pool_bytes or pool_fraction, not both")
+        _check_adapter_region(self)
         if self.prefetch_adapters < 0:
             raise ValueError(f"prefetch_adapters must be >= 0, got {self.prefetch_adapters}")
         _choice(self, "dtype", ("auto", *_DTYPES))
@@ -263,6 +269,18 @@ def _check_tensor_parallel(config: EngineConfig) -> None:
         raise ValueError("tensor_parallel_size > 1 does not run CUDA graphs yet: set cuda_graphs=false")
     if config.tensor_parallel_size > 1 and config.kernel_backend == "bmm":
         raise ValueError("tensor_parallel_size > 1 needs kernel_backend auto, torch or triton, not 'bmm'")
+
+
+def _check_adapter_region(config: EngineConfig) -> None:
+    value = config.adapter_region_fraction
+    if value is None:
+        return
+    # `not 0 < value < 1` also refuses NaN
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
+        raise ValueError(f"adapter_region_fraction must be None (unified pool) or in (0, 1), got {value!r}")
+    if config.tensor_parallel_size > 1:
+        # Every rank's pool replays rank 0's allocations (parallel/pool_mirror.py), built without regions.
+        raise ValueError("adapter_region_fraction needs tensor_parallel_size 1 (the ablation runs on one device)")
 
 
 def _check_disk_tier(config: EngineConfig) -> None:

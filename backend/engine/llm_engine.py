@@ -121,11 +121,7 @@ class LLMEngine:
         ref = self.store.describe(adapter) if adapter else None
         if ref is not None:
             self.store.read_if_room(ref)
-        need = self.scheduler.pages_for(total) + (ref.num_pages if ref else 0)
-        if need > self.pool.num_pages:
-            raise CapacityError(
-                f"request needs {need} pages (KV for {total} tokens + adapter), the pool has {self.pool.num_pages}"
-            )
+        self._check_capacity(total, ref.num_pages if ref else 0)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(params.seed if params.seed is not None else self._next_seed())
         wants_text = self.tokenizer is not None and (detokenize or bool(params.stop))
@@ -239,6 +235,21 @@ class LLMEngine:
                 outputs.append(self._append_token(request, token, now))
         return outputs
 
+    def _check_capacity(self, total_tokens: int, adapter_pages: int) -> None:
+        """Raise CapacityError, naming the part of the pool that is too small, if a request of `total_tokens` with
+        an adapter of `adapter_pages` could never be admitted."""
+        kv = self.scheduler.pages_for(total_tokens)
+        why = self.scheduler.never_fits(kv, adapter_pages)
+        if why is None:
+            return
+        if self.pool.unified:
+            raise CapacityError(
+                f"request needs {kv + adapter_pages} pages (KV for {total_tokens} tokens + adapter), {why}"
+            )
+        raise CapacityError(
+            f"request needs {kv} KV pages ({total_tokens} tokens) and {adapter_pages} adapter pages: {why}"
+        )
+
     def capture_graphs_for_host_adapters(self) -> None:
         """With CUDA graphs: capture decode graphs sized for the adapters now in host memory (their modules and
         largest rank), so that steps of them need no capture while serving (see cuda_graphs.py)."""
@@ -254,7 +265,7 @@ class LLMEngine:
     def evict_adapters(self) -> None:
         """Empty the pool of (unpinned) adapters, so that the next requests start cold on the GPU; the engine must
         be idle."""
-        self.cache.evict(self.pool.num_pages)
+        self.cache.evict(self.pool.num_pages_for(PageKind.ADAPTER))
         self.check_idle_integrity()
 
     def check_idle_integrity(self) -> None:

@@ -18,7 +18,10 @@ Admission order and preemption victims are the scheduling policy's (scheduling_p
 priority). With first-token SLOs or a queue timeout, waiting requests that can no longer meet them are refused
 before they are admitted (slo.py).
 
-The scheduler owns each request's pages and adapter pin; the pool only counts pages.
+The scheduler owns each request's pages and adapter pin; the pool only counts pages. With a reserved adapter
+region (EngineConfig.adapter_region_fraction) every page count is of the region a kind allocates from: KV that
+lacks pages preempts at once (evicting adapters frees nothing for it), and adapters copied ahead keep no pages
+back for the running requests' KV.
 """
 
 from __future__ import annotations
@@ -233,8 +236,9 @@ class Scheduler:
         return True
 
     def _alloc(self, n: int, request: Request) -> list[int] | None:
+        """`n` KV pages for `request`, evicting unpinned adapters when that frees pages KV can use; None if not."""
         pages = self.pool.alloc(n, PageKind.KV, ("kv", request.request_id))
-        if pages is None and self.adapters.evict(n):
+        if pages is None and self.pool.unified and self.adapters.evict(n):
             pages = self.pool.alloc(n, PageKind.KV, ("kv", request.request_id))
         return pages
 
@@ -386,21 +390,38 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         return Admission.ADMITTED
 
+    def never_fits(self, kv_pages: int, adapter_pages: int) -> str | None:
+        """Why a request holding `kv_pages` of KV and an adapter of `adapter_pages` at once could never be admitted,
+        even into an empty pool (which part of the pool is too small, and its pages), or None when it could."""
+        pool = self.pool
+        if pool.unified:
+            return f"the pool has {pool.num_pages}" if kv_pages + adapter_pages > pool.num_pages else None
+        adapter_region, kv_region = pool.num_pages_for(PageKind.ADAPTER), pool.num_pages_for(PageKind.KV)
+        if adapter_pages > adapter_region:
+            return f"the adapter region has {adapter_region} of the pool's {pool.num_pages} (adapter_region_fraction)"
+        if kv_pages > kv_region:
+            return (
+                f"the KV region has {kv_region} of the pool's {pool.num_pages} (the rest of adapter_region_fraction's)"
+            )
+        return None
+
     def _check_fits(self, request: Request, host: HostAdapter) -> None:
         """Raise AdapterError if the adapter read is too large for the pool with the request's KV (its files were
         rewritten since the request was checked against its ref): it could never be admitted."""
-        need = host.num_pages + self.pages_for(request.num_prompt + request.sampling.max_tokens)
-        if need > self.pool.num_pages:
+        kv = self.pages_for(request.num_prompt + request.sampling.max_tokens)
+        why = self.never_fits(kv, host.num_pages)
+        if why is not None:
             raise AdapterError(
                 f"adapter {host.name!r} now needs {host.num_pages} pages (its files changed since the request was "
-                f"taken in): with the request's KV {need}, more than the pool's {self.pool.num_pages}"
+                f"taken in): with the request's KV, {host.num_pages + kv} pages, but {why}"
             )
 
     def _prefetch(self) -> None:
         """Ahead of admission, in the policy's order: copy the adapters of the next waiting requests (the first
-        prefetch_adapters distinct ones) into free pages, keeping a page per running request, and start reading
-        those of the first read_ahead into host memory (read_ahead.py bounds what the reads hold)."""
-        reserve = len(self.running)
+        prefetch_adapters distinct ones) into free pages, keeping a page per running request (in the unified pool,
+        where their KV takes from the same pages), and start reading those of the first read_ahead into host memory
+        (read_ahead.py bounds what the reads hold)."""
+        reserve = len(self.running) if self.pool.unified else 0
         seen: set[tuple[str, int]] = set()
         window = max(self.limits.prefetch_adapters, self.limits.read_ahead)
         for request in itertools.islice(self.policy.upcoming(), PREFETCH_SCAN):
@@ -423,7 +444,7 @@ class Scheduler:
         """`ref`'s adapter made resident in free pages (leaving `reserve`) if host memory holds it, else None
         (its read started)."""
         host = self._read_ahead(ref)
-        if host is None or self.pool.num_free - host.num_pages < reserve:
+        if host is None or self.pool.num_free_for(PageKind.ADAPTER) - host.num_pages < reserve:
             return None
         resident = self.adapters.load(host)
         if resident is not None:

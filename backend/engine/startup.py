@@ -26,7 +26,7 @@ from slora.backend.engine.defaults import (
 )
 from slora.backend.executor.cuda_graphs import DecodeGraphs, GraphLimits
 from slora.backend.memory.adapter_cache import AdapterCache
-from slora.backend.memory.page_pool import PagePool, PoolGeometry
+from slora.backend.memory.page_pool import PageKind, PagePool, PoolGeometry
 from slora.backend.model.checkpoint import load_checkpoint, random_weights
 from slora.backend.model.decoder import DecoderModel
 from slora.backend.model.default_model import cache_root, resolve_model_path
@@ -95,9 +95,11 @@ def _build_one_device(config: EngineConfig, device: torch.device, model_path: Pa
     model = DecoderModel(spec, weights, _ops(config, device, config.kernel_settings()), max_model_len)
     geometry = PoolGeometry(spec.num_layers, config.page_size, spec.num_kv_heads, spec.head_dim)
     geometry.validate(max(spec.hidden_size, spec.intermediate_size, spec.q_size))
-    pool = PagePool(geometry, _num_pages(config, geometry, dtype, device), dtype, device)
+    num_pages = _num_pages(config, geometry, dtype, device)
+    pool = PagePool(geometry, num_pages, dtype, device, adapter_region_pages(config, num_pages))
     logger.info("page pool: %d pages of %d tokens (%.1f MiB each across layers)", pool.num_pages,
                 geometry.block_size, geometry.page_bytes(dtype) / MiB)  # fmt: skip
+    _log_regions(config, pool)
     tokenizer_path = config.tokenizer or model_path
     tokenizer = load_tokenizer(tokenizer_path)
     if tokenizer is None:
@@ -122,7 +124,8 @@ def _build_one_device(config: EngineConfig, device: torch.device, model_path: Pa
 def _resolved(parts: Components, early: list[Choice]) -> Components:
     """`parts` with the options the kernels and the pool decide resolved, every option's value logged, and the
     decode graphs captured for the resolved batch limits."""
-    pool_tokens = parts.pool.num_pages * parts.pool.geometry.block_size
+    # The tokens KV can hold: with a reserved adapter region, only the pages outside it.
+    pool_tokens = parts.pool.num_pages_for(PageKind.KV) * parts.pool.geometry.block_size
     config, late = resolve_with_pool(parts.config, parts.device, parts.model.ops.name, pool_tokens)
     log_choices(early + late + derived_choices(config, parts.device))
     parts.config = config
@@ -176,6 +179,27 @@ def _num_pages(config: EngineConfig, geometry: PoolGeometry, dtype: torch.dtype,
     if budget < page_bytes:
         raise ValueError(f"the page pool ({budget} bytes) is smaller than one page ({page_bytes} bytes)")
     return budget // page_bytes
+
+
+def adapter_region_pages(config: EngineConfig, num_pages: int) -> int | None:
+    """Pages reserved for adapter weights (config.adapter_region_fraction of the pool, at least one page, leaving at
+    least one for KV), or None for the unified pool."""
+    fraction = config.adapter_region_fraction
+    if fraction is None:
+        return None
+    if num_pages < 2:
+        raise ValueError(f"adapter_region_fraction={fraction} needs a pool of 2 pages at least, it has {num_pages}")
+    return min(max(round(num_pages * fraction), 1), num_pages - 1)
+
+
+def _log_regions(config: EngineConfig, pool: PagePool) -> None:
+    if pool.unified:
+        logger.info("page pool: unified (KV blocks and adapter weights share every page)")
+        return
+    adapter, kv = pool.num_pages_for(PageKind.ADAPTER), pool.num_pages_for(PageKind.KV)
+    logger.info("page pool: reserved regions (adapter_region_fraction=%s): pages [0, %d) adapter weights only, "
+                "[%d, %d) KV only (%d tokens)", config.adapter_region_fraction, adapter, adapter, pool.num_pages,
+                kv * pool.geometry.block_size)  # fmt: skip
 
 
 def _eos_ids(model_path: Path, spec: ModelSpec, tokenizer: Any | None) -> frozenset[int]:

@@ -125,23 +125,29 @@ class AdapterCache:
         return sum(len(r.pages) for r in self._resident.values() if r.refcount == 0 and r.key not in keep)
 
     def evict(self, pages_wanted: int, keep: frozenset[AdapterKey] = frozenset()) -> bool:
-        """Evict unpinned adapters (least recently used first, sparing `keep`) until `pages_wanted` are free.
+        """Evict unpinned adapters (least recently used first, sparing `keep`) until `pages_wanted` adapter pages
+        are free (in the unified pool, pages for either kind; with a reserved adapter region, pages of that region,
+        which KV cannot use).
 
         Returns whether that many pages are free now; evicts nothing when it cannot reach the goal.
         """
-        if self.pool.num_free >= pages_wanted:
+        if self._free_pages() >= pages_wanted:
             return True
-        if self.pool.num_free + self.evictable_pages(keep) < pages_wanted:
+        if self._free_pages() + self.evictable_pages(keep) < pages_wanted:
             return False
         victims = sorted(
             (r for r in self._resident.values() if r.refcount == 0 and r.key not in keep),
             key=lambda r: r.last_used,
         )
         for victim in victims:
-            if self.pool.num_free >= pages_wanted:
+            if self._free_pages() >= pages_wanted:
                 break
             self._evict(victim)
         return True
+
+    def _free_pages(self) -> int:
+        """Free pages an adapter can take: evicting one gives back pages of this count only."""
+        return self.pool.num_free_for(PageKind.ADAPTER)
 
     def drop_stale(self, live: set[AdapterKey]) -> None:
         """Evict unpinned adapters whose name was registered again or removed (not in `live`)."""
