@@ -1,0 +1,155 @@
+"""What a tenant-isolation run measured, from its request records: pure functions, shared by the in-process
+(perf/bench_tenants.py) and the served (perf/bench_tenants_served.py) benchmarks.
+
+A record's tenant is its adapter (the base model's requests: "<base>"). Service is counted in the fair policy's
+cost: `prompt_cost` per prompt token when the first token comes, `output_cost` per output token as it streams. A
+tenant is backlogged from a request's arrival to its first token.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from perf.metrics import RequestRecord
+
+BASE_TENANT = "<base>"
+
+Spans = list[tuple[float, float]]
+
+
+def tenant_of(record: RequestRecord) -> str:
+    return record.adapter or BASE_TENANT
+
+
+def tenant_figures(records: list[RequestRecord], window: float) -> dict[str, dict[str, Any]]:
+    """Per tenant: requests, finished, output tokens per second while requests arrived ([0, window]: a run with a
+    noisy tenant drains its backlog for longer, which a whole-run average would charge to everyone), share of all
+    output tokens, first-token p50/p90."""
+    by_tenant: dict[str, list[RequestRecord]] = defaultdict(list)
+    for r in records:
+        by_tenant[tenant_of(r)].append(r)
+    total = sum(r.num_output for r in records) or 1
+    return {tenant: _figures(rs, window, total) for tenant, rs in sorted(by_tenant.items())}
+
+
+def _figures(rs: list[RequestRecord], window: float, total: int) -> dict[str, Any]:
+    ttfts = [r.ttft for r in rs if r.ok and r.ttft is not None]
+    in_window = sum(k for r in rs for t, k in zip(r.chunk_times, r.chunk_tokens) if t <= window)
+    return {
+        "requests": len(rs),
+        "finished": sum(1 for r in rs if r.ok),
+        "output_tokens": sum(r.num_output for r in rs),
+        "output_tok_s": in_window / window if window > 0 else 0.0,
+        "share": sum(r.num_output for r in rs) / total,
+        "ttft_p50_s": float(np.percentile(ttfts, 50)) if ttfts else None,
+        "ttft_p90_s": float(np.percentile(ttfts, 90)) if ttfts else None,
+    }
+
+
+def service_gap(records: list[RequestRecord], duration: float, window: float, costs: tuple[float, float]) -> float:
+    """The largest service difference between two tenants both backlogged over a whole window (windows of
+    `window` seconds every window / 2): VTC's measure of fairness, in weighted tokens."""
+    service, backlog = _service_events(records, costs)
+    gap = 0.0
+    start = 0.0
+    while start + window <= duration + 1e-9:
+        end = start + window
+        served = [_served_within(*service[t], start, end) for t, spans in backlog.items() if _covers(spans, start, end)]
+        if len(served) >= 2:
+            gap = max(gap, max(served) - min(served))
+        start += window / 2
+    return gap
+
+
+def _served_within(times: np.ndarray, cumulative: np.ndarray, start: float, end: float) -> float:
+    lo, hi = np.searchsorted(times, [start, end])  # events in [start, end)
+    return float(cumulative[hi] - cumulative[lo])
+
+
+def _service_events(
+    records: list[RequestRecord], costs: tuple[float, float]
+) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], dict[str, Spans]]:
+    """Per tenant: its service events as sorted times with cumulative service (from 0), and its backlogged spans
+    (a request's arrival to its first token, or to its end if it had none)."""
+    prompt_cost, output_cost = costs
+    events: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    backlog: dict[str, Spans] = defaultdict(list)
+    for r in records:
+        tenant = tenant_of(r)
+        end = r.chunk_times[0] if r.chunk_times else (r.finish_time if r.finish_time is not None else r.arrival)
+        backlog[tenant].append((r.arrival, end))
+        if r.chunk_times:
+            events[tenant].append((r.chunk_times[0], prompt_cost * r.input_len))
+        events[tenant] += [(t, output_cost * k) for t, k in zip(r.chunk_times, r.chunk_tokens)]
+    service = {}
+    for tenant in backlog:
+        ordered = sorted(events[tenant])
+        times = np.array([t for t, _ in ordered], dtype=np.float64)
+        service[tenant] = times, np.concatenate([[0.0], np.cumsum([c for _, c in ordered])])
+    return service, {t: _merged(spans) for t, spans in backlog.items()}
+
+
+def _merged(spans: Spans) -> Spans:
+    out: Spans = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _covers(spans: Spans, start: float, end: float) -> bool:
+    return any(a <= start and end <= b for a, b in spans)
+
+
+def slo_figures(records: list[RequestRecord], duration: float, slo: float) -> dict[str, Any]:
+    """SLO attainment of all offered requests and of the admitted ones (not refused), goodput (met / second)."""
+    met = [r for r in records if r.ok and r.ttft is not None and r.ttft < slo]
+    refused = [r for r in records if r.finish_reason == "rejected"]
+    admitted = len(records) - len(refused)
+    return {
+        "slo_s": slo,
+        "offered": len(records),
+        "refused": len(refused),
+        "met": len(met),
+        "attainment_all": len(met) / len(records) if records else 0.0,
+        "attainment_admitted": len(met) / admitted if admitted else None,
+        "goodput_rps": len(met) / duration if duration > 0 else 0.0,
+    }
+
+
+def steady_rate(records: list[RequestRecord], low: float = 0.1, high: float = 0.8) -> float:
+    """Completions per second between the `low` and `high` quantiles of the finish times."""
+    ends = sorted(r.finish_time for r in records if r.ok and r.finish_time is not None)
+    if len(ends) < 10:
+        return len(ends) / ends[-1] if ends and ends[-1] > 0 else 0.0
+    a, b = int(low * len(ends)), int(high * len(ends)) - 1
+    return (b - a) / (ends[b] - ends[a]) if ends[b] > ends[a] else len(ends) / ends[-1]
+
+
+def compare_noisy(with_: dict[str, Any], without: dict[str, Any], quiet: list[str], noisy: str) -> dict[str, Any]:
+    """Each well-behaved tenant's throughput and first-token p90 with the noisy tenant over without it, from the
+    two runs' metrics (their `tenants` and `service_gap`)."""
+    a, b = with_["tenants"], without["tenants"]
+    per = {t: _ratios(a[t], b[t]) for t in quiet if t in a and t in b}
+    ratios = [v["throughput_ratio"] for v in per.values() if v["throughput_ratio"] is not None]
+    ttfts = [v["ttft_p90_ratio"] for v in per.values() if v["ttft_p90_ratio"] is not None]
+    return {
+        "min_throughput_ratio": min(ratios) if ratios else None,  # the issue's goal under fair: >= 0.9
+        "max_ttft_p90_ratio": max(ttfts) if ttfts else None,  # goal: <= 1.5
+        "noisy_share": a.get(noisy, {}).get("share"),
+        "service_gap_with": with_["service_gap"],
+        "service_gap_without": without["service_gap"],
+        "tenants": per,
+    }
+
+
+def _ratios(with_: dict[str, Any], without: dict[str, Any]) -> dict[str, float | None]:
+    throughput = with_["output_tok_s"] / without["output_tok_s"] if without["output_tok_s"] else None
+    p90_with, p90_without = with_["ttft_p90_s"], without["ttft_p90_s"]
+    ttft = p90_with / p90_without if p90_with is not None and p90_without else None
+    return {"throughput_ratio": throughput, "ttft_p90_ratio": ttft}
