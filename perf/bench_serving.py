@@ -207,21 +207,15 @@ class StreamReplay:
             prompt_text = self.text_of(list(r.prompt_ids)) if self.text_of and self.target.kind == "text" else ""
             self.states[rid] = StreamState(self.max_tokens or r.output_len, prompt_text)
             self.open.add(rid)
-            queues[i % len(queues)].put_nowait(
-                encode(
-                    r,
-                    rid,
-                    self.target,
-                    self.io,
-                    self.client.infer_input,
-                    self.text_of,
-                    self.max_tokens,
-                    getattr(self.client, "requested_output", None),
-                )  # fmt: skip
-            )
+            queues[i % len(queues)].put_nowait(self.stream_request(r, rid))
         self._all_sent.set()
         if len(self.open) <= self.unattributed_errors:
             self._done.set()
+
+    def stream_request(self, r: TraceRequest, rid: str) -> dict[str, Any]:
+        """What the stream sends for `r` (a subclass may add request parameters)."""
+        return encode(r, rid, self.target, self.io, self.client.infer_input, self.text_of, self.max_tokens,
+                      getattr(self.client, "requested_output", None))  # fmt: skip
 
     async def _receive(self, queue: asyncio.Queue) -> None:
         async def requests() -> Any:
