@@ -1,8 +1,9 @@
-"""Run an LLMEngine in a thread of its own, for servers: thread-safe submit / abort, one callback per request.
+"""Run an LLMEngine in a thread of its own, for servers: thread-safe submit / abort, outputs to one sink.
 
 Requests are checked and their adapters loaded in the caller's thread (`LLMEngine.prepare`), so a bad request
-fails at once in its own thread and a slow adapter load never stalls the batch. Callbacks run on the engine
-thread after each step and must return quickly (hand the output to another thread or send it).
+fails at once in its own thread and a slow adapter load never stalls the batch. The sink (output_sink.py) is
+called on the engine thread after each step and must return quickly (hand the output to another thread or send
+it). The loop keeps no table of requests: the engine's own (`LLMEngine.requests`) says what is in flight.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from slora.backend.engine.outputs import EngineStats, RequestOutput, failed_outp
 from slora.backend.engine.request import Request
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.errors import EngineOverloadedError
+from slora.backend.runtime.output_sink import OutputSink, deliver_each
 from slora.backend.runtime.queues import take_batch
 
 logger = logging.getLogger(__name__)
 
-OutputCallback = Callable[[RequestOutput], None]
 T = TypeVar("T")
 MAX_BATCH = 4096  # inbox items taken between two steps
 
@@ -33,7 +34,6 @@ MAX_BATCH = 4096  # inbox items taken between two steps
 @dataclass
 class _Submit:
     request: Request
-    callback: OutputCallback
 
 
 @dataclass
@@ -48,10 +48,10 @@ class _Call:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+    def __init__(self, engine: LLMEngine, sink: OutputSink, idle_wait_s: float = 0.05) -> None:
         self.engine = engine
+        self._sink = sink
         self._inbox: queue.Queue[_Submit | _Abort | _Call | None] = queue.Queue()
-        self._callbacks: dict[str, OutputCallback] = {}
         self._idle_wait_s = idle_wait_s
         self._thread = threading.Thread(target=self._run, name="slora-engine", daemon=True)
         self._stopping = threading.Event()
@@ -71,7 +71,6 @@ class EngineLoop:
     def submit(
         self,
         prompt: Any,
-        callback: OutputCallback,
         adapter: str | None = None,
         sampling: SamplingParams | dict[str, Any] | None = None,
         request_id: str | None = None,
@@ -81,7 +80,7 @@ class EngineLoop:
         ttft_slo_s: float | None = None,
     ) -> str:
         """Check and queue a request (LLMEngine.prepare says what each argument does); raises its error here, in
-        the caller's thread."""
+        the caller's thread. Its outputs go to the sink; returns its id."""
         if self._stopping.is_set():
             raise EngineOverloadedError("the engine is shutting down")
         request = self.engine.prepare(prompt, adapter, sampling, request_id, detokenize, tenant, priority, ttft_slo_s)
@@ -90,7 +89,7 @@ class EngineLoop:
             raise EngineOverloadedError(
                 f"{queued} requests are waiting (max_waiting={self.engine.config.max_waiting}); try again later"
             )
-        self._inbox.put(_Submit(request, callback))
+        self._inbox.put(_Submit(request))
         return request.request_id
 
     def abort(self, request_id: str) -> None:
@@ -121,7 +120,7 @@ class EngineLoop:
             if self._stopping.is_set():
                 break
             self._step()
-        for request_id in list(self._callbacks):
+        for request_id in list(self.engine.requests):
             self._handle(_Abort(request_id))
 
     def _drain(self, block: bool) -> None:
@@ -135,7 +134,7 @@ class EngineLoop:
         elif isinstance(item, _Abort):
             output = self.engine.abort(item.request_id)
             if output is not None:
-                self._deliver([output])
+                deliver_each(self._sink, [output])
         elif not item.future.set_running_or_notify_cancel():
             return
         else:
@@ -148,9 +147,7 @@ class EngineLoop:
         try:
             self.engine.submit(item.request)
         except Exception as exc:  # refused by the engine (duplicate id, full queue): tell this request only
-            item.callback(failed_output(item.request.request_id, exc))
-            return
-        self._callbacks[item.request.request_id] = item.callback
+            deliver_each(self._sink, [failed_output(item.request.request_id, exc)])
 
     def _step(self) -> None:
         try:
@@ -161,19 +158,7 @@ class EngineLoop:
             outputs = [
                 failed_output(rid, failure) for rid in list(self.engine.requests) if self.engine.abort(rid) is not None
             ]
-        self._deliver(outputs)
+        deliver_each(self._sink, outputs)
         self._stats = self.engine.stats()
         for listener in self.step_listeners:
             listener(self.engine, outputs)
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            callback = self._callbacks.get(output.request_id)
-            if callback is None:
-                continue
-            if output.finished:
-                del self._callbacks[output.request_id]
-            try:
-                callback(output)
-            except Exception:
-                logger.exception("output callback of request %s failed", output.request_id)

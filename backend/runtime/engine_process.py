@@ -4,7 +4,8 @@ In Triton's Python stub, the engine loop (scheduling, batch building, sampling: 
 the responder (one Triton response per request per step) would share one GIL, and each would wait for the
 other. Here the engine runs in a child process (engine_worker.py) started with `spawn` from this interpreter's
 sys.path; requests go down one pipe, each step's outputs come back as one message on the other, read by a
-receiver thread that calls each request's callback.
+receiver thread that hands them to the sink. This side keeps no table of requests: the sink (the responder, in
+Triton) knows which it waits on, and `fail_all` ends them when the process dies.
 
 If the child dies, every request in flight ends with an error naming the exit code, and later requests are
 refused (UNAVAILABLE) with that message: nothing waits forever. A new child is started (up to `max_restarts` in
@@ -34,7 +35,6 @@ from slora.backend.config import EngineConfig
 from slora.backend.engine.outputs import STATS_COUNTERS, EngineStats, RequestOutput, failed_output
 from slora.backend.errors import AdapterError, AdapterNotFoundError, EngineOverloadedError
 from slora.backend.runtime.adapter_admin import RuntimeRegistry
-from slora.backend.runtime.engine_loop import OutputCallback
 from slora.backend.runtime.engine_service import EngineHealth, StatsListener
 from slora.backend.runtime.engine_worker import worker_main
 from slora.backend.runtime.messages import (
@@ -56,6 +56,7 @@ from slora.backend.runtime.messages import (
     SubmitMsg,
     ToEngine,
 )
+from slora.backend.runtime.output_sink import RequestSink, deliver_each
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class EngineProcess:
     def __init__(
         self,
         config: EngineConfig,
+        sink: RequestSink,
         python: str | None = None,
         command_timeout_s: float = 300.0,
         max_restarts: int = MAX_RESTARTS,
@@ -88,11 +90,12 @@ class EngineProcess:
         registry_journal: str | Path | None = None,
         restarts_before: int = 0,
     ) -> None:
-        """`watchdog_s`: kill an engine process whose loop has not gone round for that long, or that has sent
-        nothing (not even a heartbeat) for that long: hung, deadlocked or stopped; it then fails its requests and
-        is restarted like one that died. `registry_journal`: a file that keeps the runtime registrations for an
-        EngineProcess started again later (a reloaded model), given back once the first engine is ready.
-        `restarts_before`: restarts counted before this EngineProcess (its engine_restarts statistic goes on)."""
+        """Every output goes to `sink`. `watchdog_s`: kill an engine process whose loop has not gone round for
+        that long, or that has sent nothing (not even a heartbeat) for that long: hung, deadlocked or stopped; it
+        then fails its requests and is restarted like one that died. `registry_journal`: a file that keeps the
+        runtime registrations for an EngineProcess started again later (a reloaded model), given back once the
+        first engine is ready. `restarts_before`: restarts counted before this EngineProcess (its engine_restarts
+        statistic goes on)."""
         if write_back_registry and not config.adapter_registry:
             raise ValueError("write_back_registry needs the multi_lora.json to write to: set adapter_registry")
         self._config = config
@@ -103,7 +106,7 @@ class EngineProcess:
         self.restarts = restarts_before
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._callbacks: dict[str, OutputCallback] = {}
+        self._sink = sink
         self._calls: dict[int, tuple[Future, AdapterCommand]] = {}
         # Runtime registrations, given back to every new engine process (and written to the multi_lora.json)
         self.registry = RuntimeRegistry(config.adapter_registry if write_back_registry else None, registry_journal)
@@ -146,13 +149,12 @@ class EngineProcess:
         self._receiver = threading.Thread(target=self._receive, name="slora-engine-receiver", daemon=True)
         self._receiver.start()
 
-    def submit(self, job: Submission, callback: OutputCallback) -> None:
-        with self._lock:
-            closed = self._closed
-            if closed is None:
-                self._callbacks[job.request_id] = callback
+    def submit(self, job: Submission) -> None:
+        """Send `job` to the engine process; refused at once while none serves. A job sent just as the process
+        dies is lost with it: the sink, which knew of it before this call, fails it in `fail_all`."""
+        closed = self._closed
         if closed is not None:
-            callback(failed_output(job.request_id, EngineOverloadedError(closed), "rejected"))
+            deliver_each(self._sink, [failed_output(job.request_id, EngineOverloadedError(closed), "rejected")])
             return
         self._send(SubmitMsg(job))
 
@@ -239,15 +241,7 @@ class EngineProcess:
             self._failed = self._closed
 
     def _deliver(self, outputs: list[RequestOutput], stats: EngineStats | None) -> None:
-        for output in outputs:
-            with self._lock:
-                callback = (self._callbacks.pop if output.finished else self._callbacks.get)(output.request_id, None)
-            if callback is None:
-                continue
-            try:
-                callback(output)
-            except Exception:
-                logger.exception("output callback of request %s failed", output.request_id)
+        deliver_each(self._sink, outputs)
         if stats is not None:
             self._stats = stats = self._cumulative(stats)
             for listener in self._listeners:
@@ -275,11 +269,12 @@ class EngineProcess:
             logger.error("%s; failing the requests in flight", reason)
         with self._lock:
             self._closed = reason
-            callbacks, self._callbacks = self._callbacks, {}
             calls, self._calls = self._calls, {}
         failure = RuntimeError(reason)
-        for request_id, callback in callbacks.items():
-            callback(failed_output(request_id, failure))
+        try:
+            self._sink.fail_all(failure)
+        except Exception:
+            logger.exception("failing the requests in flight failed")
         for future, _command in calls.values():
             future.set_exception(failure)
 

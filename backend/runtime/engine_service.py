@@ -1,11 +1,11 @@
 """What a server needs from an engine, and the engine in the server's own process (`LocalEngine`).
 
-A server hands the engine `Submission`s with one callback each, aborts them, asks adapter commands, and reads
-statistics. Two implementations: `LocalEngine` runs the `EngineLoop` on a thread of the calling process, and
-`EngineProcess` (engine_process.py) runs a `LocalEngine` in a process of its own, so that the engine's Python
-work and the server's response work do not share one GIL.
+A server hands the engine `Submission`s, aborts them, asks adapter commands, and reads statistics; every output
+goes to the sink the engine was started with (output_sink.py). Two implementations: `LocalEngine` runs the
+`EngineLoop` on a thread of the calling process, and `EngineProcess` (engine_process.py) runs a `LocalEngine` in
+a process of its own, so that the engine's Python work and the server's response work do not share one GIL.
 
-Every refusal reaches the request's callback as a final output with finish_reason "rejected" (bad input, unknown
+Every refusal reaches the sink as the request's final output with finish_reason "rejected" (bad input, unknown
 adapter, full queue): callers never see an exception from `submit`, whichever implementation runs the engine.
 """
 
@@ -21,10 +21,11 @@ from slora.backend.engine.llm_engine import LLMEngine
 from slora.backend.engine.outputs import EngineStats, failed_output
 from slora.backend.errors import SloraError
 from slora.backend.runtime.adapter_admin import run_adapter_command
-from slora.backend.runtime.engine_loop import EngineLoop, OutputCallback
+from slora.backend.runtime.engine_loop import EngineLoop
 from slora.backend.runtime.fresh_threads import FreshThreadExecutor, run_in_fresh_thread
 from slora.backend.runtime.gc_freeze import freeze_startup_objects
 from slora.backend.runtime.messages import AdapterCommand, EngineInfo, Submission
+from slora.backend.runtime.output_sink import OutputSink, deliver_each
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class EngineService(Protocol):
 
     def health(self) -> EngineHealth: ...
 
-    def submit(self, job: Submission, callback: OutputCallback) -> None: ...
+    def submit(self, job: Submission) -> None: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -67,17 +68,22 @@ class LocalEngine:
     """The engine loop on a thread of this process; cold adapters are read in a small intake pool."""
 
     @classmethod
-    def start(cls, config: EngineConfig, watchdog_s: float | None = None) -> LocalEngine:
+    def start(cls, config: EngineConfig, sink: OutputSink, watchdog_s: float | None = None) -> LocalEngine:
         """A server's engine: built on a thread that ends afterwards (fresh_threads.py says why), then the
         start-up objects frozen out of the garbage collector's reach (gc_freeze.py)."""
-        service = cls(run_in_fresh_thread(lambda: LLMEngine(config)), watchdog_s=watchdog_s)
+        service = cls(run_in_fresh_thread(lambda: LLMEngine(config)), sink, watchdog_s=watchdog_s)
         freeze_startup_objects()
         return service
 
     def __init__(
-        self, engine: LLMEngine, intake_threads: int = INTAKE_THREADS, watchdog_s: float | None = None
+        self,
+        engine: LLMEngine,
+        sink: OutputSink,
+        intake_threads: int = INTAKE_THREADS,
+        watchdog_s: float | None = None,
     ) -> None:
-        self.loop = EngineLoop(engine)
+        self._sink = sink
+        self.loop = EngineLoop(engine, sink)
         self._watchdog_s = watchdog_s
         pids = engine.parallel.pids if engine.parallel is not None else ()
         self.info = EngineInfo(engine.pool.num_pages, engine.max_model_len, len(engine.list_adapters()), pids,
@@ -86,13 +92,13 @@ class LocalEngine:
         self._intake = FreshThreadExecutor(max_workers=intake_threads, thread_name_prefix="slora-intake")
         self.loop.start()
 
-    def submit(self, job: Submission, callback: OutputCallback) -> None:
+    def submit(self, job: Submission) -> None:
         """Queue `job`; if taking it in may read its adapter from disk, that happens in the intake pool so that the
         requests after it are taken in meanwhile."""
         if job.adapter and self.loop.engine.store.reads_on_intake(job.adapter):
-            self._intake.submit(self._submit, job, callback)
+            self._intake.submit(self._submit, job)
         else:
-            self._submit(job, callback)
+            self._submit(job)
 
     def abort(self, request_id: str) -> None:
         self.loop.abort(request_id)
@@ -127,11 +133,11 @@ class LocalEngine:
         if self.loop.engine.parallel is not None:
             self.loop.engine.parallel.close()
 
-    def _submit(self, job: Submission, callback: OutputCallback) -> None:
+    def _submit(self, job: Submission) -> None:
         try:
-            self.loop.submit(job.prompt_ids, callback, job.adapter, job.sampling, job.request_id, job.detokenize,
+            self.loop.submit(job.prompt_ids, job.adapter, job.sampling, job.request_id, job.detokenize,
                              tenant=job.tenant, priority=job.priority, ttft_slo_s=job.ttft_slo_s)  # fmt: skip
-        except Exception as exc:  # this request only: its callback gets the message
+        except Exception as exc:  # this request only: its final output carries the message
             if not isinstance(exc, (SloraError, ValueError)):
                 logger.error("unexpected error while taking in request %s", job.request_id, exc_info=exc)
-            callback(failed_output(job.request_id, exc, "rejected"))
+            deliver_each(self._sink, [failed_output(job.request_id, exc, "rejected")])

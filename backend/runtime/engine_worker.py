@@ -48,7 +48,8 @@ PumpItem: TypeAlias = RequestOutput | EngineStats | LogRecord | FromEngine
 
 
 class OutputPump:
-    """Batches outputs, statistics and log records into messages on the outputs pipe, in order."""
+    """The engine's sink in its own process: batches outputs, statistics and log records into messages on the
+    outputs pipe, in order (it routes nothing: the server's side knows whose each output is)."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
@@ -56,7 +57,7 @@ class OutputPump:
         self._thread = threading.Thread(target=self._run, name="slora-pump", daemon=True)
         self._thread.start()
 
-    def output(self, output: RequestOutput) -> None:
+    def deliver(self, output: RequestOutput) -> None:
         self._queue.put(output)
 
     def stats(self, stats: EngineStats) -> None:
@@ -129,7 +130,7 @@ def worker_main(config: EngineConfig, requests: Connection, outputs: Connection)
     _route_logging(pump)
     hide_packages_broken_by_numpy()  # the server's sys.path came along (a NumPy 1 first, on some hosts)
     try:
-        service = LocalEngine.start(config)
+        service = LocalEngine.start(config, pump)
     except Exception as exc:
         logger.debug("engine construction failed", exc_info=exc)
         pump.post(FailedMsg(f"{type(exc).__name__}: {exc}"))
@@ -182,7 +183,7 @@ def _serve(requests: Connection, service: LocalEngine, pump: OutputPump, admin: 
             logger.warning("the server closed the engine's pipe; stopping the engine")
             return
         if isinstance(message, SubmitMsg):
-            service.submit(message.job, pump.output)
+            service.submit(message.job)
         elif isinstance(message, AbortMsg):
             service.abort(message.request_id)
         elif isinstance(message, CommandMsg):

@@ -18,6 +18,7 @@ from slora.backend.engine.llm_engine import LLMEngine
 from slora.backend.engine.outputs import Completion, RequestOutput
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.runtime.engine_loop import EngineLoop
+from slora.backend.runtime.output_sink import RequestCallbacks
 from tests.engine import test_scheduling as scheduling
 from tests.model_fixtures import ModelWithAdapters
 
@@ -129,7 +130,8 @@ def test_engine_loop_aborts_a_stream_mid_way(llama: ModelWithAdapters) -> None:
     prompts = [[5, 9, 14, 2], [3, 3, 3], [11, 12]]
     adapters = [llama.adapters[0], None, llama.adapters[1]]
     want = [c.token_ids for c in _engine(llama, overlap=False).generate(prompts, adapters, greedy)]
-    loop = EngineLoop(_engine(llama, overlap=True))
+    sink = RequestCallbacks()
+    loop = EngineLoop(_engine(llama, overlap=True), sink)
     outputs: dict[int, list[RequestOutput]] = {i: [] for i in range(len(prompts))}
     finished = threading.Semaphore(0)
     ids: dict[int, str] = {}
@@ -147,7 +149,9 @@ def test_engine_loop_aborts_a_stream_mid_way(llama: ModelWithAdapters) -> None:
     loop.start()
     try:
         for i, (prompt, adapter) in enumerate(zip(prompts, adapters)):
-            ids[i] = loop.submit(prompt, collect(i), adapter, greedy)
+            ids[i] = f"r{i}"
+            sink.add(ids[i], collect(i))
+            loop.submit(prompt, adapter, greedy, ids[i])
         for _ in prompts:
             assert finished.acquire(timeout=60)
         integrity = loop.call(lambda engine: engine.check_idle_integrity())
@@ -179,7 +183,8 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(llama: ModelWit
         return forward(*args, **kwargs)
 
     engine.runner.model.forward = failing_forward  # type: ignore[method-assign]
-    loop = EngineLoop(engine)
+    sink = RequestCallbacks()
+    loop = EngineLoop(engine, sink)
     finals: dict[str, RequestOutput] = {}
     done = threading.Semaphore(0)
 
@@ -190,7 +195,9 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(llama: ModelWit
 
     loop.start()
     try:
-        first = [loop.submit(p, callback, a, greedy) for p, a in zip(prompts, adapters)]
+        first = [
+            _submit(loop, sink, f"first-{i}", callback, p, a, greedy) for i, (p, a) in enumerate(zip(prompts, adapters))
+        ]
         for _ in first:
             assert done.acquire(timeout=60)
         tokens: dict[str, list[int]] = {}
@@ -199,7 +206,9 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(llama: ModelWit
             tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
             callback(output)
 
-        second = [loop.submit(p, collect, a, greedy) for p, a in zip(prompts, adapters)]
+        second = [
+            _submit(loop, sink, f"second-{i}", collect, p, a, greedy) for i, (p, a) in enumerate(zip(prompts, adapters))
+        ]
         for _ in second:
             assert done.acquire(timeout=60)
         loop.call(lambda e: e.check_idle_integrity())
@@ -223,3 +232,9 @@ def test_reading_a_step_does_not_wait_for_the_next() -> None:
     assert not later.query(), "read() waited for the work queued after the step"
     assert step.host_tokens is not None and torch.equal(step.host_tokens, torch.argmax(logits, dim=-1).cpu())
     torch.cuda.synchronize()
+
+
+def _submit(loop: EngineLoop, sink: RequestCallbacks, request_id: str, callback: Callable[[RequestOutput], None],
+            prompt: list[int], adapter: str | None, sampling: SamplingParams) -> str:  # fmt: skip
+    sink.add(request_id, callback)
+    return loop.submit(prompt, adapter, sampling, request_id)

@@ -31,6 +31,7 @@ from slora.backend.memory.page_pool import PageKind
 from tests.engine import schedule_trace
 from tests.engine.scheduler_sim import BLOCK, Sim, flood, kv_tokens, make_request, make_sim
 from tests.model_fixtures import ModelWithAdapters
+from tests.runtime.callback_engine import CallbackEngine
 
 PROMPT = (4, 24)
 OUTPUT = (2, 24)
@@ -452,7 +453,9 @@ def test_engine_loop_passes_the_new_fields_through(llama: ModelWithAdapters) -> 
     from slora.backend.runtime.engine_service import LocalEngine
     from slora.backend.runtime.messages import Submission
 
-    service = LocalEngine(_engine(llama, scheduling_policy="priority", max_num_seqs=1))
+    service = CallbackEngine(
+        lambda sink: LocalEngine(_engine(llama, scheduling_policy="priority", max_num_seqs=1), sink)
+    )
     finals: dict[str, RequestOutput] = {}
     done = threading.Event()
 

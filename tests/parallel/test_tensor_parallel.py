@@ -24,6 +24,7 @@ from slora.backend.runtime.messages import AdapterCommand
 from tests.factories import hf_reference
 from tests.model_fixtures import ModelWithAdapters
 from tests.reference import compare_greedy, hf_greedy
+from tests.runtime.callback_engine import CallbackEngine
 
 MAX_NEW = 8
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -146,7 +147,7 @@ def test_adapter_commands_and_stats(llama: ModelWithAdapters, tmp_path: Any) -> 
     from every rank's pool; statistics count as on one device."""
     with _engine(_config(llama, 1)) as one:
         expected = one.generate([[5, 9, 14]], ["r5-ko"], GREEDY)[0].token_ids
-    service = LocalEngine(LLMEngine(_config(llama, 2)))
+    service = CallbackEngine(lambda sink: LocalEngine(LLMEngine(_config(llama, 2)), sink))
     try:
         assert len(service.info.worker_pids) == 1
         path = str(llama.adapter_root / "r5-ko")

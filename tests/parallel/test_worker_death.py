@@ -22,6 +22,7 @@ from slora.backend.runtime.engine_process import EngineProcess
 from slora.backend.runtime.engine_service import EngineService, LocalEngine
 from slora.backend.runtime.messages import Submission
 from tests.model_fixtures import ModelWithAdapters
+from tests.runtime.callback_engine import CallbackEngine
 
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -52,7 +53,7 @@ def _kill_worker_while_running(service: EngineService, adapter: str | None) -> R
 
 
 def test_killed_worker_fails_requests_of_an_in_process_engine(llama: ModelWithAdapters) -> None:
-    service = LocalEngine(LLMEngine(_config(llama)))
+    service = CallbackEngine(lambda sink: LocalEngine(LLMEngine(_config(llama)), sink))
     try:
         doomed = _kill_worker_while_running(service, "r3-all")
         assert doomed.finish_reason == "error"
@@ -66,9 +67,11 @@ def test_killed_worker_fails_requests_of_an_in_process_engine(llama: ModelWithAd
 
 
 def test_killed_worker_restarts_the_engine_process(llama: ModelWithAdapters) -> None:
-    engine = EngineProcess(_config(llama))
+    engine = CallbackEngine(lambda sink: EngineProcess(_config(llama), sink))
     try:
-        with_one = LocalEngine(LLMEngine(dataclasses.replace(_config(llama), tensor_parallel_size=1)))
+        with_one = CallbackEngine(
+            lambda sink: LocalEngine(LLMEngine(dataclasses.replace(_config(llama), tensor_parallel_size=1)), sink)
+        )
         expected: queue.Queue[RequestOutput] = queue.Queue()
         with_one.submit(Submission("ref", PROMPT, "r8-mlp", SHORT), expected.put)
         reference = _tokens_of(expected)

@@ -35,6 +35,7 @@ from slora.backend.runtime.engine_process import EngineProcess
 from slora.backend.runtime.engine_service import EngineService, LocalEngine
 from slora.backend.runtime.messages import AdapterCommand, Submission
 from tests.model_fixtures import ModelWithAdapters
+from tests.runtime.callback_engine import CallbackEngine
 
 GREEDY = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 9, 14, 2, 7], [3] * 30, [11, 12], [8, 1, 4]]
@@ -77,7 +78,11 @@ class Collector:
 @pytest.fixture(scope="module", params=["local", "process"])
 def service(request: pytest.FixtureRequest, llama: ModelWithAdapters) -> Iterator[EngineService]:
     config = _config(llama)
-    started: EngineService = LocalEngine(LLMEngine(config)) if request.param == "local" else EngineProcess(config)
+    started: EngineService = (
+        CallbackEngine(lambda sink: LocalEngine(LLMEngine(config), sink))
+        if request.param == "local"
+        else CallbackEngine(lambda sink: EngineProcess(config, sink))
+    )
     yield started
     started.stop()
 
@@ -100,7 +105,7 @@ def test_greedy_tokens_equal_the_engine_called_directly(service: EngineService, 
 def test_the_engine_info_holds_the_resolved_batch_limit(service: EngineService, llama: ModelWithAdapters) -> None:
     """Servers read the engine's batch limit from EngineInfo (the LoRA gauge's max_lora), "auto" resolved."""
     assert service.info.max_num_seqs == 8
-    auto = LocalEngine(LLMEngine(replace(_config(llama), max_num_seqs=None)))
+    auto = CallbackEngine(lambda sink: LocalEngine(LLMEngine(replace(_config(llama), max_num_seqs=None)), sink))
     try:
         assert auto.info.max_num_seqs == 256  # the CPU rule (engine/defaults.py)
     finally:
@@ -138,7 +143,7 @@ def test_abort_ends_a_running_request(service: EngineService) -> None:
 
 
 def test_a_dead_engine_process_fails_requests_instead_of_hanging(llama: ModelWithAdapters) -> None:
-    engine = EngineProcess(_config(llama), max_restarts=0)
+    engine = CallbackEngine(lambda sink: EngineProcess(_config(llama), sink, max_restarts=0))
     got = Collector()
     try:
         _kill_while_running(engine, got, "doomed")
@@ -154,7 +159,7 @@ def test_a_dead_engine_process_fails_requests_instead_of_hanging(llama: ModelWit
 
 
 def test_a_dead_engine_process_is_started_again(llama: ModelWithAdapters) -> None:
-    engine = EngineProcess(_config(llama), max_restarts=1)
+    engine = CallbackEngine(lambda sink: EngineProcess(_config(llama), sink, max_restarts=1))
     got = Collector()
     try:
         _finish_one(engine, "before")
@@ -203,7 +208,7 @@ def _kill_while_running(engine: EngineProcess, got: Collector, request_id: str) 
 def test_an_engine_that_cannot_start_says_why(tmp_path: os.PathLike) -> None:
     config = EngineConfig(model=str(tmp_path), device="cpu")
     with pytest.raises(RuntimeError, match="the engine failed to start: .*config.json"):
-        EngineProcess(config)
+        CallbackEngine(lambda sink: EngineProcess(config, sink))
 
 
 # ---- issue 25: out-of-vocabulary ids, bad root entries, replace, registrations across restarts ----------------
@@ -263,7 +268,7 @@ def test_a_symlink_out_of_the_root_breaks_neither_start_up_nor_list_nor_unload(
     """Before, the engine failed to start ("resolves outside the adapter root"), and `list` and the unload of an
     unknown name answered that error for everyone."""
     config = replace(_config(llama), adapter_root=str(_root_with_a_symlink_out(llama, tmp_path)), preload_adapters=True)
-    service = LocalEngine(LLMEngine(config))
+    service = CallbackEngine(lambda sink: LocalEngine(LLMEngine(config), sink))
     try:
         listed = service.command(AdapterCommand("list"))
         assert {row["name"] for row in listed["adapters"]} == set(llama.adapters)
@@ -280,7 +285,7 @@ def test_a_symlink_out_of_the_root_breaks_neither_start_up_nor_list_nor_unload(
 def test_every_admin_change_is_logged_with_old_and_new_path(
     llama: ModelWithAdapters, caplog: pytest.LogCaptureFixture
 ) -> None:
-    service = LocalEngine(LLMEngine(_config(llama)))
+    service = CallbackEngine(lambda sink: LocalEngine(LLMEngine(_config(llama)), sink))
     root = llama.adapter_root
     try:
         with caplog.at_level(logging.INFO, logger="slora.backend.runtime.adapter_admin"):
@@ -307,7 +312,9 @@ def test_runtime_registrations_survive_an_engine_restart(llama: ModelWithAdapter
     root = llama.adapter_root
     registry = tmp_path / "multi_lora.json"
     registry.write_text(json.dumps({"boot": str(root / "r12-qkv")}))
-    engine = EngineProcess(replace(_config(llama), adapter_registry=str(registry)), max_restarts=1)
+    engine = CallbackEngine(
+        lambda sink: EngineProcess(replace(_config(llama), adapter_registry=str(registry)), sink, max_restarts=1)
+    )
     got = Collector()
     try:
         engine.command(AdapterCommand("load", "tenant-a", str(root / "r5-ko")))
@@ -358,7 +365,7 @@ def test_runtime_registrations_are_written_back_to_the_multi_lora_json(
     shutil.copytree(root / "r1-qv", tmp_path / "relative" / "kept")
     registry.write_text(json.dumps({"boot": str(root / "r12-qkv"), "kept": "relative/kept"}))
     config = replace(_config(llama), adapter_registry=str(registry))
-    engine = EngineProcess(config, write_back_registry=True)
+    engine = CallbackEngine(lambda sink: EngineProcess(config, sink, write_back_registry=True))
     try:
         engine.command(AdapterCommand("load", "tenant-a", str(root / "r5-ko")))
         engine.command(AdapterCommand("load", "tenant-a", str(root / "r3-all"), replace=True))
@@ -374,7 +381,7 @@ def test_runtime_registrations_are_written_back_to_the_multi_lora_json(
 
 def test_write_back_needs_a_registry_file(llama: ModelWithAdapters) -> None:
     with pytest.raises(ValueError, match="adapter_registry"):
-        EngineProcess(_config(llama), write_back_registry=True)
+        CallbackEngine(lambda sink: EngineProcess(_config(llama), sink, write_back_registry=True))
 
 
 def test_a_registry_file_that_cannot_be_read_is_left_alone(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -396,7 +403,7 @@ def test_a_registry_file_that_cannot_be_read_is_left_alone(tmp_path: Path, caplo
 def test_a_hung_engine_process_is_killed_by_the_watchdog(llama: ModelWithAdapters) -> None:
     """SIGSTOP (a hang the process cannot report) past watchdog_s: the in-flight request fails naming the
     watchdog, health says so, and with no restart left the engine is failed, not serving."""
-    engine = EngineProcess(_config(llama), max_restarts=0, watchdog_s=2.0)
+    engine = CallbackEngine(lambda sink: EngineProcess(_config(llama), sink, max_restarts=0, watchdog_s=2.0))
     got = Collector()
     try:
         assert engine.health().serving
@@ -418,7 +425,7 @@ def test_a_hung_engine_process_is_killed_by_the_watchdog(llama: ModelWithAdapter
 
 def test_a_busy_engine_is_not_taken_for_a_hung_one(llama: ModelWithAdapters) -> None:
     """Requests that keep the engine busy for longer than watchdog_s finish: its loop goes round every step."""
-    engine = EngineProcess(_config(llama), max_restarts=0, watchdog_s=1.0)
+    engine = CallbackEngine(lambda sink: EngineProcess(_config(llama), sink, max_restarts=0, watchdog_s=1.0))
     got = Collector()
     try:
         for i in range(3):
@@ -436,14 +443,14 @@ def test_registrations_kept_in_a_journal_come_back_in_a_new_engine_process(
     """What a model loaded again by slora-serve does: a new EngineProcess with the same journal serves the
     adapters registered at runtime by the one before it."""
     root, journal = llama.adapter_root, tmp_path / "registrations.json"
-    first = EngineProcess(_config(llama), max_restarts=0, registry_journal=journal)
+    first = CallbackEngine(lambda sink: EngineProcess(_config(llama), sink, max_restarts=0, registry_journal=journal))
     try:
         first.command(AdapterCommand("load", "tenant-a", str(root / "r5-ko")))
         before = _finish_one(first, "before", "tenant-a").tokens("before")
     finally:
         first.stop(timeout=5)
     assert json.loads(journal.read_text()) == [{"op": "load", "name": "tenant-a", "path": str(root / "r5-ko")}]
-    second = EngineProcess(_config(llama), max_restarts=0, registry_journal=journal)
+    second = CallbackEngine(lambda sink: EngineProcess(_config(llama), sink, max_restarts=0, registry_journal=journal))
     try:
         assert _finish_one(second, "after", "tenant-a").tokens("after") == before
     finally:

@@ -48,10 +48,10 @@ def test_a_light_tenant_is_served_ahead_of_a_floods_backlog(fair: Launched) -> N
 
 
 def test_a_request_past_its_slo_is_refused_and_nothing_leaks(fair: Launched) -> None:
-    """Both slots are busy for hundreds of steps: a request whose first token is due in 50 ms is refused (on a
+    """Both slots are busy for 160 steps: a request whose first token is due in 50 ms is refused (on a
     stream of its own: a stream's errors name no request), the others finish, and no KV page stays held. The busy
     requests are long so that a slot cannot free within the deadline however late the running gauge is read."""
-    busy = {f"busy-{i}": token_inputs(IDS, 240, sampling=_sampling("flood")) for i in range(2)}
+    busy = {f"busy-{i}": token_inputs(IDS, 160, sampling=_sampling("flood")) for i in range(2)}
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(run_streams, fair.grpc_url, "slora", busy)
         wait_for_metric(fair.metrics_url, 'slora_requests{state="running"}', lambda n: n >= 2)

@@ -1,7 +1,9 @@
 """The responder thread of the `slora` model: engine outputs → Triton responses, and client cancellation → abort.
 
-The engine thread only queues outputs here (its callbacks must be quick). This thread owns every in-flight
-request's response sender, so no sender is ever used by two threads. Each request ends with exactly one
+The responder is the engine's sink (runtime/output_sink.py): the engine's thread only queues outputs here (it
+must be quick), and the responder's table of requests in flight (request id → response sender) is the only one
+in this process. This thread owns every in-flight request's response sender, so no sender is ever used by two
+threads. Each request ends with exactly one
 response flagged FINAL: its last tokens, or an error (engine failure, abort, cancellation). Outputs of one
 request that queued up while this thread was busy go out as one response: under load there are fewer sends
 (each costs a message to the server and holds the GIL the engine thread needs), and none is ever delayed.
@@ -23,8 +25,7 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from slora.backend.engine.outputs import RequestOutput
-from slora.backend.runtime.engine_loop import OutputCallback
+from slora.backend.engine.outputs import RequestOutput, failed_output
 from slora.backend.runtime.engine_service import EngineService
 from slora.backend.runtime.queues import take_batch
 from slora.backend.serving.response_stream import Reply, ResponseStream
@@ -47,23 +48,44 @@ class _InFlight:
     stopped: bool = False  # by the server, which is stopping (drain.py)
 
 
+@dataclass(frozen=True)
+class _FailAll:
+    error: Exception
+
+
+Queued = tuple[RequestOutput, float] | _FailAll
+
+
 class Responder:
-    def __init__(self, engine: EngineService, metrics: NullMetrics, check_s: float = 0.2) -> None:
-        self._engine = engine
-        self._metrics = metrics
+    """Start it before the engine (it is the engine's sink), then `serve` once the engine and metrics exist."""
+
+    def __init__(self, check_s: float = 0.2) -> None:
+        self._engine: EngineService | None = None
+        self._metrics = NullMetrics()
         self._check_s = check_s
         self._lock = threading.Lock()
         self._in_flight: dict[str, _InFlight] = {}
-        self._inbox: queue.SimpleQueue[tuple[_InFlight, RequestOutput, float] | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Queued | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="slora-responder", daemon=True)
+
+    def serve(self, engine: EngineService, metrics: NullMetrics) -> None:
+        """Start answering: cancellations and stops are aborted in `engine`; latencies go to `metrics`."""
+        self._engine, self._metrics = engine, metrics
         self._thread.start()
 
-    def track(self, request_id: str, request: Any, sender: Any, stream: ResponseStream) -> OutputCallback:
-        """Register a request before it is submitted; returns the callback to give the engine loop."""
+    def track(self, request_id: str, request: Any, sender: Any, stream: ResponseStream) -> None:
+        """Register a request before it is submitted: its outputs are answered from then on."""
         entry = _InFlight(request_id, request, sender, stream)
         with self._lock:
             self._in_flight[request_id] = entry
-        return lambda output: self._inbox.put((entry, output, time.monotonic()))
+
+    def deliver(self, output: RequestOutput) -> None:
+        """The engine's sink: queue `output` for this thread (called on the engine's thread, so no work here)."""
+        self._inbox.put((output, time.monotonic()))
+
+    def fail_all(self, error: Exception) -> None:
+        """The engine is gone: every request in flight ends with `error`, after the outputs queued before."""
+        self._inbox.put(_FailAll(error))
 
     def forget(self, request_id: str) -> None:
         """Drop a request whose submission failed (its error response is sent by the caller)."""
@@ -81,11 +103,13 @@ class Responder:
             entries = list(self._in_flight.values())
         for entry in entries:
             entry.stopped = True
-            self._engine.abort(entry.request_id)
+            self._abort(entry.request_id)
         return len(entries)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Send what is queued, then stop (after the engine loop has stopped and aborted what was left)."""
+        if self._thread.ident is None:  # never served
+            return
         self._inbox.put(None)
         self._thread.join(timeout)
 
@@ -102,17 +126,36 @@ class Responder:
                 self._sweep()
                 swept_at = time.monotonic()
 
-    def _next_batch(self) -> tuple[list[tuple[_InFlight, RequestOutput, float]], bool]:
+    def _next_batch(self) -> tuple[list[Queued], bool]:
         """What is queued now (waiting up to check_s for the first), and whether the stop marker came."""
         return take_batch(self._inbox, MAX_BATCH, timeout=self._check_s)
 
-    def _deliver_batch(self, batch: list[tuple[_InFlight, RequestOutput, float]]) -> None:
-        """Outputs that queued up for one request go out as one response (fewer sends when the responder lags)."""
+    def _deliver_batch(self, batch: list[Queued]) -> None:
+        """Outputs that queued up for one request go out as one response (fewer sends when the responder lags).
+        Outputs of a request no longer in flight (its final response sent) are dropped."""
         by_request: dict[str, tuple[_InFlight, list[tuple[RequestOutput, float]]]] = {}
-        for entry, output, at in batch:
-            by_request.setdefault(entry.request_id, (entry, []))[1].append((output, at))
+        for item in batch:
+            if isinstance(item, _FailAll):
+                self._send_grouped(by_request)
+                by_request = {}
+                self._fail_in_flight(item.error)
+                continue
+            output, at = item
+            entry = self._in_flight.get(output.request_id)
+            if entry is not None:
+                by_request.setdefault(output.request_id, (entry, []))[1].append((output, at))
+        self._send_grouped(by_request)
+
+    def _send_grouped(self, by_request: dict[str, tuple[_InFlight, list[tuple[RequestOutput, float]]]]) -> None:
         for entry, outputs in by_request.values():
             self._deliver(entry, outputs)
+
+    def _fail_in_flight(self, error: Exception) -> None:
+        with self._lock:
+            entries = list(self._in_flight.values())
+        now = time.monotonic()
+        for entry in entries:
+            self._deliver(entry, [(failed_output(entry.request_id, error), now)])
 
     def _deliver(self, entry: _InFlight, outputs: list[tuple[RequestOutput, float]]) -> None:
         last, at = outputs[-1]
@@ -180,7 +223,11 @@ class Responder:
         if cancelled:
             logger.info("request %s was cancelled by the client; aborting it", entry.request_id)
             entry.cancelled = True
-            self._engine.abort(entry.request_id)
+            self._abort(entry.request_id)
+
+    def _abort(self, request_id: str) -> None:
+        if self._engine is not None:
+            self._engine.abort(request_id)
 
 
 def _ends_in_error(entry: _InFlight, last: RequestOutput) -> bool:

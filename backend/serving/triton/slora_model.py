@@ -1,7 +1,7 @@
 """The `slora` Triton model: a decoupled Python-backend model that serves one engine.
 
     execute(requests) ──► parse (request_inputs) ──► engine.submit ──► engine: step, step, ...
-          │ returns at once                                        │ one callback per request and step
+          │ returns at once                                        │ each step's outputs, to one sink
           └─ malformed request: one error response, FINAL          ▼
                                               responder thread: responses (FINAL on the last; refusals by the
                                               engine as errors), client cancellation → abort (pages freed)
@@ -80,12 +80,13 @@ class TritonPythonModel:
         logger.info("starting the engine %s: %s", where, self.options.engine)
         started = time.monotonic()
         self.encoder = _prompt_encoder(self.options)
-        self.engine = _start_engine(self.options)
+        self.responder = Responder(self.options.cancel_check_s)  # the engine's sink: the one request table here
+        self.engine = _start_engine(self.options, self.responder)
         self.metrics = _metrics(self.options, self.engine.info.max_num_seqs)
         self.engine.on_stats(self.metrics.update_stats)
         health_file = Path(self.options.health_file) if self.options.health_file else None
         self.health = HealthReporter(self.engine.health, health_file, self.metrics.set_serving)
-        self.responder = Responder(self.engine, self.metrics, self.options.cancel_check_s)
+        self.responder.serve(self.engine, self.metrics)
         self.drain = DrainWatcher(Path(self.options.drain_file), self.responder) if self.options.drain_file else None
         self.admin = FreshThreadExecutor(max_workers=1, thread_name_prefix="slora-admin")  # adapter reads: see there
         self.admin_guard = AdminGuard.from_options(self.options)
@@ -133,12 +134,12 @@ class TritonPythonModel:
         request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
         outputs = requested_outputs(request, inputs.is_text)
         stream = ResponseStream(inputs.stream, arrival, inputs.echo, outputs)
-        callback = self.responder.track(request_id, request, sender, stream)
+        self.responder.track(request_id, request, sender, stream)
         wants_text = "text_output" in outputs
         order = inputs.scheduling
         job = Submission(request_id, inputs.prompt_ids, inputs.adapter, inputs.sampling, wants_text,
                          tenant=order.tenant, priority=order.priority, ttft_slo_s=order.ttft_slo_s)  # fmt: skip
-        self.engine.submit(job, callback)
+        self.engine.submit(job)
 
     def _run_command(self, request: Any, sender: Any, command: Any) -> None:
         try:
@@ -149,17 +150,18 @@ class TritonPythonModel:
             _send_error(sender, exc)
 
 
-def _start_engine(options: ServingOptions) -> EngineService:
+def _start_engine(options: ServingOptions, sink: Responder) -> EngineService:
     if options.engine_process:
         return EngineProcess(
             options.engine,
+            sink,
             max_restarts=options.in_stub_restarts,
             write_back_registry=options.lora_registry_write_back,
             watchdog_s=options.watchdog_s,
             registry_journal=options.registry_journal,
             restarts_before=options.engine_restarts,
         )
-    return LocalEngine.start(options.engine, watchdog_s=options.watchdog_s)
+    return LocalEngine.start(options.engine, sink, watchdog_s=options.watchdog_s)
 
 
 def _prompt_encoder(options: ServingOptions) -> PromptEncoder:
