@@ -1,12 +1,12 @@
 """The responder thread of the `slora` model: engine outputs → Triton responses, and client cancellation → abort.
 
-The responder is the engine's sink (runtime/output_sink.py): the engine's thread only queues outputs here (it
-must be quick), and the responder's table of requests in flight (request id → response sender) is the only one
-in this process. This thread owns every in-flight request's response sender, so no sender is ever used by two
-threads. Each request ends with exactly one
-response flagged FINAL: its last tokens, or an error (engine failure, abort, cancellation). Outputs of one
-request that queued up while this thread was busy go out as one response: under load there are fewer sends
-(each costs a message to the server and holds the GIL the engine thread needs), and none is ever delayed.
+The responder is the engine's sink (runtime/output_sink.py): the engine's thread only queues outputs here (it must
+be quick), and the responder's table of requests in flight (request id → response sender) is the only one in this
+process. This thread owns every in-flight request's response sender, so no sender is ever used by two threads.
+Each request ends with exactly one response flagged FINAL: its last tokens, or an error (engine failure, abort,
+cancellation). Outputs of one request that queued up while this thread was busy go out as one response: under load
+there are fewer sends (each costs a message to the server and holds the GIL the engine thread needs), and none is
+ever delayed.
 
 Cancellation: a client that cancels its gRPC stream or drops its HTTP SSE connection marks the request
 cancelled in the server. In-flight requests are checked every `check_s` (each check is a cheap message to the
