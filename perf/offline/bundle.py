@@ -8,7 +8,8 @@ repository, in one folder (default .whl/), to carry there and `source .whl/gpu-e
 What goes in (the host's Python version decides the wheels' tags and the server's Python stub):
     tritonserver-py3XX.tar.xz  Triton 2.51's server, backends and the Python backend stub of that Python, cut
                                from the nvidia-pytriton wheel (its libpython copies for other Pythons left out)
-    *.whl                      tritonclient, python-rapidjson, perf_analyzer, gguf: installed for every process
+    *.whl                      tritonclient, python-rapidjson, perf_analyzer, gguf, and the OpenAI API's server
+                               (fastapi, starlette, uvicorn, pydantic): installed for every process
     stub/*.whl                 NumPy 1.26 for Triton 2.51's Python-backend stub alone (under NumPy 2 it corrupts
                                every input tensor: backend/stub_compat.py), while the host's own SciPy needs NumPy 2
     genai/*.whl                genai-perf 0.0.16 and the modules it imports that such hosts lack (perf/genai_perf.sh
@@ -61,6 +62,11 @@ class Download:
 DOWNLOADS = (
     Download("", ("tritonclient", "python-rapidjson", "perf_analyzer==2.60.0", "gguf"), LINUX,
              "the gRPC/HTTP client, perf_analyzer, and gguf (the default model's conversion), for every process"),
+    Download("", ("fastapi==0.165.0", "starlette==1.10.0", "uvicorn==0.54.0", "pydantic==2.14.4",
+                  "pydantic-core==2.50.5", "annotated-types==0.8.0", "typing-inspection==0.4.5",
+                  "annotated-doc==0.0.7"), (*LINUX, "any"),
+             "the OpenAI API's server (slora-serve --openai-port), versions tested together; anyio, h11 and httpx "
+             "are on such hosts"),
     Download("stub", ("numpy==1.26.4",), ("manylinux_2_17_x86_64", "manylinux2014_x86_64"),
              "NumPy 1 for Triton 2.51's Python-backend stub alone (SLORA_STUB_PYTHONPATH)"),
     Download("genai", ("genai-perf==0.0.16", "orjson", "soundfile", "cffi", "pycparser"),

@@ -22,6 +22,8 @@
 #   peft-only   PEFT S1 n=5, n=100 alone (run after engine-s1 in the same call)                          [~3 min]
 #   served-both engine S1 n=2000; served `slora` n=2000 and `ensemble` n=2000 (the served target, both paths), then
 #               genai-perf against the ensemble (perf/genai_perf.sh, one S1 adapter, concurrency 32)  [~7 min]
+#   served-apis served S1 n=N_BIG through `slora` (gRPC), the OpenAI endpoint (perf/bench_openai.py), the `ensemble`,
+#               `slora` again: one server, one trace (issue 28's OpenAI / gRPC, issue 24's ensemble / slora) [~7 min]
 #   genai       served ensemble, genai-perf alone (perf/genai_perf.sh; one S1 adapter, concurrency 32)          [~3 min]
 #   served      engine S1 n=2000 (and base model); served `slora` n=2000 (adapters preloaded at start); perf_analyzer slora  [~6 min]
 #   s2-floor    perf.bench_decode_step on S2 adapters, batch 96 of 320-token prompts, no adapter / 5 / one per
@@ -99,6 +101,7 @@ N_SALL=${N_SALL:-250}  # S-all adapters that the default HOST_BUDGET holds (250 
 SALL_BIG=${SALL_BIG:-0}
 LENGTHS=${LENGTHS:-8 512}
 PORT_BASE=${PORT_BASE:-8000}
+OPENAI_PORT=${OPENAI_PORT:-$((PORT_BASE + 3))}
 HOST_BUDGET=${HOST_BUDGET:-48GiB}
 CHECK_PATHS=${CHECK_PATHS:-tests/kernels tests/engine}
 CHECK_K=${CHECK_K:-not cpu}
@@ -211,17 +214,18 @@ backend_available() {
   "$PY" -c "from slora.backend.config import EngineConfig; EngineConfig(kernel_backend='$1')" 2>>"$LOG"
 }
 
-start_server() {  # start_server SETTING: slora-serve in the background, its log in server.log
+start_server() {  # start_server SETTING [OPTION...]: slora-serve in the background, its log in server.log
   local root opts=()
   root=$(adapters "$1")
   # Every adapter is read into host memory before the server reports ready (S-LoRA keeps them all in host memory).
   for opt in load_format=dummy host_budget_bytes=$HOST_BUDGET preload_adapters=true warmup=true $ENGINE_OPTS; do
     opts+=(--engine-option "$opt")
   done
-  log "starting slora-serve (adapters $root)"
+  shift
+  log "starting slora-serve (adapters $root) $*"
   "$PY" -m slora.backend.launcher.cli --model "$MODEL" --adapter-dir "$root" --device "$DEVICE" \
     --kernel-backend "$KERNEL" "${opts[@]}" --http-port "$PORT_BASE" --grpc-port $((PORT_BASE + 1)) \
-    --metrics-port $((PORT_BASE + 2)) >>"$OUT/server.log" 2>&1 &
+    --metrics-port $((PORT_BASE + 2)) "$@" >>"$OUT/server.log" 2>&1 &
   SERVER_PID=$!
   wait_server
 }
@@ -260,6 +264,10 @@ stop_server() {
     kill -TERM $left 2>/dev/null
     sleep 5
   fi
+}
+
+openai_api() {  # openai_api RUN...  (the running server's OpenAI endpoint, started with OPENAI_PORT)
+  step -m perf.bench_openai --url "http://localhost:$OPENAI_PORT/v1" --time-limit "$(run_limit)" --out "$RESULTS" "$@"
 }
 
 serving() {  # serving TARGET RUN...  (against the running server)
@@ -363,6 +371,15 @@ suite() {
         serving slora "$s1_big"
         serving ensemble "$s1_big"
         genai_perf
+      fi
+      stop_server ;;
+    served-apis)  # one server, one trace through `slora` (gRPC), the OpenAI endpoint and the `ensemble`, then
+      # `slora` again: the first run starts with no adapter resident, the last with the earlier runs' residents
+      if start_server S1 --openai-port "$OPENAI_PORT"; then
+        serving slora "$s1_big"
+        openai_api "$s1_big"
+        serving ensemble "$s1_big"
+        serving slora --name-prefix served-again "$s1_big"
       fi
       stop_server ;;
     genai)  # genai-perf alone against the served ensemble (S1 adapters preloaded)
