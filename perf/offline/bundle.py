@@ -64,7 +64,7 @@ DOWNLOADS = (
              "the gRPC/HTTP client, perf_analyzer, and gguf (the default model's conversion), for every process"),
     Download("", ("fastapi==0.165.0", "starlette==1.10.0", "uvicorn==0.54.0", "pydantic==2.14.4",
                   "pydantic-core==2.50.5", "annotated-types==0.8.0", "typing-inspection==0.4.5",
-                  "annotated-doc==0.0.7"), (*LINUX, "any"),
+                  "annotated-doc==0.0.7", "opentelemetry-api==1.45.2"), (*LINUX, "any"),
              "the OpenAI API's server (slora-serve --openai-port), versions tested together; anyio, h11 and httpx "
              "are on such hosts"),
     Download("stub", ("numpy==1.26.4",), ("manylinux_2_17_x86_64", "manylinux2014_x86_64"),

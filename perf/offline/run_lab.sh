@@ -230,13 +230,14 @@ start_server() {  # start_server SETTING [OPTION...]: slora-serve in the backgro
   wait_server
 }
 
-wait_server() {  # until the server is ready; gives up at once when slora-serve has exited (its log says why)
-  local url="http://localhost:$PORT_BASE/v2/health/ready" limit=$(( $(remaining) - 90 ))
+wait_server() {  # wait_server [URL]: until URL (Triton's readiness) answers; gives up at once when slora-serve has
+  # exited (its log says why)
+  local url=${1:-"http://localhost:$PORT_BASE/v2/health/ready"} limit=$(( $(remaining) - 90 ))
   for (( t = 0; t < limit; t += 2 )); do
     if ! kill -0 "$SERVER_PID" 2>/dev/null; then
       log "slora-serve exited before it was ready: see server.log"; SERVER_PID=""; return 1
     fi
-    "$PY" -c "import urllib.request as u; u.urlopen('$url', timeout=2)" 2>/dev/null && { log "server ready"; return 0; }
+    "$PY" -c "import urllib.request as u; u.urlopen('$url', timeout=2)" 2>/dev/null && { log "ready: $url"; return 0; }
     sleep 2
   done
   log "server not ready after ${limit}s"; return 1
@@ -270,13 +271,16 @@ openai_api() {  # openai_api RUN...  (the running server's OpenAI endpoint, star
   step -m perf.bench_openai --url "http://localhost:$OPENAI_PORT/v1" --time-limit "$(run_limit)" --out "$RESULTS" "$@"
 }
 
+# The suites call bench_serving once the server is ready: a longer wait would only spend the budget on a dead one.
+ready_timeout() { local left=$(( $(remaining) - 60 )); echo $(( left < 90 ? left : 90 )); }
+
 serving() {  # serving TARGET RUN...  (against the running server)
   local target=$1; shift
   local extra=()
   [[ $target == ensemble ]] && extra=(--tokenizer "$MODEL")
   step -m perf.bench_serving --url "localhost:$((PORT_BASE + 1))" --target "$target" "${extra[@]}" \
     --server-kernel-backend "$KERNEL" \
-    --ready-timeout "$(( $(remaining) - 60 ))" --time-limit "$(run_limit)" --out "$RESULTS" "$@"
+    --ready-timeout "$(ready_timeout)" --time-limit "$(run_limit)" --out "$RESULTS" "$@"
 }
 
 perf_analyzer() {  # perf_analyzer TARGET: streaming, one adapter id per request from an input-data file
@@ -375,7 +379,8 @@ suite() {
       stop_server ;;
     served-apis)  # one server, one trace through `slora` (gRPC), the OpenAI endpoint and the `ensemble`, then
       # `slora` again: the first run starts with no adapter resident, the last with the earlier runs' residents
-      if start_server S1 --openai-port "$OPENAI_PORT"; then
+      # slora-serve stops Triton when its OpenAI server fails to start, which may come after Triton is ready
+      if start_server S1 --openai-port "$OPENAI_PORT" && wait_server "http://localhost:$OPENAI_PORT/v1/models"; then
         serving slora "$s1_big"
         openai_api "$s1_big"
         serving ensemble "$s1_big"
