@@ -24,6 +24,7 @@
 #               genai-perf against the ensemble (perf/genai_perf.sh, one S1 adapter, concurrency 32)  [~7 min]
 #   served-apis served S1 n=N_BIG through `slora` (gRPC), the OpenAI endpoint (perf/bench_openai.py), the `ensemble`,
 #               `slora` again: one server, one trace (issue 28's OpenAI / gRPC, issue 24's ensemble / slora) [~7 min]
+#   ensemble-alias  served S1 n=N_BIG through `slora` with the ensemble's text I/O, then through the `ensemble` [~4 min]
 #   genai       served ensemble, genai-perf alone (perf/genai_perf.sh; one S1 adapter, concurrency 32)          [~3 min]
 #   served      engine S1 n=2000 (and base model); served `slora` n=2000 (adapters preloaded at start); perf_analyzer slora  [~6 min]
 #   s2-floor    perf.bench_decode_step on S2 adapters, batch 96 of 320-token prompts, no adapter / 5 / one per
@@ -385,6 +386,13 @@ suite() {
         openai_api "$s1_big"
         serving ensemble "$s1_big"
         serving slora --name-prefix served-again "$s1_big"
+      fi
+      stop_server ;;
+    ensemble-alias)  # the `ensemble` alias against `slora` with the same text I/O (vLLM-backend inputs), one server:
+      # the alias's own cost, apart from the text path's
+      if start_server S1; then
+        serving ensemble --model-name slora --name-prefix slora-text "$s1_big"
+        serving ensemble "$s1_big"
       fi
       stop_server ;;
     genai)  # genai-perf alone against the served ensemble (S1 adapters preloaded)
