@@ -5,6 +5,11 @@ host), so without this the first users of a fresh server wait seconds for their 
 prompt split into chunks, prompts alone, prompts of several lengths together, decodes mixed with prompts, and a
 full decode batch, so that each of the LoRA kernels' tile shapes (decode, mixed, prompt: lora_shrink.shrink_config)
 is compiled; they use the base model and up to MAX_ADAPTERS adapters already in host memory (nothing is read from disk).
+
+The waves fit the engine they warm: no wave holds more requests than the waiting queue takes (max_waiting), no
+prompt is longer than one request of it can hold in an empty pool with the largest warm-up adapter, and an adapter
+that leaves no room for a prompt of one token is left out. A small pool or queue gets a smaller warm-up, never a
+start that fails.
 """
 
 from __future__ import annotations
@@ -27,11 +32,16 @@ WARMUP_TOKENS = 4
 def warm_up(engine: LLMEngine) -> float:
     """Run the warm-up waves; returns the seconds it took. The engine is idle and holds no adapter afterwards."""
     start = time.perf_counter()
-    adapters: list[str | None] = [None, *[a.name for a in engine.store.list() if a.in_host][:MAX_ADAPTERS]]
-    short, medium, chunked = prompt_lengths(engine)
+    adapters = warm_adapters(engine)
+    largest = max((engine.store.get(name).num_pages for name in adapters if name), default=0)
+    longest = longest_prompt(engine, largest)
+    if longest < 1:
+        logger.warning("warm-up skipped: the pool has no room for a request of one token")
+        return 0.0
+    short, medium, chunked = prompt_lengths(engine, longest)
     greedy = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
     vocab = engine.spec.vocab_size
-    full = engine.config.max_num_seqs
+    full = min(engine.config.max_num_seqs, engine.config.max_waiting)
     # (requests, prompt lengths cycled): a chunked prompt alone, prompts longer than a decode tile only (the LoRA
     # kernels' prompt-shaped tiles), every length mixed, prompts with decodes, and a full batch of short prompts
     # (its decodes run at the largest batch size). Request i of a wave uses adapters[(i + 1) % len]: the first
@@ -53,9 +63,30 @@ def synthetic_prompt(i: int, length: int, vocab: int) -> list[int]:
     return [1 + (i * 7919 + j * 31) % (vocab - 1) for j in range(length)]
 
 
-def prompt_lengths(engine: LLMEngine) -> tuple[int, int, int]:
-    """(short, medium, chunked) prompt lengths that fit the model with WARMUP_TOKENS to generate; the chunked one
-    is longer than a step's token budget, so it is split into chunks."""
-    longest = engine.max_model_len - WARMUP_TOKENS
+def warm_adapters(engine: LLMEngine) -> list[str | None]:
+    """The base model (None) and up to MAX_ADAPTERS adapters in host memory that fit the pool with a prompt of one
+    token."""
+    names = [a.name for a in engine.store.list() if a.in_host]
+    fitting = [name for name in names if longest_prompt(engine, engine.store.get(name).num_pages) >= 1]
+    return [None, *fitting[:MAX_ADAPTERS]]
+
+
+def longest_prompt(engine: LLMEngine, adapter_pages: int) -> int:
+    """The longest prompt that, with WARMUP_TOKENS to generate and an adapter of `adapter_pages`, an empty pool
+    can hold (0 if none can), and the model's context allows."""
+    scheduler = engine.scheduler
+    low, high = 0, engine.max_model_len - WARMUP_TOKENS
+    while low < high:  # the largest length whose request fits: fitting is monotone in the length
+        mid = (low + high + 1) // 2
+        if scheduler.never_fits(scheduler.pages_for(mid + WARMUP_TOKENS), adapter_pages) is None:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def prompt_lengths(engine: LLMEngine, longest: int) -> tuple[int, int, int]:
+    """(short, medium, chunked) prompt lengths of at most `longest` tokens; the chunked one is longer than a step's
+    token budget, so it is split into chunks, where the pool has room for it."""
     short, medium, chunked = (max(1, min(n, longest)) for n in (16, 300, engine.config.max_batch_tokens + 100))
     return short, medium, chunked

@@ -79,3 +79,28 @@ def test_warm_up_reaches_every_lora_tile_shape(
     kinds.add((lora_shrink.DECODE_ONE, lora_expand.DECODE_ONE))
     kinds.add((lora_shrink.PREFILL, lora_expand.PREFILL))
     assert seen == kinds
+
+
+@pytest.mark.parametrize(("pages", "max_waiting"), [(40, 256), (2000, 3), (6, 256)], ids=["small-pool", "short-queue", "no-adapter-fits"])
+def test_warm_up_fits_a_small_pool_and_queue(
+    llama: ModelWithAdapters, caplog: pytest.LogCaptureFixture, pages: int, max_waiting: int
+) -> None:
+    """A pool too small for the waves' longest prompts with the largest adapter, or a waiting queue shorter than a
+    wave, gets a smaller warm-up, not a start that fails (CapacityError, EngineOverloadedError); an adapter that
+    leaves no room for one token is left out of it."""
+    probe = LLMEngine(EngineConfig(model=str(llama.base), device="cpu", dtype="float32", page_size=8))
+    page_bytes = probe.pool.geometry.page_bytes(probe.dtype)
+    config = EngineConfig(model=str(llama.base), adapter_root=str(llama.adapter_root), device="cpu", dtype="float32",
+                          page_size=8, pool_bytes=pages * page_bytes, max_waiting=max_waiting, preload_adapters=True,
+                          warmup=True)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="slora.backend.engine.warmup"):
+        engine = LLMEngine(config)
+    assert "warm-up: 5 waves" in caplog.text
+    assert engine.finished_requests > 0 and not engine.requests and not engine.scheduler.has_work()
+    assert engine.pool.count(PageKind.KV) == 0 and engine.pool.count(PageKind.ADAPTER) == 0
+    largest = max(engine.store.get(a).num_pages for a in llama.adapters)
+    used = [a for a in llama.adapters if a in caplog.text.split("adapters ", 1)[1].split("]", 1)[0]]
+    if pages <= largest:
+        assert all(engine.store.get(a).num_pages < pages for a in used)
+    out = engine.generate([[5, 9, 14]], [None], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
