@@ -81,7 +81,9 @@ def test_warm_up_reaches_every_lora_tile_shape(
     assert seen == kinds
 
 
-@pytest.mark.parametrize(("pages", "max_waiting"), [(40, 256), (2000, 3), (6, 256)], ids=["small-pool", "short-queue", "no-adapter-fits"])
+@pytest.mark.parametrize(
+    ("pages", "max_waiting"), [(40, 256), (2000, 3), (6, 256)], ids=["small-pool", "short-queue", "no-adapter-fits"]
+)
 def test_warm_up_fits_a_small_pool_and_queue(
     llama: ModelWithAdapters, caplog: pytest.LogCaptureFixture, pages: int, max_waiting: int
 ) -> None:
