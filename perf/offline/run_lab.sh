@@ -25,6 +25,8 @@
 #   served-apis served S1 n=N_BIG through `slora` (gRPC), the OpenAI endpoint (perf/bench_openai.py), the `ensemble`,
 #               `slora` again: one server, one trace (issue 28's OpenAI / gRPC, issue 24's ensemble / slora) [~7 min]
 #   ensemble-alias  served S1 n=N_BIG through `slora` with the ensemble's text I/O, then through the `ensemble` [~4 min]
+#   defaults    served S1 n=N_BIG and base with every engine option at its default, then n=N_BIG with ALT_OPTS
+#               (issue 27's "no option within 3% of the best"; SHAPE=llama3-8b or qwen2.5-7b for today's shapes) [~8 min]
 #   genai       served ensemble, genai-perf alone (perf/genai_perf.sh; one S1 adapter, concurrency 32)          [~3 min]
 #   served      engine S1 n=2000 (and base model); served `slora` n=2000 (adapters preloaded at start); perf_analyzer slora  [~6 min]
 #   s2-floor    perf.bench_decode_step on S2 adapters, batch 96 of 320-token prompts, no adapter / 5 / one per
@@ -56,14 +58,14 @@
 #
 # Knobs (environment): BUDGET_S (570), RATE (40 req/s) and DURATION (12 s) of the traces, SEED (42),
 # RUN_LIMIT (120 s per run), KERNEL (triton; the engine's kernel_backend), ENGINE_OPTS ("key=value ..." for
-# EngineConfig), PEFT_REQUESTS (100) and PEFT_LIMIT (60 s), PROFILE ("20 100 3": after each engine step's runs,
+# EngineConfig), ALT_OPTS (the defaults suite's candidate options), PEFT_REQUESTS (100) and PEFT_LIMIT (60 s), PROFILE ("20 100 3": after each engine step's runs,
 # an unmeasured pass profiles steps 20-22 (prefill-heavy, mixed) and 100-102 (decode) with torch.profiler and the
 # 3 steps after each with cProfile; "" disables), PROFILE_REPLAY ("START COUNT", empty: off; e.g. "300 10": each
 # engine process replays its last adapter run and its base run once more in real time, unmeasured, and profiles
 # steps 300-309 under torch.profiler and 310-319 under cProfile: the trace's own decode and mixed steps; profile.txt
 # also gets each window's per-step timeline, perf/trace_steps.py), PROFILE_TRACE (1: keep those windows' chrome
 # traces as $OUT/trace-*.json.gz; read them with python -m perf.trace_steps), HOST_BUDGET (48GiB of host memory
-# for adapters), SHAPE (llama2-7b | tiny), DEVICE (cuda | cpu), N_BIG (2000), N_SALL (250) and SALL_BIG (0) of
+# for adapters), SHAPE (llama2-7b | llama3-8b | qwen2.5-7b | tiny: perf/make_model.py's shapes), DEVICE (cuda | cpu), N_BIG (2000), N_SALL (250) and SALL_BIG (0) of
 # engine-sall, LENGTHS ("8 512": input and output length range), CHECK_PATHS ("tests/kernels tests/engine") and
 # CHECK_K ("not cpu": pytest -k) of the checks suite, DECODE_STEP (1; 0 skips its decode-step benchmark),
 # HOST_FORWARD (1; 0 skips bench_host_forward), GPU_LOG (1: the GPU's clocks, power and temperature every 200 ms
@@ -90,6 +92,7 @@ SEED=${SEED:-42}
 RUN_LIMIT=${RUN_LIMIT:-120}
 KERNEL=${KERNEL:-triton}
 ENGINE_OPTS=${ENGINE_OPTS:-}
+ALT_OPTS=${ALT_OPTS:-}
 PEFT_REQUESTS=${PEFT_REQUESTS:-100}
 PEFT_LIMIT=${PEFT_LIMIT:-60}
 PROFILE=${PROFILE-20 100 3}
@@ -121,11 +124,11 @@ export PYTHONUNBUFFERED=1
 # On a CPU rehearsal, spinning intra-op threads of several processes make every timing erratic.
 [[ $DEVICE == cpu ]] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
-MODEL=$WORK/model
+MODEL=$WORK/model-$SHAPE  # per shape: a warm machine keeps the models of earlier calls
 RESULTS=$OUT/results.json
 LOG=$OUT/run.log
 SERVER_PID=""
-mkdir -p "$OUT" "$WORK/traces"
+mkdir -p "$OUT" "$WORK/traces/$SHAPE"
 
 log() { echo "$(date +%T) run_lab: $*" | tee -a "$LOG" >&2; }
 elapsed() { echo $(( $(date +%s) - START )); }
@@ -170,7 +173,7 @@ setup() {
 vocab() { "$PY" -c "import json; print(json.load(open('$MODEL/config.json'))['vocab_size'])"; }
 
 adapters() {  # adapters SETTING: n=N_BIG adapter directories, built once per warm machine
-  local setting=$1 root=$WORK/adapters/$1
+  local setting=$1 root=$WORK/adapters/$SHAPE-$1
   if ! grep -q "\"n\": $N_BIG," "$root/.weights/$setting.json" 2>/dev/null; then
     step -m perf.make_adapters --model "$MODEL" --setting "$setting" -n "$N_BIG" --out "$root"
   fi
@@ -188,7 +191,7 @@ pdl_settings() {  # pdl_settings TAG: the engine options of the pdl suite's deco
 trace() {  # trace PREFIX N: the trace file (same seed: same arrivals and lengths for every N and prefix)
   local n=$(( $2 < N_BIG ? $2 : N_BIG ))  # never more adapters than were made (small rehearsals)
   set -- "$1" "$n"
-  local file=$WORK/traces/$1-n$2.jsonl
+  local file=$WORK/traces/$SHAPE/$1-n$2.jsonl  # token ids of the shape's vocabulary
   if [[ ! -f $file ]]; then
     # shellcheck disable=SC2086
     step -m perf.workload -n "$2" --prefix "$1-" --rate "$RATE" --duration "$DURATION" --seed "$SEED" \
@@ -395,6 +398,18 @@ suite() {
         serving ensemble "$s1_big"
       fi
       stop_server ;;
+    defaults)  # issue 27's fast defaults: S1 n=N_BIG and the base model served with every option at its default,
+      # then n=N_BIG on a server started with ALT_OPTS ("key=value ...") as well: the defaults against a candidate
+      if start_server S1; then
+        serving slora "$s1_big" "$s1_big@base"
+      fi
+      stop_server
+      if [[ -n $ALT_OPTS ]]; then
+        if ENGINE_OPTS="$ENGINE_OPTS $ALT_OPTS" start_server S1; then
+          serving slora --name-prefix "alt-${ALT_OPTS// /-}" "$s1_big"
+        fi
+        stop_server
+      fi ;;
     genai)  # genai-perf alone against the served ensemble (S1 adapters preloaded)
       start_server S1 && genai_perf
       stop_server ;;
