@@ -65,6 +65,7 @@ class LLMEngine:
         limits = SchedulerLimits(c.max_batch_tokens, c.max_num_seqs, c.prefetch_adapters, admit,
                                  admit_when_copied(c, self.device), c.adapter_read_ahead,
                                  parts.store.budget_bytes // READ_AHEAD_SHARE, c.max_bypass)  # fmt: skip
+        self._limits = limits
         self.scheduler = _scheduler(c, limits, parts.pool, parts.cache, parts.store)
         self.runner = ModelRunner(self.model, self.pool, parts.graphs)
         self.requests: dict[str, Request] = {}
@@ -81,6 +82,17 @@ class LLMEngine:
         self.capture_graphs_for_host_adapters()
         if self.config.warmup:
             warm_up(self)
+            self._forget_warm_up()
+
+    def _forget_warm_up(self) -> None:
+        """Leave no trace of the warm-up's synthetic requests: a fresh scheduler (tenants' usage, fair counters,
+        refusals, preemptions), zeroed totals and adapter load counts, request ids and sampling seeds from the
+        start again; the engine then counts and samples as one that never warmed up."""
+        self.scheduler = _scheduler(self.config, self._limits, self.pool, self.cache, self.store)
+        self.cache.loads = self.cache.evictions = 0
+        self.generated_tokens = self.finished_requests = 0
+        self._ids = itertools.count()
+        self._seeds = torch.Generator().manual_seed(self.config.seed)
 
     # ---- requests -------------------------------------------------------------------------------------------
 

@@ -30,7 +30,8 @@ WARMUP_TOKENS = 4
 
 
 def warm_up(engine: LLMEngine) -> float:
-    """Run the warm-up waves; returns the seconds it took. The engine is idle and holds no adapter afterwards."""
+    """Run the warm-up waves; returns the seconds it took. The engine is idle and holds no adapter afterwards (its
+    statistics still count the waves: LLMEngine forgets them)."""
     start = time.perf_counter()
     adapters = warm_adapters(engine)
     largest = max((engine.store.get(name).num_pages for name in adapters if name), default=0)
@@ -48,13 +49,15 @@ def warm_up(engine: LLMEngine) -> float:
     # request of each wave has an adapter when any is in host memory, so the first waves reach the LoRA kernels.
     waves = [(1, [chunked]), (min(8, full), [medium]), (min(8, full), [short, medium, chunked])]
     waves += [(min(64, full), [short, medium]), (full, [short])]
+    requests = 0
     for size, lengths in waves:
+        requests += size
         prompts = [synthetic_prompt(i, lengths[i % len(lengths)], vocab) for i in range(size)]
         engine.generate(prompts, [adapters[(i + 1) % len(adapters)] for i in range(size)], greedy)
     engine.evict_adapters()
     seconds = time.perf_counter() - start
-    logger.info("warm-up: %d waves, adapters %s, prompts of %d/%d/%d tokens in %.1fs", len(waves),
-                [a for a in adapters if a], short, medium, chunked, seconds)  # fmt: skip
+    logger.info("warm-up: %d waves of %d requests, adapters %s, prompts of %d/%d/%d tokens in %.1fs", len(waves),
+                requests, [a for a in adapters if a], short, medium, chunked, seconds)  # fmt: skip
     return seconds
 
 

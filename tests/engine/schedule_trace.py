@@ -97,8 +97,8 @@ def engine_for(case: ScheduleCase, base: Path, adapter_root: Path, **extra: Any)
     from slora.backend.config import EngineConfig
     from slora.backend.engine.llm_engine import LLMEngine
 
-    probe = LLMEngine(EngineConfig(model=str(base), page_size=8, pool_bytes=1 << 20))
-    page_bytes = probe.pool.geometry.page_bytes(probe.dtype)
+    probe = LLMEngine(EngineConfig(model=str(base), page_size=8, pool_bytes=1 << 20, device="cpu"))
+    page_bytes = probe.pool.geometry.page_bytes(probe.dtype)  # the engine's page bytes: same device, same dtype
     config = EngineConfig(model=str(base), adapter_root=str(adapter_root), page_size=8, device="cpu",
                           pool_bytes=case.pages * page_bytes, **case.options, **extra)  # fmt: skip
     return LLMEngine(config)

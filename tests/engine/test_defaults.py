@@ -143,7 +143,7 @@ def test_auto_is_a_value_of_the_options_and_bad_values_name_their_field() -> Non
 
 def test_an_engine_logs_every_value_at_start(llama: ModelWithAdapters, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="slora.backend.engine.defaults"):
-        engine = LLMEngine(EngineConfig(model=str(llama.base), pool_bytes=1 << 20, max_batch_tokens=512))
+        engine = LLMEngine(EngineConfig(model=str(llama.base), device="cpu", pool_bytes=1 << 20, max_batch_tokens=512))
     lines = {r.getMessage().split(" = ")[0].removeprefix("engine option "): r.getMessage() for r in caplog.records}
     names = ("host_budget_bytes", "preload_adapters", "warmup", "adapter_image_cache", "max_bypass", "cuda_graphs",
              "max_num_seqs", "max_batch_tokens", "admit_interval", "overlap_steps", "admit_when_copied")  # fmt: skip

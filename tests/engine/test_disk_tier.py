@@ -51,6 +51,8 @@ def many(llama: ModelWithAdapters, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def _engine(model: ModelWithAdapters, root: Path, **options: Any) -> LLMEngine:
+    """The disk tier as the tests read it: adapters read on demand (no preload, which is on by default on CUDA)."""
+    options = {"preload_adapters": False, **options}
     return LLMEngine(EngineConfig(model=str(model.base), adapter_root=str(root), page_size=8, **options))
 
 

@@ -18,11 +18,11 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
 def _engine(model: ModelWithAdapters, pages: int, target: dict[str, str] | None = None, **options: object) -> LLMEngine:
-    probe = LLMEngine(EngineConfig(model=str(model.base), page_size=8, pool_bytes=1 << 20))
-    page_bytes = probe.pool.geometry.page_bytes(probe.dtype)
     config = EngineConfig(model=str(model.base), adapter_root=str(model.adapter_root), page_size=8,
-                          pool_bytes=pages * page_bytes, **(target or {}), **options)  # type: ignore[arg-type]  # fmt: skip
-    return LLMEngine(config)
+                          **(target or {}), **options)  # type: ignore[arg-type]  # fmt: skip
+    # the page size in bytes of the engine's own device and dtype, from a probe engine without adapters
+    probe = LLMEngine(dataclasses.replace(config, adapter_root=None, pool_bytes=1 << 20, warmup=False))
+    return LLMEngine(dataclasses.replace(config, pool_bytes=pages * probe.pool.geometry.page_bytes(probe.dtype)))
 
 
 def _workload(model: ModelWithAdapters, n: int, seed: int) -> tuple[list[list[int]], list[str | None]]:

@@ -32,9 +32,11 @@ def test_warm_engine_is_idle_and_generates_as_a_cold_one(
 ) -> None:
     with caplog.at_level(logging.INFO, logger="slora.backend.engine.warmup"):
         warm = _engine(llama, warmup=True)
-    assert "warm-up: 5 waves" in caplog.text
-    assert warm.generated_tokens > 0 and warm.finished_requests == 1 + 8 + 8 + 12 + 12  # waves capped at max_num_seqs
+    assert f"warm-up: 5 waves of {1 + 8 + 8 + 12 + 12} requests" in caplog.text  # waves capped at max_num_seqs
     assert not warm.requests and not warm.scheduler.has_work()
+    stats = warm.stats()  # the warm-up's requests are forgotten: a warm engine counts as a cold one
+    assert (stats.generated_tokens, stats.finished_requests, stats.adapter_loads, stats.adapter_evictions) == (0,) * 4
+    assert stats.preemptions == 0 and not stats.tenants and not warm.scheduler.book.usage
     assert warm.pool.count(PageKind.KV) == 0 and warm.pool.count(PageKind.ADAPTER) == 0
     cold = _engine(llama, warmup=False)
     prompts = [[5, 9, 14, 2, 7], [3] * 30, [11, 12]]
@@ -44,6 +46,10 @@ def test_warm_engine_is_idle_and_generates_as_a_cold_one(
     assert len(warm_logits) == len(cold_logits)
     for got, want in zip(warm_logits, cold_logits):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)  # seeds drawn from the engine's seed
+    assert [o.token_ids for o in _engine(llama, warmup=True).generate(prompts, adapters, sampled)] == [
+        o.token_ids for o in _engine(llama, warmup=False).generate(prompts, adapters, sampled)
+    ]
 
 
 def _logits(engine: LLMEngine, prompts: list[list[int]], adapters: list, greedy: SamplingParams) -> list:  # type: ignore[type-arg]
@@ -98,7 +104,7 @@ def test_warm_up_fits_a_small_pool_and_queue(
     with caplog.at_level(logging.INFO, logger="slora.backend.engine.warmup"):
         engine = LLMEngine(config)
     assert "warm-up: 5 waves" in caplog.text
-    assert engine.finished_requests > 0 and not engine.requests and not engine.scheduler.has_work()
+    assert not engine.requests and not engine.scheduler.has_work()
     assert engine.pool.count(PageKind.KV) == 0 and engine.pool.count(PageKind.ADAPTER) == 0
     largest = max(engine.store.get(a).num_pages for a in llama.adapters)
     used = [a for a in llama.adapters if a in caplog.text.split("adapters ", 1)[1].split("]", 1)[0]]

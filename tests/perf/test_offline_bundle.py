@@ -53,7 +53,8 @@ def test_plan_lists_every_download_and_file(tmp_path: Path) -> None:
     assert plan.files() == [
         "annotated_doc-0.0.7-*.whl", "annotated_types-0.8.0-*.whl", "fastapi-0.165.0-*.whl",
         "genai/cffi-*-*.whl", "genai/genai_perf-0.0.16-*.whl", "genai/orjson-*-*.whl", "genai/pycparser-*-*.whl",
-        "genai/soundfile-*-*.whl", "gguf-*-*.whl", "gpu-env.sh", "opentelemetry_api-1.45.2-*.whl", "perf_analyzer-2.60.0-*.whl",
+        "genai/soundfile-*-*.whl", "gguf-*-*.whl", "gpu-env.sh", "opentelemetry_api-1.45.2-*.whl",
+        "perf_analyzer-2.60.0-*.whl",
         "pydantic-2.14.4-*.whl", "pydantic_core-2.50.5-*.whl", "python_rapidjson-*-*.whl", "starlette-1.10.0-*.whl",
         "stub/numpy-1.26.4-*.whl", "tritonclient-*-*.whl", "tritonserver-py312.tar.xz",
         "typing_inspection-0.4.5-*.whl", "uvicorn-0.54.0-*.whl",
