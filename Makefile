@@ -12,7 +12,7 @@ DEVICE      ?= auto
 DEMO_ADAPTERS ?= .cache/demo-adapters
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint typecheck unit clean demo-adapters
+.PHONY: install serve test test-cuda-defaults lint typecheck unit clean demo-adapters
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,8 +41,16 @@ lint: install
 typecheck: install
 	$(BIN)/mypy backend kernels client tests/deploy docker/wait_idle.py
 
+# The engine-side suites once more with every "auto" option resolved as on a CUDA device (tests/cuda_defaults.py):
+# what a test written here would meet on a GPU host. Skipped when PYTEST_ARGS picks tests.
+CUDA_DEFAULTS_PATHS ?= tests/engine tests/executor tests/memory tests/adapters tests/runtime
+
 test: lint typecheck
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(if $(PYTEST_ARGS),,$(MAKE) test-cuda-defaults)
+
+test-cuda-defaults: install
+	$(BIN)/python -m pytest -q -p tests.cuda_defaults $(CUDA_DEFAULTS_PATHS)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache
