@@ -128,7 +128,7 @@ MODEL=$WORK/model-$SHAPE  # per shape: a warm machine keeps the models of earlie
 RESULTS=$OUT/results.json
 LOG=$OUT/run.log
 SERVER_PID=""
-mkdir -p "$OUT" "$WORK/traces/$SHAPE"
+mkdir -p "$OUT" "$WORK/traces"
 
 log() { echo "$(date +%T) run_lab: $*" | tee -a "$LOG" >&2; }
 elapsed() { echo $(( $(date +%s) - START )); }
@@ -191,7 +191,11 @@ pdl_settings() {  # pdl_settings TAG: the engine options of the pdl suite's deco
 trace() {  # trace PREFIX N: the trace file (same seed: same arrivals and lengths for every N and prefix)
   local n=$(( $2 < N_BIG ? $2 : N_BIG ))  # never more adapters than were made (small rehearsals)
   set -- "$1" "$n"
-  local file=$WORK/traces/$SHAPE/$1-n$2.jsonl  # token ids of the shape's vocabulary
+  # every setting in the folder (a warm machine keeps the traces of earlier calls, which may have had other ones);
+  # the file's stem names the runs (perf.report matches them)
+  local dir=$WORK/traces/$SHAPE/${RATE}rps-${DURATION}s-seed$SEED-len${LENGTHS// /-}
+  local file=$dir/$1-n$2.jsonl
+  mkdir -p "$dir"
   if [[ ! -f $file ]]; then
     # shellcheck disable=SC2086
     step -m perf.workload -n "$2" --prefix "$1-" --rate "$RATE" --duration "$DURATION" --seed "$SEED" \
