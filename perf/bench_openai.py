@@ -113,7 +113,9 @@ class OpenAIReplay:
             return None
         event = json.loads(line[len("data: ") :])
         if event.get("usage"):
-            self.usage_tokens += int(event["usage"].get("completion_tokens", 0))
+            completion = int(event["usage"].get("completion_tokens", 0))
+            self.usage_tokens += completion
+            record.settle_tokens(completion)
         choices = event.get("choices") or []
         if not choices:
             return None

@@ -46,6 +46,13 @@ class RequestRecord:
             self.chunk_times.append(time)
             self.chunk_tokens.append(num_tokens)
 
+    def settle_tokens(self, total: int) -> None:
+        """The server's own count of this request's output tokens (OpenAI usage): tokens a chunk's text does not
+        show (special tokens decode to nothing) are added to the last chunk, so num_output is exact."""
+        missing = total - self.num_output
+        if missing > 0 and self.chunk_tokens:
+            self.chunk_tokens[-1] += missing
+
     def finish(self, time: float, reason: str | None, error: str | None = None) -> None:
         self.finish_time = time
         self.finish_reason = reason
