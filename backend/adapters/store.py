@@ -490,16 +490,17 @@ class AdapterStore:
                 f"adapter {adapter.name!r} needs {adapter.nbytes} bytes of host memory, more than the whole "
                 f"host budget ({self.budget_bytes} bytes)"
             )
+        # Room first, then the adapter: host_bytes never exceeds the budget, even as seen by a reader without the lock.
+        while self._host and self.host_bytes + adapter.nbytes > self.budget_bytes:
+            victim, _ = next(iter(self._host.items()))
+            self._drop(victim)
+            self.host_evictions += 1
+            logger.debug("host budget: dropped adapter %r from host memory", victim)  # counted: host_evictions
         self._host[adapter.name] = adapter
         self._ranks[adapter.name] = _rank_map(adapter.target_modules, adapter.ranks)
         self._refs[adapter.name] = adapter.ref
         self.host_bytes += adapter.nbytes
         self.loads += 1
-        while self.host_bytes > self.budget_bytes:
-            victim, _ = next(iter(self._host.items()))
-            self._drop(victim)
-            self.host_evictions += 1
-            logger.debug("host budget: dropped adapter %r from host memory", victim)  # counted: host_evictions
 
     def _drop(self, name: str) -> None:
         adapter = self._host.pop(name, None)

@@ -25,8 +25,9 @@ PROMPTS = [[5, 17, 29, 41, 53], [7, 19, 31], [11, 23, 35, 47], [13, 25]]
 
 
 def _engine(model: ModelWithAdapters, **options: Any) -> LLMEngine:
+    """Admission at every step (with CUDA graphs, the default admits every other step), which the steps below count."""
     return LLMEngine(EngineConfig(model=str(model.base), adapter_root=str(model.adapter_root), page_size=8,
-                                  pool_bytes=8 << 20, **options))  # fmt: skip
+                                  pool_bytes=8 << 20, admit_interval=1, **options))  # fmt: skip
 
 
 @contextmanager
