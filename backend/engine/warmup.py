@@ -14,6 +14,7 @@ start that fails.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -34,7 +35,7 @@ def warm_up(engine: LLMEngine) -> float:
     statistics still count the waves: LLMEngine forgets them)."""
     start = time.perf_counter()
     adapters = warm_adapters(engine)
-    largest = max((engine.store.get(name).num_pages for name in adapters if name), default=0)
+    largest = max((engine.store.describe(name).num_pages for name in adapters if name), default=0)
     longest = longest_prompt(engine, largest)
     if longest < 1:
         logger.warning("warm-up skipped: the pool has no room for a request of one token")
@@ -49,13 +50,12 @@ def warm_up(engine: LLMEngine) -> float:
     # request of each wave has an adapter when any is in host memory, so the first waves reach the LoRA kernels.
     waves = [(1, [chunked]), (min(8, full), [medium]), (min(8, full), [short, medium, chunked])]
     waves += [(min(64, full), [short, medium]), (full, [short])]
-    requests = 0
     for size, lengths in waves:
-        requests += size
         prompts = [synthetic_prompt(i, lengths[i % len(lengths)], vocab) for i in range(size)]
         engine.generate(prompts, [adapters[(i + 1) % len(adapters)] for i in range(size)], greedy)
     engine.evict_adapters()
     seconds = time.perf_counter() - start
+    requests = sum(size for size, _ in waves)
     logger.info("warm-up: %d waves of %d requests, adapters %s, prompts of %d/%d/%d tokens in %.1fs", len(waves),
                 requests, [a for a in adapters if a], short, medium, chunked, seconds)  # fmt: skip
     return seconds
@@ -68,10 +68,12 @@ def synthetic_prompt(i: int, length: int, vocab: int) -> list[int]:
 
 def warm_adapters(engine: LLMEngine) -> list[str | None]:
     """The base model (None) and up to MAX_ADAPTERS adapters in host memory that fit the pool with a prompt of one
-    token."""
-    names = [a.name for a in engine.store.list() if a.in_host]
-    fitting = [name for name in names if longest_prompt(engine, engine.store.get(name).num_pages) >= 1]
-    return [None, *fitting[:MAX_ADAPTERS]]
+    token (their refs are read, not the adapters: the host LRU order stays as preload left it)."""
+    scheduler, store = engine.scheduler, engine.store
+    one_token = scheduler.pages_for(1 + WARMUP_TOKENS)
+    in_host = (a.name for a in store.list() if a.in_host)
+    fitting = (name for name in in_host if scheduler.never_fits(one_token, store.describe(name).num_pages) is None)
+    return [None, *itertools.islice(fitting, MAX_ADAPTERS)]
 
 
 def longest_prompt(engine: LLMEngine, adapter_pages: int) -> int:
