@@ -45,6 +45,13 @@
 #               perf.bench_decode_step with CUDA graphs at batch FEW_BATCHES ("16 32 64"), S2 adapters (4, 24,
 #               one per request) and S1 (5, one per request), under each of FEW_RULES (MIN_TOKENS,MAX_ADAPTERS:
 #               "32,8 64,8": the rule and #68's)                                                      [~2 min a rule]
+#   tenants     perf.bench_tenants_served (tenant isolation through Triton, issue 26): it starts one slora-serve per
+#               configuration (the served suites' options, S1 adapters; free ports of its own, not PORT_BASE's),
+#               20 tenants s1-0000..0019 and the noisy one s1-0020. TENANT_SUITE overload (default): TENANT_MODES
+#               at TENANT_LOADS x the capacity, which a burst under fcfs measures first unless CAPACITY gives it;
+#               noisy: the noisy neighbour under TENANT_POLICIES; all: both. The servers' logs go to
+#               $WORK/tenant-servers, their last 300 lines each to server.log  [~5.5 min: fcfs and early-abort
+#               at 2x, 35 s of arrivals, CAPACITY given; the burst adds ~0.5 min, a server ~1.3, a run ~1-1.5]
 #   checks      kernel and engine tests on the GPU, then perf.bench_decode_step (CUDA graphs, batch 1/8/64),
 #               perf.bench_host_step (host time of a 256-sequence decode step) and perf.bench_host_forward
 #               (host time of eager steps, kernels stubbed: this host's Python against the CPU machine's) [~8 min]
@@ -69,7 +76,18 @@
 # engine-sall, LENGTHS ("8 512": input and output length range), CHECK_PATHS ("tests/kernels tests/engine") and
 # CHECK_K ("not cpu": pytest -k) of the checks suite, DECODE_STEP (1; 0 skips its decode-step benchmark),
 # HOST_FORWARD (1; 0 skips bench_host_forward), GPU_LOG (1: the GPU's clocks, power and temperature every 200 ms
-# into gpu_log.csv), PY (python3), OUT, WORK, PORT_BASE (8000), GPU_ENV (.whl/gpu-env.sh; "none" skips it).
+# into gpu_log.csv), PY (python3), OUT, WORK, PORT_BASE (8000), GPU_ENV (.whl/gpu-env.sh; "none" skips it);
+# of the tenants suite: TENANT_SUITE (overload | noisy | all), TENANT_MODES ("fcfs early-abort"; or fair),
+# TENANT_LOADS ("2": units of the capacity), TENANT_POLICIES ("fcfs fair"; or priority), TENANT_DURATION (30 s of
+# arrivals a run), TENANT_SLO (6 s: the SLO counted, and early abort's ttft_slo_s), CAPACITY (req/s, e.g. an earlier
+# tenants-served-capacity run's; empty: measured by a burst of TENANT_BURST requests, the benchmark's 512 if empty),
+# TENANT_SERVER_S (100 on CUDA, 30 on CPU: a server's start, warm-up and stop, for the plan that sets the per-run
+# time limit, at most RUN_LIMIT).
+# CPU rehearsal of the tenants suite (about 1.5 minutes on 2 cores; 8 batch slots, so that 2x the capacity queues
+# as the GPU's pool makes it, and a 1 s SLO, so that early abort refuses within 5 s of arrivals):
+#   GPU_ENV=none PY=python KERNEL=torch SHAPE=tiny DEVICE=cpu N_BIG=40 RATE=20 DURATION=1 LENGTHS="8 48" \
+#   ENGINE_OPTS="max_num_seqs=8" TENANT_SLO=1 TENANT_DURATION=5 TENANT_BURST=64 OUT=/tmp/tenants-out \
+#   WORK=/tmp/tenants-work bash perf/offline/run_lab.sh tenants
 # CPU rehearsal of the whole script (about 1-2 minutes on 2 cores; the torch kernels, as Triton needs a GPU):
 #   GPU_ENV=none PY=python KERNEL=torch SHAPE=tiny DEVICE=cpu N_BIG=40 RATE=20 DURATION=1 LENGTHS="8 48" \
 #   PROFILE="5 2" PEFT_REQUESTS=10 PEFT_LIMIT=20 OUT=/tmp/perf-out WORK=/tmp/perf-work bash perf/offline/run_lab.sh all
@@ -118,11 +136,20 @@ FLOOR_TAG=${FLOOR_TAG:-}
 FLOOR_SETTING=${FLOOR_SETTING:-S2}
 HOST_FORWARD=${HOST_FORWARD:-1}
 GPU_LOG=${GPU_LOG:-}
+TENANT_SUITE=${TENANT_SUITE:-overload}
+TENANT_MODES=${TENANT_MODES:-fcfs early-abort}
+TENANT_LOADS=${TENANT_LOADS:-2}
+TENANT_POLICIES=${TENANT_POLICIES:-fcfs fair}
+TENANT_DURATION=${TENANT_DURATION:-30}
+TENANT_SLO=${TENANT_SLO:-6}
+TENANT_BURST=${TENANT_BURST:-}
+CAPACITY=${CAPACITY:-}
 GPU_LOG_PID=""
 export SLORA_COMMIT=${SLORA_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1
 # On a CPU rehearsal, spinning intra-op threads of several processes make every timing erratic.
 [[ $DEVICE == cpu ]] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+TENANT_SERVER_S=${TENANT_SERVER_S:-$([[ $DEVICE == cpu ]] && echo 30 || echo 100)}
 
 MODEL=$WORK/model-$SHAPE  # per shape: a warm machine keeps the models of earlier calls
 RESULTS=$OUT/results.json
@@ -222,17 +249,22 @@ backend_available() {
   "$PY" -c "from slora.backend.config import EngineConfig; EngineConfig(kernel_backend='$1')" 2>>"$LOG"
 }
 
-start_server() {  # start_server SETTING [OPTION...]: slora-serve in the background, its log in server.log
-  local root opts=()
+serve_args() {  # serve_args SETTING: slora-serve's options of the served suites, but the ports (one a line)
+  local root
   root=$(adapters "$1")
+  printf '%s\n' --model "$MODEL" --adapter-dir "$root" --device "$DEVICE" --kernel-backend "$KERNEL"
   # Every adapter is read into host memory before the server reports ready (S-LoRA keeps them all in host memory).
   for opt in load_format=dummy host_budget_bytes=$HOST_BUDGET preload_adapters=true warmup=true $ENGINE_OPTS; do
-    opts+=(--engine-option "$opt")
+    printf '%s\n' --engine-option "$opt"
   done
+}
+
+start_server() {  # start_server SETTING [OPTION...]: slora-serve in the background, its log in server.log
+  local args
+  mapfile -t args < <(serve_args "$1")
   shift
-  log "starting slora-serve (adapters $root) $*"
-  "$PY" -m slora.backend.launcher.cli --model "$MODEL" --adapter-dir "$root" --device "$DEVICE" \
-    --kernel-backend "$KERNEL" "${opts[@]}" --http-port "$PORT_BASE" --grpc-port $((PORT_BASE + 1)) \
+  log "starting slora-serve (${args[*]:0:4}) $*"
+  "$PY" -m slora.backend.launcher.cli "${args[@]}" --http-port "$PORT_BASE" --grpc-port $((PORT_BASE + 1)) \
     --metrics-port $((PORT_BASE + 2)) "$@" >>"$OUT/server.log" 2>&1 &
   SERVER_PID=$!
   wait_server
@@ -263,10 +295,14 @@ stop_server() {
   kill -KILL "$SERVER_PID" 2>/dev/null
   wait "$SERVER_PID" 2>/dev/null
   SERVER_PID=""
+  stop_triton $((PORT_BASE + 1))
+}
+
+stop_triton() {  # stop_triton GRPC_PORT: the tritonserver of that port, if its slora-serve left it running
   # tritonserver runs in a session of its own (it would outlive this call on a warm machine and hold the GPU
   # and the ports); the launcher stops it, this is only in case it did not.
   local left
-  left=$(pgrep -f -- "tritonserver.*--grpc-port=$((PORT_BASE + 1))" || true)
+  left=$(pgrep -f -- "tritonserver.*--grpc-port=$1( |$)" || true)
   if [[ -n $left ]]; then
     log "tritonserver still running (pid $left): TERM"
     # shellcheck disable=SC2086
@@ -314,6 +350,57 @@ genai_perf() {  # genai_perf: genai-perf against the running server's ensemble, 
     timeout --kill-after=10 "$left" bash perf/genai_perf.sh >>"$LOG" 2>&1 || log "genai-perf exited with $?"
   for f in genai_perf.csv genai_perf.json genai_perf.txt; do [[ -f $dir/$f ]] && cp "$dir/$f" "$OUT/$f"; done
   return 0
+}
+
+tenant_plan() {  # tenant_plan: "RUNS SERVERS" of the tenants suite's knobs, as perf/tenant_suites.py runs them
+  local -A servers=()
+  local runs=0 loads policy mode
+  loads=$(wc -w <<<"$TENANT_LOADS")
+  [[ -z $CAPACITY ]] && { runs=1; servers[fcfs]=1; }  # the burst, on the fcfs server
+  if [[ $TENANT_SUITE != overload ]]; then
+    for policy in $TENANT_POLICIES; do runs=$(( runs + 2 )); servers[$policy]=1; done  # without and with
+  fi
+  if [[ $TENANT_SUITE != noisy ]]; then
+    for mode in $TENANT_MODES; do runs=$(( runs + loads )); servers[$mode]=1; done
+  fi
+  echo "$runs ${#servers[@]}"
+}
+
+tenants() {  # the served tenant-isolation suites: bench_tenants_served starts each configuration's server itself
+  local logs=$WORK/tenant-servers plan runs servers limit serve sizes=() rc
+  mapfile -t serve < <(serve_args S1)
+  read -r runs servers <<<"$(tenant_plan)"
+  # Every run gets the same time limit: what is left after the servers' starts, shared out, at most RUN_LIMIT.
+  limit=$(( ($(remaining) - 60 - servers * TENANT_SERVER_S) / (runs > 0 ? runs : 1) ))
+  (( limit > RUN_LIMIT )) && limit=$RUN_LIMIT
+  plan="$runs runs on $servers servers"
+  if (( limit < TENANT_DURATION + 15 )); then  # too short for the arrivals and a drain: the budget cuts the last
+    log "tenants: $plan leave ${limit}s a run, short of ${TENANT_DURATION}s of arrivals and a drain; the budget" \
+      "will cut the last runs"
+    limit=$(( TENANT_DURATION + 15 ))
+  fi
+  log "tenants: $TENANT_SUITE, $plan, ${limit}s a run"
+  [[ -n $CAPACITY ]] && sizes+=(--capacity "$CAPACITY")
+  [[ -n $TENANT_BURST ]] && sizes+=(--capacity-requests "$TENANT_BURST")
+  rm -rf "$logs"  # this call's servers only
+  # shellcheck disable=SC2086
+  step -m perf.bench_tenants_served --suite "$TENANT_SUITE" --modes $TENANT_MODES --loads $TENANT_LOADS \
+    --policies $TENANT_POLICIES --duration "$TENANT_DURATION" --slo "$TENANT_SLO" "${sizes[@]}" \
+    --adapter-prefix s1- --time-limit "$limit" --ready-timeout "$(( TENANT_SERVER_S * 3 ))" \
+    --server-log-dir "$logs" --out "$RESULTS" -- "${serve[@]}"
+  rc=$?
+  tenant_logs "$logs"
+  return "$rc"
+}
+
+tenant_logs() {  # tenant_logs DIR: each server's log tail into server.log, in the order they started; stops a
+  # tritonserver that one left behind
+  local f port
+  find "$1" -maxdepth 1 -name "*.log" -printf "%T@ %p\n" 2>/dev/null | sort -n | cut -d' ' -f2- | while read -r f; do
+    { echo "=== $(basename "$f") (last 300 lines; the whole log in $f)"; tail -n 300 "$f"; } >>"$OUT/server.log"
+    port=$(grep -o -m1 -- '--grpc-port=[0-9]*' "$f" | cut -d= -f2)
+    [[ -n $port ]] && stop_triton "$port"
+  done
 }
 
 peft() {  # peft TRACE...
@@ -480,8 +567,10 @@ suite() {
     peft-only)  # after engine-s1 in the same call, which has the engine runs on the same n = 5 and 100 traces
       s1_100=$(trace s1 100)
       peft "$s1_5" "$s1_100" ;;
+    tenants)
+      tenants ;;
     *)
-      log "unknown suite $1 (all, headline, lora-vs-base, engine-s1, engine-s2, s2-ratio, engine-sall, bmm, serving-s1, served, served-both, genai, s2-floor, projections, pdl, few, checks, peft, peft-only)"; return 2 ;;
+      log "unknown suite $1 (all, headline, lora-vs-base, engine-s1, engine-s2, s2-ratio, engine-sall, bmm, serving-s1, served, served-both, served-apis, ensemble-alias, defaults, genai, s2-floor, projections, pdl, few, checks, peft, peft-only, tenants)"; return 2 ;;
   esac
 }
 
