@@ -7,9 +7,9 @@ Steps: find the server and the Python stub for this interpreter (server_locator.
 default one is converted once), check the engine options, render the model repository with them
 (model_repository.py), run tritonserver with its output shown here, poll readiness, stop it on Ctrl-C / SIGTERM.
 
-Stopping: the slora model first ends every request in flight (drain.py; Triton alone would wait out its exit timeout
-for a streamed ensemble request and hang), then tritonserver gets SIGTERM; a second Ctrl-C kills it at once. No
-process of the server (Python stubs, engine processes) outlives slora-serve.
+Stopping: the slora model and its peers (the ensemble alias) first end every request in flight (drain.py; Triton
+alone would wait out its exit timeout for a request still generating and hang), then tritonserver gets SIGTERM; a
+second Ctrl-C kills it at once. No process of the server (Python stubs, engine processes) outlives slora-serve.
 """
 
 from __future__ import annotations
@@ -431,12 +431,12 @@ def _shutdown(process: subprocess.Popen, force: threading.Event, drain_file: Pat
 
 
 def _drain(process: subprocess.Popen, drain_file: Path, force: threading.Event) -> bool:
-    """Ask the slora model to end every request in flight and wait until it has (drain.py); False if it did not
-    say so in time."""
+    """Ask the slora model and its peers to end every request in flight and wait until they have (drain.py); False
+    if they did not say so in time."""
     logger.info("stopping: ending the requests in flight (Ctrl-C again to stop at once)")
     drain_file.touch()
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
-    while not drain.done_file(drain_file).exists():
+    while not drain.all_done(drain_file):
         if process.poll() is not None or force.is_set():
             return False
         if time.monotonic() > deadline:

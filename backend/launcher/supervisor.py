@@ -5,9 +5,9 @@ Triton with explicit model control and watches the health file that the model wr
 
     state "failed" (its engine died, or hung and was killed by the watchdog), or no new record for stale_s (the
     model's process hangs)
-        → unload slora (the ensemble goes with it): /v2/models/slora/ready and /v2/health/ready answer 400
-        → load it again, counting the restart (its registrations come back from the workspace's journal):
-          ready again once its engine serves
+        → unload the ensemble alias and slora: /v2/models/slora/ready and /v2/health/ready answer 400
+        → load it again, counting the restart (its registrations come back from the workspace's journal), then
+          the alias: ready again once its engine serves
     more than max_restarts restarts in the server's life
         → load it with `failed_reason` set: the load fails with that reason, and the model and the server stay
           not ready (the reason shows in /v2/repository/index) until slora-serve is restarted
@@ -32,7 +32,7 @@ from slora.backend.serving.health import HEALTH_S, read_health
 logger = logging.getLogger("slora.serve")
 
 MODEL = "slora"
-DEPENDENTS = ("ensemble",)  # loaded again after slora (an ensemble is unloaded with the model it calls)
+DEPENDENTS = ("ensemble",)  # peers of slora's engine: unloaded with it (their readiness follows it), loaded after it
 LOAD_TIMEOUT_S = 3600.0  # a large model's load; the call returns as soon as Triton has an answer
 
 
@@ -95,6 +95,8 @@ class Supervisor:
                          self.settings.max_restarts)  # fmt: skip
         render_model(self.settings.repository, MODEL, values)
         self.settings.health_file.unlink(missing_ok=True)
+        for dependent in DEPENDENTS:
+            self._repository_call(f"models/{dependent}/unload")
         self._repository_call(f"models/{MODEL}/unload")
         if self._repository_call(f"models/{MODEL}/load") and self.failed is None:
             for dependent in DEPENDENTS:

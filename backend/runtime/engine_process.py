@@ -48,6 +48,7 @@ from slora.backend.runtime.messages import (
     LogMsg,
     LogRecord,
     OutputsMsg,
+    PeerEventsMsg,
     ReadyMsg,
     ResultMsg,
     StopMsg,
@@ -57,6 +58,7 @@ from slora.backend.runtime.messages import (
     ToEngine,
 )
 from slora.backend.runtime.output_sink import RequestSink, deliver_each
+from slora.backend.runtime.peers import EventsListener, PeerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -89,16 +91,18 @@ class EngineProcess:
         watchdog_s: float | None = None,
         registry_journal: str | Path | None = None,
         restarts_before: int = 0,
+        peer: PeerSettings | None = None,
     ) -> None:
         """Every output goes to `sink`. `watchdog_s`: kill an engine process whose loop has not gone round for
         that long, or that has sent nothing (not even a heartbeat) for that long: hung, deadlocked or stopped; it
         then fails its requests and is restarted like one that died. `registry_journal`: a file that keeps the
         runtime registrations for an EngineProcess started again later (a reloaded model), given back once the
         first engine is ready. `restarts_before`: restarts counted before this EngineProcess (its engine_restarts
-        statistic goes on)."""
+        statistic goes on). `peer`: take peer models' requests too (peers.py)."""
         if write_back_registry and not config.adapter_registry:
             raise ValueError("write_back_registry needs the multi_lora.json to write to: set adapter_registry")
         self._config = config
+        self._peer = peer
         self._context = multiprocessing.get_context("spawn")
         self._context.set_executable(python or interpreter())
         self._command_timeout_s = command_timeout_s
@@ -112,6 +116,7 @@ class EngineProcess:
         self.registry = RuntimeRegistry(config.adapter_registry if write_back_registry else None, registry_journal)
         self._call_ids = itertools.count()
         self._listeners: list[StatsListener] = []
+        self._peer_listeners: list[EventsListener] = []
         self._closed: str | None = None  # why requests are refused while no engine process serves them
         self._stopping = False
         self._counted_before = {key: 0 for key in STATS_COUNTERS}  # by engine processes that exited
@@ -135,9 +140,8 @@ class EngineProcess:
         """Start an engine process and wait until it is ready (raises if it fails); then receive its outputs."""
         requests_reader, requests = self._context.Pipe(duplex=False)
         outputs, outputs_writer = self._context.Pipe(duplex=False)
-        process = self._context.Process(
-            target=worker_main, args=(self._config, requests_reader, outputs_writer), name="slora-engine", daemon=True
-        )
+        arguments = (self._config, requests_reader, outputs_writer, self._peer)
+        process = self._context.Process(target=worker_main, args=arguments, name="slora-engine", daemon=True)
         process.start()
         requests_reader.close()
         outputs_writer.close()
@@ -181,6 +185,10 @@ class EngineProcess:
 
     def on_stats(self, listener: StatsListener) -> None:
         self._listeners.append(listener)
+
+    def on_peer_events(self, listener: EventsListener) -> None:
+        """`listener` gets the request metrics of the peer models' requests (peers.py)."""
+        self._peer_listeners.append(listener)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the engine (it aborts what is left; those outputs are delivered), then the process."""
@@ -229,6 +237,9 @@ class EngineProcess:
                 _relay(message.records)
             elif isinstance(message, ResultMsg):
                 self._resolve(message)
+            elif isinstance(message, PeerEventsMsg):
+                for listener in self._peer_listeners:
+                    listener(message.events)
             elif isinstance(message, StoppedMsg):
                 break
             elif isinstance(message, FatalMsg):  # it exits next: its requests fail with this reason

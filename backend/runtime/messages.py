@@ -3,6 +3,10 @@
     server ── requests pipe ──► SubmitMsg  AbortMsg  CommandMsg  StopMsg
     server ◄── outputs pipe ─── LogMsg  ReadyMsg  FailedMsg  OutputsMsg  ResultMsg  HeartbeatMsg  StoppedMsg  FatalMsg
 
+    peer   ── its socket ──────► PeerHelloMsg, then SubmitMsg  AbortMsg  PeerEventsMsg  (peers.py, engine_peer.py)
+    peer   ◄── its socket ────── PeerWelcomeMsg, then OutputsMsg (stats None)
+    server ◄── outputs pipe ──── PeerEventsMsg (the peers' latencies, for the engine model's metrics)
+
 Messages are pickled by multiprocessing; every field is plain data, an engine dataclass or an exception that
 pickles (engine_worker.py replaces one that does not by a RuntimeError with its message).
 """
@@ -139,4 +143,27 @@ class FatalMsg:
     reason: str  # why the engine process is about to exit (a tensor-parallel worker died): the requests' error
 
 
-FromEngine: TypeAlias = LogMsg | ReadyMsg | FailedMsg | OutputsMsg | ResultMsg | HeartbeatMsg | StoppedMsg | FatalMsg
+# ---- a peer model (another Triton model served by the same engine: peers.py) ⇄ the engine process ---------------
+
+
+@dataclass(frozen=True)
+class PeerHelloMsg:
+    name: str  # the peer model's name, for the engine's log
+
+
+@dataclass(frozen=True)
+class PeerWelcomeMsg:
+    info: EngineInfo
+    serving: Any  # the engine model's ServingOptions: the peer takes text requests exactly as that model does
+
+
+@dataclass(frozen=True)
+class PeerEventsMsg:
+    """A peer's request metrics (("ttft" | "itl", seconds), ("finished", reason)), reported by the engine model."""
+
+    events: list[tuple[str, Any]]
+
+
+FromEngine: TypeAlias = (
+    LogMsg | ReadyMsg | FailedMsg | OutputsMsg | ResultMsg | HeartbeatMsg | StoppedMsg | FatalMsg | PeerEventsMsg
+)

@@ -84,6 +84,21 @@ def test_metrics_are_present_and_move(server: Server) -> None:
         wait_for_metric(server.metrics_url, series, lambda v, s=series, n=increase: v >= before[s] + n)
 
 
+def test_the_alias_requests_count_in_the_engine_models_metrics(server: Server) -> None:
+    """The ensemble alias has its own stub; its requests' latencies and finishes still reach slora's series."""
+    before = scrape(server.metrics_url)
+    got = run_one(server.grpc_url, "ensemble", text_inputs("Hello there", True, {"temperature": 0, "max_tokens": 5,
+                                                                                "ignore_eos": True}))  # fmt: skip
+    assert got.error is None and got.finish_reason == "length", got.error
+    moved = {
+        "slora_time_to_first_token_seconds_count": 1,
+        "slora_inter_token_latency_seconds_count": 1,
+        'slora_requests_finished_total{reason="length"}': 1,
+    }
+    for series, increase in moved.items():
+        wait_for_metric(server.metrics_url, series, lambda v, s=series, n=increase: v >= before[s] + n)
+
+
 def test_gateway_lora_info_gauge(server: Server) -> None:
     """vllm:lora_requests_info names the running adapters (opt-in --lora-info-metric) in one series at a time,
     whose value is the time of the update; when the request ends, that series gives way to an idle one."""

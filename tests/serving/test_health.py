@@ -23,7 +23,7 @@ from slora.client.admin import adapter_command
 from slora.client.generate import ServerError
 from tests.serving.conftest import Launched, _stop, launch
 from tests.serving.processes import live_processes
-from tests.serving.triton_calls import Collected, run_one, token_inputs
+from tests.serving.triton_calls import Collected, run_one, text_inputs, token_inputs
 
 pytestmark = pytest.mark.server
 
@@ -129,6 +129,10 @@ def test_a_hung_engine_is_killed_and_the_model_loaded_again(guarded: tuple[Launc
     assert _engine_pid(server) != hung
     assert _tokens(server, "runtime-one") == before  # its runtime registration came back with the new engine
     assert "restart 1 of 1" in server.log.read_text()
+    alias = run_one(
+        server.grpc_url, "ensemble", text_inputs("Hi", True, {"temperature": 0, "max_tokens": 3, "ignore_eos": True})
+    )
+    assert alias.error is None and alias.finish_reason == "length"  # the alias serves through the new engine
 
 
 def test_an_engine_dead_past_the_restart_limit_is_not_ready(guarded: tuple[Launched, Path]) -> None:

@@ -71,6 +71,9 @@ class NullMetrics:
     def set_serving(self, serving: bool) -> None:
         pass
 
+    def replay(self, events: list[tuple[str, Any]]) -> None:
+        """Request metrics observed by a peer model (("ttft" | "itl", seconds), ("finished", reason))."""
+
     def close(self) -> None:
         pass
 
@@ -157,6 +160,11 @@ class TritonMetrics(NullMetrics):
 
     def set_serving(self, serving: bool) -> None:
         self._events.put(("serving", serving))
+
+    def replay(self, events: list[tuple[str, Any]]) -> None:
+        for kind, value in events:
+            if kind in ("ttft", "itl", "finished"):
+                self._events.put((kind, value))
 
     def close(self) -> None:
         self._events.put(None)

@@ -68,9 +68,11 @@ class Responder:
         self._inbox: queue.SimpleQueue[Queued | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="slora-responder", daemon=True)
 
-    def serve(self, engine: EngineService, metrics: NullMetrics) -> None:
-        """Start answering: cancellations and stops are aborted in `engine`; latencies go to `metrics`."""
+    def serve(self, engine: EngineService, metrics: NullMetrics, check_s: float | None = None) -> None:
+        """Start answering: cancellations and stops are aborted in `engine`; latencies go to `metrics`; `check_s`
+        replaces the cancellation check's period given at construction."""
         self._engine, self._metrics = engine, metrics
+        self._check_s = check_s or self._check_s
         self._thread.start()
 
     def track(self, request_id: str, request: Any, sender: Any, stream: ResponseStream) -> None:
