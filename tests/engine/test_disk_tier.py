@@ -51,8 +51,9 @@ def many(llama: ModelWithAdapters, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def _engine(model: ModelWithAdapters, root: Path, **options: Any) -> LLMEngine:
-    """The disk tier as the tests read it: adapters read on demand (no preload, which is on by default on CUDA)."""
-    options = {"preload_adapters": False, **options}
+    """The disk tier as the tests read it: adapters read on demand (no preload, which is on by default on CUDA), in
+    float32 (tokens are compared across engines whose batches differ, which bf16 on CUDA does not keep equal)."""
+    options = {"preload_adapters": False, "dtype": "float32", **options}
     return LLMEngine(EngineConfig(model=str(model.base), adapter_root=str(root), page_size=8, **options))
 
 

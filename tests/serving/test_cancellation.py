@@ -11,7 +11,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.serving.conftest import Server
-from tests.serving.triton_calls import scrape, token_inputs, wait_for_metric
+from tests.serving.triton_calls import scrape, text_inputs, token_inputs, wait_for_metric
 
 pytestmark = pytest.mark.server
 
@@ -24,14 +24,21 @@ def _ids(reference: Any) -> list[int]:
     return list(reference.tokenizer.encode("Write a very long story about a dragon.", add_special_tokens=True))
 
 
-def test_grpc_stream_cancel_frees_pages(server: Server, reference: Any) -> None:
+@pytest.mark.parametrize("model", ["slora", "ensemble"])
+def test_grpc_stream_cancel_frees_pages(server: Server, reference: Any, model: str) -> None:
+    """The ensemble alias checks its own requests for cancellation: the cancel reaches the engine there too."""
     wait_for_metric(server.metrics_url, KV, lambda v: v == 0)
     aborted = scrape(server.metrics_url)[ABORTED]
     responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    inputs = (
+        token_inputs(_ids(reference), 400, sampling=LONG)
+        if model == "slora"
+        else text_inputs("Write a very long story about a dragon.", True, {**LONG, "max_tokens": 400})
+    )
     try:
-        client.async_stream_infer("slora", token_inputs(_ids(reference), 400, sampling=LONG), request_id="long")
+        client.async_stream_infer(model, inputs, request_id="long")
         for _ in range(3):
             result, error = responses.get(timeout=60)
             assert error is None, error

@@ -49,9 +49,11 @@ def test_rendered_repository_is_valid_and_carries_the_parameters(tmp_path: Path)
     assert (slora["max_num_seqs"], slora["host_budget_bytes"], slora["default_max_tokens"]) == ("8", "1GiB", "64")
     assert configs["slora"].model_transaction_policy.decoupled
     assert slora["apply_chat_template"] == "true"
-    steps = [s.model_name for s in configs["ensemble"].ensemble_scheduling.step]
-    assert steps == ["slora"]  # the alias: text is decoded once, in slora
-    assert (repository / "slora" / "1" / "model.py").is_file()
+    alias = configs["ensemble"]
+    assert alias.backend == "python" and alias.model_transaction_policy.decoupled and not alias.ensemble_scheduling.step
+    assert alias.parameters["engine_model"].string_value == "slora"  # a peer of slora's engine, not a second engine
+    assert {o.name for o in alias.output} < {o.name for o in configs["slora"].output}  # slora's outputs, a subset
+    assert all((repository / model / "1" / "model.py").is_file() for model in MODELS)
 
 
 def test_options_are_checked_before_the_server_starts(tmp_path: Path) -> None:

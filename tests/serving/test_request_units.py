@@ -235,6 +235,32 @@ def test_drain_ends_every_request_in_flight_then_acknowledges(tmp_path: Path) ->
     assert not drain_file.exists() and not drain.done_file(drain_file).exists()
 
 
+def test_the_drain_waits_for_every_peer_that_joined(tmp_path: Path) -> None:
+    drain_file = tmp_path / "drain"
+    drain.join(drain_file, "ensemble")
+    engine, peer = _InFlight(1), _InFlight(3)
+    watchers = [drain.DrainWatcher(drain_file, engine, poll_s=0.01),
+                drain.DrainWatcher(drain_file, peer, poll_s=0.01, peer="ensemble")]  # fmt: skip
+    try:
+        assert drain.peers(drain_file) == ["ensemble"] and not drain.all_done(drain_file)
+        drain_file.touch()
+        deadline = time.monotonic() + 5.0
+        while not drain.all_done(drain_file) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert drain.all_done(drain_file) and engine.count == 0 and peer.count == 0
+        assert drain.done_file(drain_file, "ensemble").exists()
+    finally:
+        for watcher in watchers:
+            watcher.close()
+    drain.done_file(drain_file, "ensemble").unlink()
+    assert not drain.all_done(drain_file)  # a peer that joined and has not acknowledged holds the stop
+    drain.leave(drain_file, "ensemble")
+    assert drain.all_done(drain_file)  # one that left (its model unloaded) does not
+    drain.join(drain_file, "ensemble")
+    drain.clear(drain_file)
+    assert not list(tmp_path.iterdir())
+
+
 def test_scheduling_fields_come_from_parameters_or_sampling_and_never_reach_sampling() -> None:
     inputs = parse_generate(_raw({"tenant": "acme", "priority": "3"}, input_ids=IDS,
                                  sampling_parameters='{"ttft_slo_s": "2.5", "temperature": 0}'))  # fmt: skip

@@ -23,7 +23,7 @@ class OpenAIConfig:
     tokenizer: str | None = None  # tokenizer folder, if not the model's
     served_model_name: str | None = None
     lora_separator: str = DEFAULT_SEPARATOR
-    triton_model: str = "slora"  # the decoupled engine model (not the ensemble: its cancellation stops short)
+    triton_model: str = "slora"  # the engine model, with token-id inputs (the alias takes text only)
     models_ttl_s: float = 2.0  # how long the adapter list behind /v1/models is reused
     retry_after_s: int = 1  # the Retry-After of 429 and 503 answers
     admin_token: str | None = None  # sent with the adapter list command when the server requires one

@@ -234,8 +234,8 @@ class Responder:
 
 def _ends_in_error(entry: _InFlight, last: RequestOutput) -> bool:
     """Failures, refusals and aborts end with an error response, except a request aborted because the server is
-    stopping: that one ends with a regular FINAL response (finish_reason "abort"), since Triton 2.51's ensemble
-    never completes a request whose composing model fails while one of its later steps is still running."""
+    stopping: that one ends with a regular FINAL response (finish_reason "abort"), so that the client keeps what was
+    generated and reads why it ended, as from an OpenAI-style server."""
     if last.finish_reason == "abort":
         return not entry.stopped
     return last.finish_reason in ("error", "rejected")
