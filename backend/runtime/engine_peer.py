@@ -57,6 +57,8 @@ class EnginePeer:
         self._welcome: PeerWelcomeMsg | None = None
         self._closed_reason = f"the engine of model {engine_model!r} is not serving yet"
         self._connected = threading.Event()
+        self._settled = threading.Event()  # connected, or failed for good
+        self.failure: str | None = None  # why this peer cannot serve (its welcome hook failed)
         self._stopping = threading.Event()
         self._events: list[tuple[str, Any]] = []
         self._events_lock = threading.Lock()
@@ -72,7 +74,9 @@ class EnginePeer:
         return self._welcome.info
 
     def wait_connected(self, timeout: float) -> bool:
-        return self._connected.wait(timeout)
+        """Whether it connected within `timeout`; False also at once when it failed for good (see `failure`)."""
+        self._settled.wait(timeout)
+        return self._connected.is_set()
 
     def submit(self, job: Submission) -> None:
         """Send `job` to the engine; refused at once while none is connected."""
@@ -134,23 +138,40 @@ class EnginePeer:
             client.close()
             return None
         conn = Connection(client.detach())
-        try:
-            conn.send(PeerHelloMsg(self._name))
-            welcome = conn.recv() if conn.poll(WELCOME_TIMEOUT_S) else None
-            if not isinstance(welcome, PeerWelcomeMsg):
-                raise ConnectionError(f"no welcome from the engine of model {self._engine_model!r}")
-            self._on_welcome(welcome)
-        except Exception as exc:
-            logger.error("connecting to the engine of model %r failed: %s", self._engine_model, exc)
+        welcome = self._welcomed(conn)
+        if welcome is None:
             conn.close()
-            self._stopping.wait(1.0)
+            return None
+        try:
+            self._on_welcome(welcome)
+        except Exception as exc:  # this model cannot take requests (say, its tokenizer does not load): for good
+            self.failure = f"{type(exc).__name__}: {exc}"
+            logger.error("%s cannot serve through the engine of model %r: %s", self._name, self._engine_model,
+                         self.failure)  # fmt: skip
+            conn.close()
+            self._stopping.set()
+            self._settled.set()
             return None
         self._welcome = welcome
         with self._send_lock:
             self._conn = conn
         self._connected.set()
+        self._settled.set()
         logger.info("%s serves through the engine of model %r", self._name, self._engine_model)
         return conn
+
+    def _welcomed(self, conn: Connection) -> PeerWelcomeMsg | None:
+        """The engine's welcome after this peer's hello, or None (logged; the connector tries again)."""
+        try:
+            conn.send(PeerHelloMsg(self._name))
+            welcome = conn.recv() if conn.poll(WELCOME_TIMEOUT_S) else None
+        except Exception as exc:
+            welcome = exc
+        if isinstance(welcome, PeerWelcomeMsg):
+            return welcome
+        logger.error("no welcome from the engine of model %r (%s); trying again", self._engine_model, welcome)
+        self._stopping.wait(1.0)
+        return None
 
     def _receive(self, conn: Connection) -> None:
         while True:

@@ -11,7 +11,8 @@ only the engine is shared:
 
 The socket is `peer_address(repository, model)`: a file in a folder of the temporary directory that only this
 user may enter (the messages are pickles; whoever may connect could run code as the engine), named after the model
-repository and the engine model, so that both sides find it from what Triton tells each model. A peer that
+repository, the engine model and the Triton server process (both stubs' parent), so that both sides find it from
+what Triton tells each model. A peer that
 disconnects has its requests aborted (their pages freed); when the engine stops, each peer's socket closes after
 its last outputs, and the peer fails what it still waits for and connects again to the next engine. The peers'
 request metrics (first-token and inter-token latencies, finish reasons) come to the hub and go on to the engine
@@ -61,9 +62,12 @@ class PeerSettings:
     serving: Any  # the engine model's ServingOptions
 
 
-def peer_address(repository: str | Path, model: str) -> str:
-    """The socket of `model`'s engine in the model repository `repository` (both sides derive it alike)."""
-    key = hashlib.sha256(f"{Path(repository).resolve()}\0{model}".encode()).hexdigest()[:20]
+def peer_address(repository: str | Path, model: str, server_pid: int | None = None) -> str:
+    """The socket of `model`'s engine in the model repository `repository` of the Triton server `server_pid`
+    (default: this process's parent, which is the server for a Python-backend stub); both sides derive it alike,
+    and two servers of one repository on one host (one per GPU, say) never share one."""
+    server = os.getppid() if server_pid is None else server_pid
+    key = hashlib.sha256(f"{Path(repository).resolve()}\0{model}\0{server}".encode()).hexdigest()[:20]
     return str(_private_dir() / f"{key}.sock")
 
 

@@ -64,11 +64,13 @@ def _connected(address: str) -> Peer:
     return peer
 
 
-def test_the_address_is_private_to_the_user_and_per_repository_and_model(tmp_path: Path) -> None:
+def test_the_address_is_private_to_the_user_and_per_server_repository_and_model(tmp_path: Path) -> None:
     address = Path(peer_address(tmp_path, "slora"))
     assert address.parent.stat().st_mode & 0o777 == 0o700 and len(str(address)) < 100  # sun_path holds 108 bytes
-    assert peer_address(tmp_path / ".", "slora") == str(address)
-    assert len({str(address), peer_address(tmp_path, "other"), peer_address(tmp_path / "x", "slora")}) == 3
+    assert peer_address(tmp_path / ".", "slora") == str(address) == peer_address(tmp_path, "slora", os.getppid())
+    others = {peer_address(tmp_path, "other"), peer_address(tmp_path / "x", "slora"),
+              peer_address(tmp_path, "slora", server_pid=os.getppid() + 1)}  # fmt: skip
+    assert len(others | {str(address)}) == 4
 
 
 def test_a_peer_gets_the_engine_tokens_and_the_engine_model_its_own(
@@ -204,3 +206,18 @@ def test_a_stranger_on_the_socket_is_turned_away(llama: ModelWithAdapters, addre
     finally:
         hub.close()
         local.stop()
+
+
+def test_a_peer_that_cannot_take_the_welcome_fails_at_once_with_the_reason(
+    process: CallbackEngine, address: str
+) -> None:
+    def refuse(welcome: PeerWelcomeMsg) -> None:
+        raise OSError("no tokenizer files in /models/m")
+
+    peer = EnginePeer(address, "alias", "slora", RequestCallbacks(), refuse)
+    try:
+        started = time.monotonic()
+        assert not peer.wait_connected(60)
+        assert time.monotonic() - started < 30 and peer.failure == "OSError: no tokenizer files in /models/m"
+    finally:
+        peer.stop()

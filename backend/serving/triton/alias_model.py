@@ -78,6 +78,8 @@ class TritonPythonModel:
         self.engine = EnginePeer(address, self.name, engine_model, self.responder, self._welcome)
         if not self.engine.wait_connected(wait_s):
             self.engine.stop()
+            if self.engine.failure is not None:
+                raise pb_utils.TritonModelException(f"the {self.name} model cannot serve: {self.engine.failure}")
             raise pb_utils.TritonModelException(
                 f"the {self.name} model serves through the engine of model {engine_model!r}, which did not serve "
                 f"within engine_wait_s={wait_s:g} s: load {engine_model!r} from the same model repository"
