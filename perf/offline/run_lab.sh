@@ -27,6 +27,11 @@
 #   ensemble-alias  served S1 n=N_BIG through `slora` with the ensemble's text I/O, then through the `ensemble` [~4 min]
 #   defaults    served S1 n=N_BIG and base with every engine option at its default, then n=N_BIG with ALT_OPTS
 #               (issue 27's "no option within 3% of the best"; SHAPE=llama3-8b or qwen2.5-7b for today's shapes) [~8 min]
+#   latency     served S1 n=N_BIG with bench_serving --sweep: the saturating run measures the capacity C (its finish
+#               rate while requests arrive), then the same trace settings at 0.5 x C and 0.8 x C, TTFT p50/p99 of
+#               each (issue 27's "TTFT at 50% and 80% of capacity"; DURATION=60: S-LoRA's trace length; RATE above
+#               the capacity: 40 for llama2-7b, 60 for llama3-8b) [~5 min at DURATION=60: a start of 30-45 s, the
+#               saturating run ~75 s to drain (llama3-8b at 60 req/s ~95 s), each load run ~65 s]
 #   genai       served ensemble, genai-perf alone (perf/genai_perf.sh; one S1 adapter, concurrency 32)          [~3 min]
 #   served      engine S1 n=2000 (and base model); served `slora` n=2000 (adapters preloaded at start); perf_analyzer slora  [~6 min]
 #   s2-floor    perf.bench_decode_step on S2 adapters, batch 96 of 320-token prompts, no adapter / 5 / one per
@@ -501,6 +506,13 @@ suite() {
         fi
         stop_server
       fi ;;
+    latency)  # issue 27's TTFT at fractions of capacity: one call, the capacity run then its 0.5x and 0.8x runs,
+      # whose traces (s1-nN-at50.jsonl, -at80) go beside the one they come from
+      (( DURATION < 60 )) && log "latency: ${DURATION}s traces are short of S-LoRA's 60 s (the report flags them)"
+      if start_server S1; then
+        serving slora --sweep --trace-dir "$(dirname "$s1_big")" "$s1_big"
+      fi
+      stop_server ;;
     genai)  # genai-perf alone against the served ensemble (S1 adapters preloaded)
       start_server S1 && genai_perf
       stop_server ;;
@@ -570,7 +582,7 @@ suite() {
     tenants)
       tenants ;;
     *)
-      log "unknown suite $1 (all, headline, lora-vs-base, engine-s1, engine-s2, s2-ratio, engine-sall, bmm, serving-s1, served, served-both, served-apis, ensemble-alias, defaults, genai, s2-floor, projections, pdl, few, checks, peft, peft-only, tenants)"; return 2 ;;
+      log "unknown suite $1 (all, headline, lora-vs-base, engine-s1, engine-s2, s2-ratio, engine-sall, bmm, serving-s1, served, served-both, served-apis, ensemble-alias, defaults, latency, genai, s2-floor, projections, pdl, few, checks, peft, peft-only, tenants)"; return 2 ;;
   esac
 }
 
