@@ -112,6 +112,10 @@ class EngineConfig:
     # its deadline has passed).
     early_abort: bool = True
     queue_timeout_s: float | None = None  # refuse a request not admitted this many seconds after it arrived
+    # Inter-token latency target in seconds: while steps take longer on average, no more requests are admitted to
+    # the batch (the waiting ones queue in the policy's order), so that a flood cannot slow every running request
+    # down (backend/engine/batch_limit.py). None: the batch takes requests up to max_num_seqs and the pool's room.
+    itl_slo_s: float | None = None
     tenant_stats_top: int = 16  # EngineStats.tenants: this many tenants, those with most requests queued (0: none)
     # Tensor parallelism (backend/parallel/): the base model, each rank's share of the KV cache and of every adapter
     # (S-LoRA's LoRA partition) split over this many devices: GPUs cuda:N .. cuda:N+size-1 from the configured
@@ -156,7 +160,7 @@ class EngineConfig:
         _choice(self, "kernel_backend", ("auto", "torch", "triton", "bmm"))
         _choice(self, "scheduling_policy", ("fcfs", "fair", "priority"))
         _positive_number(self, "fair_prompt_cost", "fair_output_cost", "priority_aging_rate")
-        for name in ("ttft_slo_s", "queue_timeout_s"):
+        for name in ("ttft_slo_s", "queue_timeout_s", "itl_slo_s"):
             if getattr(self, name) is not None:
                 _positive_number(self, name)
         _integer_at_least(self, 0, "an integer >= 0", "tenant_stats_top")

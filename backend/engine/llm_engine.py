@@ -23,6 +23,7 @@ import torch
 
 from slora.backend.adapters.store import AdapterInfo, AdapterStore
 from slora.backend.config import EngineConfig, admit_when_copied, effective_admit_interval, overlap_enabled
+from slora.backend.engine.batch_limit import BatchLimiter
 from slora.backend.engine.detokenizer import IncrementalDetokenizer
 from slora.backend.engine.inflight import InflightStep
 from slora.backend.engine.outputs import Completion, EngineStats, RequestOutput, failed_output
@@ -431,4 +432,5 @@ def _scheduler(
     policy = make_policy(config.scheduling_policy, book, config.fair_prompt_cost, config.fair_output_cost,
                          config.priority_aging_rate)  # fmt: skip
     guard = SloGuard(SloSettings(config.ttft_slo_s, config.queue_timeout_s, config.early_abort))
-    return Scheduler(limits, pool, cache, policy, book, guard, hosts=store)
+    limiter = BatchLimiter(config.itl_slo_s, limits.max_num_seqs) if config.itl_slo_s is not None else None
+    return Scheduler(limits, pool, cache, policy, book, guard, hosts=store, limiter=limiter)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from slora.backend.adapters.host_adapter import AdapterRef, HostAdapter
 from slora.backend.adapters.read_ahead import HostSource, ReadAhead
+from slora.backend.engine.batch_limit import BatchLimiter
 from slora.backend.engine.outputs import TenantStats
 from slora.backend.engine.request import FinishReason, Request, RequestStatus
 from slora.backend.engine.scheduling_policy import FcfsPolicy, SchedulingPolicy
@@ -102,8 +103,10 @@ class Scheduler:
         guard: SloGuard | None = None,
         clock: Callable[[], float] = time.monotonic,
         hosts: HostSource | None = None,
+        limiter: BatchLimiter | None = None,
     ) -> None:
-        """`hosts`: where adapters' weights come from (the AdapterStore); needed once a request has an adapter."""
+        """`hosts`: where adapters' weights come from (the AdapterStore); needed once a request has an adapter.
+        `limiter`: the cap on running requests of itl_slo_s (batch_limit.py)."""
         self.limits = limits
         self.pool = pool
         self.adapters = adapters
@@ -112,6 +115,7 @@ class Scheduler:
         self.book = book if book is not None else TenantBook()
         self.guard = guard if guard is not None else SloGuard(SloSettings())
         self.clock = clock  # what request arrival times are measured with
+        self.limiter = limiter
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.refusals: Counter[str] = Counter()  # SLO refusals by reason (slo.RefusalReason)
@@ -140,6 +144,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.limiter is not None:
+            self.limiter.planned(self.clock(), len(self.running))
         now = self.clock() if self._deadlines else 0.0
         if self._deadlines:
             self._refuse_late(out, now)
@@ -158,7 +164,13 @@ class Scheduler:
             self.guard.meter.planned(now, admitted, prefill, admission, bool(self.policy))
         elif self._deadlines:
             self.guard.meter.idle()  # nothing runs this step (all refused, or every last token in flight)
+        if self.limiter is not None and not out.seqs:
+            self.limiter.idle()
         return out
+
+    def max_running(self) -> int:
+        """Requests that may run at once now: max_num_seqs, or less while itl_slo_s caps the batch."""
+        return self.limits.max_num_seqs if self.limiter is None else min(self.limits.max_num_seqs, self.limiter.cap)
 
     def tenant_stats(self, limit: int) -> list[TenantStats]:
         """The `limit` tenants with most requests waiting and running; tokens served include the running ones'."""
@@ -269,7 +281,8 @@ class Scheduler:
         may_pass = self.limits.admit_when_copied and bool(out.seqs)  # only while other work keeps the step busy
         copies, max_copies = 0, max(self.limits.prefetch_adapters, 1)
         admitted_count = out.reading = 0
-        while self.policy and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+        most = self.max_running()
+        while self.policy and budget > 0 and len(self.running) < most:
             if copies >= max_copies or len(passed_over) >= MAX_PASSES:
                 break
             request = self.policy.peek()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from slora.backend.engine.batch_limit import BatchLimiter
 from slora.backend.engine.request import Request
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
@@ -50,6 +51,8 @@ class Sim:
     finished: list[Request] = field(default_factory=list)
     prompt_cost: float = 1.0
     output_cost: float = 2.0
+    pace: Callable[[int], float] | None = None  # a step's seconds from its batch size (default: step_s)
+    durations: list[float] = field(default_factory=list)  # each step's seconds
 
     @property
     def steps(self) -> int:
@@ -76,7 +79,9 @@ class Sim:
         self.scheduler.pool.check_integrity()
         self.backlogged.append({r.tenant for r in self.scheduler.waiting})
         self.plans.append(plan)
-        self.clock.now += self.step_s
+        seconds = self.step_s if self.pace is None else self.pace(len(plan.seqs))
+        self.durations.append(seconds)
+        self.clock.now += seconds
         return plan
 
     def run(self, until: Callable[[], bool] | None = None, max_steps: int = 20_000) -> None:
@@ -126,6 +131,7 @@ def make_sim(
     weights: dict[str, float] | None = None,
     settings: SloSettings | None = None,
     aging_rate: float = 1.0,
+    limiter: BatchLimiter | None = None,
 ) -> Sim:
     geometry = PoolGeometry(num_layers=1, block_size=BLOCK, num_kv_heads=1, head_dim=2)
     pool = PagePool(geometry, pages, torch.float32, torch.device("cpu"))
@@ -133,7 +139,7 @@ def make_sim(
     clock = FakeClock()
     limits = SchedulerLimits(max_batch_tokens, max_num_seqs, prefetch_adapters=0)
     scheduler = Scheduler(limits, pool, AdapterCache(pool), make_policy(policy, book, 1.0, 2.0, aging_rate), book,
-                          SloGuard(settings or SloSettings()), clock)  # fmt: skip
+                          SloGuard(settings or SloSettings()), clock, limiter=limiter)  # fmt: skip
     return Sim(scheduler, clock)
 
 
