@@ -397,6 +397,7 @@ class LLMEngine:
             refused_ttft_slo_early=refusals[RefusalReason.TTFT_SLO_EARLY.value],
             refused_queue_timeout=refusals[RefusalReason.QUEUE_TIMEOUT.value],
             tenants=self.scheduler.tenant_stats(self.config.tenant_stats_top),
+            max_running=self.scheduler.max_running(),
         )
 
     def list_adapters(self) -> list[AdapterInfo]:

@@ -70,6 +70,7 @@ class EngineStats:
     refused_ttft_slo_early: int = 0
     refused_queue_timeout: int = 0
     tenants: list[TenantStats] = field(default_factory=list)  # EngineConfig.tenant_stats_top, most queued first
+    max_running: int = 0  # requests that may run at once now: max_num_seqs, or less while itl_slo_s caps it
 
 
 def failed_output(request_id: str, exc: Exception, reason: str = "error") -> RequestOutput:

@@ -127,7 +127,8 @@ def test_the_engine_with_the_cap_gives_the_same_tokens(llama: ModelWithAdapters)
     assert capped.scheduler.limiter is not None and capped.scheduler.limiter.max_num_seqs == 8
     got = capped.generate(prompts, adapters, greedy)  # steps slower than the target: a cap of one, still served
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
-    assert capped.scheduler.limiter.cap < 8
+    assert capped.scheduler.limiter.cap < 8 and capped.stats().max_running == capped.scheduler.limiter.cap
+    assert LLMEngine(config).stats().max_running == 8  # uncapped: max_num_seqs
 
 
 @pytest.mark.parametrize("value", [0, -1, "inf", "nan"])

@@ -5,6 +5,8 @@
     slora_adapters{tier="gpu|host|disk"}            gauge      adapters with a copy in the pool / in host memory /
                                                                known (registered or under the adapter root)
     slora_requests{state="running|waiting"}         gauge      requests in the batch / queued
+    slora_max_running_requests                      gauge      requests the batch may hold now: max_num_seqs, or
+                                                               less while itl_slo_s caps it (batch_limit.py)
     slora_adapter_loads_total                       counter    adapter copies into the pool
     slora_adapter_evictions_total                   counter    adapters evicted from the pool
     slora_adapter_disk_reads_total                  counter    adapters read from disk into host memory
@@ -91,6 +93,9 @@ class TritonMetrics(NullMetrics):
         self.adapters = {tier: adapters.Metric(labels={"tier": tier}) for tier in ("gpu", "host", "disk")}
         requests = self._family("slora_requests", "Requests running in the batch or waiting", gauge)
         self.requests = {state: requests.Metric(labels={"state": state}) for state in ("running", "waiting")}
+        self.max_running = self._family(
+            "slora_max_running_requests", "Requests the batch may hold now (max_num_seqs, or the itl_slo_s cap)", gauge
+        ).Metric(labels={})
         self.counters = {
             "adapter_loads": self._family("slora_adapter_loads_total", "Adapter copies into the pool", counter),
             "adapter_evictions": self._family(
@@ -172,6 +177,7 @@ class TritonMetrics(NullMetrics):
         # Metrics must go before their families.
         self.pages = self.adapters = self.requests = self.counters = self.finished = {}
         self.kv_usage = self.ttft = self.itl = self.serving = self._lora_metric = self._lora_family = None
+        self.max_running = None
         self._tenant_metrics = {}
         self._tenant_families = ()
         self._families.clear()
@@ -217,6 +223,7 @@ class TritonMetrics(NullMetrics):
         self.adapters["disk"].set(stats.adapters_known)
         self.requests["running"].set(stats.running)
         self.requests["waiting"].set(stats.waiting)
+        self.max_running.set(stats.max_running)
         for key, metric in self.counters.items():
             total = getattr(stats, key)
             if total > self._counted[key]:
