@@ -144,9 +144,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        now = self.clock() if self._deadlines or self.limiter is not None else 0.0
         if self.limiter is not None:
-            self.limiter.planned(self.clock(), len(self.running))
-        now = self.clock() if self._deadlines else 0.0
+            self.limiter.planned(now, len(self.running))
         if self._deadlines:
             self._refuse_late(out, now)
         budget = self._schedule_running(out, self.limits.max_batch_tokens)

@@ -165,11 +165,12 @@ class EnginePeer:
         try:
             conn.send(PeerHelloMsg(self._name))
             welcome = conn.recv() if conn.poll(WELCOME_TIMEOUT_S) else None
+            problem = f"got {type(welcome).__name__}"
         except Exception as exc:
-            welcome = exc
+            welcome, problem = None, str(exc)
         if isinstance(welcome, PeerWelcomeMsg):
             return welcome
-        logger.error("no welcome from the engine of model %r (%s); trying again", self._engine_model, welcome)
+        logger.error("no welcome from the engine of model %r (%s); trying again", self._engine_model, problem)
         self._stopping.wait(1.0)
         return None
 

@@ -12,11 +12,10 @@ only the engine is shared:
 The socket is `peer_address(repository, model)`: a file in a folder of the temporary directory that only this
 user may enter (the messages are pickles; whoever may connect could run code as the engine), named after the model
 repository, the engine model and the Triton server process (both stubs' parent), so that both sides find it from
-what Triton tells each model. A peer that
-disconnects has its requests aborted (their pages freed); when the engine stops, each peer's socket closes after
-its last outputs, and the peer fails what it still waits for and connects again to the next engine. The peers'
-request metrics (first-token and inter-token latencies, finish reasons) come to the hub and go on to the engine
-model (`on_events`), whose slora_* series count every model's requests.
+what Triton tells each model. A peer that disconnects has its requests aborted (their pages freed); when the engine
+stops, each peer's socket closes after its last outputs, and the peer fails what it still waits for and connects
+again to the next engine. The peers' request metrics (first-token and inter-token latencies, finish reasons) come
+to the hub and go on to the engine model (`on_events`), whose slora_* series count every model's requests.
 """
 
 from __future__ import annotations
