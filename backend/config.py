@@ -28,7 +28,9 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | float16 | bfloat16
     load_format: str = "safetensors"  # safetensors | dummy (random weights of the checkpoint's shapes)
-    page_size: int = 16  # tokens per KV page
+    # Tokens per KV page. None (auto): 16, doubled until a page holds the model's widest adapter row (a model whose
+    # few KV heads make small pages, Qwen2.5-7B's 4 for an MLP row of 18944, needs 32); a value given is kept.
+    page_size: int | None = None
     pool_bytes: int | None = None
     pool_fraction: float | None = None
     # The "what unified paging buys" ablation (S-LoRA's Fig. 5, "no unified memory"): None, the default, is the
@@ -136,8 +138,8 @@ class EngineConfig:
     adapter_image_cache: str = "auto"
 
     def __post_init__(self) -> None:
-        _positive(self, "page_size", "max_waiting")
-        for name in ("max_batch_tokens", "max_num_seqs", "host_budget_bytes"):
+        _positive(self, "max_waiting")
+        for name in ("page_size", "max_batch_tokens", "max_num_seqs", "host_budget_bytes"):
             if getattr(self, name) is not None:
                 _positive(self, name)
         _check_disk_tier(self)

@@ -52,6 +52,13 @@ def qwen2(tmp_path_factory: pytest.TempPathFactory) -> ModelWithAdapters:
 
 
 @pytest.fixture(scope="session")
+def qwen2_wide_mlp(tmp_path_factory: pytest.TempPathFactory) -> ModelWithAdapters:
+    """Qwen2 as Qwen2.5-7B is laid out: one KV head for a wide MLP, so that a page of 16 tokens (512 elements)
+    cannot hold an MLP adapter row (640)."""
+    return _build(tmp_path_factory.mktemp("qwen2-wide"), tiny_qwen2_config(intermediate_size=640), seed=5)
+
+
+@pytest.fixture(scope="session")
 def mistral_sharded(tmp_path_factory: pytest.TempPathFactory) -> ModelWithAdapters:
     """Mistral (explicit head_dim, sliding window) saved as several safetensors shards with an index."""
     return _build(tmp_path_factory.mktemp("mistral"), tiny_mistral_config(), seed=4, max_shard_size="100KB")

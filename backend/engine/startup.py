@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from slora.backend.engine.defaults import (
 )
 from slora.backend.executor.cuda_graphs import DecodeGraphs, GraphLimits
 from slora.backend.memory.adapter_cache import AdapterCache
-from slora.backend.memory.page_pool import PageKind, PagePool, PoolGeometry
+from slora.backend.memory.page_pool import DEFAULT_PAGE_SIZE, PageKind, PagePool, PoolGeometry
 from slora.backend.model.checkpoint import load_checkpoint, random_weights
 from slora.backend.model.decoder import DecoderModel
 from slora.backend.model.default_model import cache_root, resolve_model_path
@@ -93,8 +94,9 @@ def _build_one_device(config: EngineConfig, device: torch.device, model_path: Pa
     else:
         weights = load_checkpoint(model_path, spec, dtype, device)
     model = DecoderModel(spec, weights, _ops(config, device, config.kernel_settings()), max_model_len)
-    geometry = PoolGeometry(spec.num_layers, config.page_size, spec.num_kv_heads, spec.head_dim)
-    geometry.validate(max(spec.hidden_size, spec.intermediate_size, spec.q_size))
+    widest = max(spec.hidden_size, spec.intermediate_size, spec.q_size)
+    geometry = PoolGeometry.holding(spec.num_layers, config.page_size, spec.num_kv_heads, spec.head_dim, widest)
+    config = with_page_size(config, geometry, widest)
     num_pages = _num_pages(config, geometry, dtype, device)
     pool = PagePool(geometry, num_pages, dtype, device, adapter_region_pages(config, num_pages))
     logger.info("page pool: %d pages of %d tokens (%.1f MiB each across layers)", pool.num_pages,
@@ -132,6 +134,14 @@ def _resolved(parts: Components, early: list[Choice]) -> Components:
     if parts.graphs is None:
         parts.graphs = _decode_graphs(config, parts.model, parts.pool, parts.max_model_len, config.kernel_settings())
     return parts
+
+
+def with_page_size(config: EngineConfig, geometry: PoolGeometry, widest_row: int) -> EngineConfig:
+    """`config` with page_size as the pool has it, logged when it was auto."""
+    if config.page_size is None:
+        logger.info("page_size: %d tokens (auto: from %d, doubled until a page holds the widest adapter row, %d "
+                    "elements)", geometry.block_size, DEFAULT_PAGE_SIZE, widest_row)  # fmt: skip
+    return dataclasses.replace(config, page_size=geometry.block_size)
 
 
 def _ops(config: EngineConfig, device: torch.device, settings: KernelSettings) -> Ops:

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
+DEFAULT_PAGE_SIZE = 16  # tokens a page when page_size is auto and the model's widest adapter row fits
+
 
 class PageKind(enum.IntEnum):
     FREE = 0
@@ -69,6 +71,19 @@ class PoolGeometry:
     def page_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of one page index across all layers."""
         return self.num_layers * self.page_elems * torch.empty((), dtype=dtype).element_size()
+
+    @classmethod
+    def holding(cls, num_layers: int, block_size: int | None, num_kv_heads: int, head_dim: int,
+                widest_row: int) -> PoolGeometry:  # fmt: skip
+        """The geometry of `block_size` tokens a page (checked to hold `widest_row`), or with None the smallest one
+        from DEFAULT_PAGE_SIZE up, doubling, whose page holds it."""
+        if block_size is None:
+            block_size = DEFAULT_PAGE_SIZE
+            while block_size * 2 * num_kv_heads * head_dim < widest_row:
+                block_size *= 2
+        geometry = cls(num_layers, block_size, num_kv_heads, head_dim)
+        geometry.validate(widest_row)
+        return geometry
 
     def validate(self, widest_row: int) -> None:
         if self.page_elems < widest_row:

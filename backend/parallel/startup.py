@@ -14,7 +14,7 @@ import torch
 from slora.backend.adapters.host_adapter import HostAdapter
 from slora.backend.adapters.store import AdapterStore
 from slora.backend.config import EngineConfig, MiB
-from slora.backend.engine.startup import Components, _eos_ids, _max_model_len, _num_pages
+from slora.backend.engine.startup import Components, _eos_ids, _max_model_len, _num_pages, with_page_size
 from slora.backend.memory.page_pool import PoolGeometry
 from slora.backend.model.default_model import resolve_model_path
 from slora.backend.model.spec import LORA_MODULES, ModelSpec
@@ -40,6 +40,7 @@ def build_sharded_components(config: EngineConfig) -> Components:
     spec = ModelSpec.from_dir(model_path)
     plan = ShardPlan(spec, config.tensor_parallel_size, 0)  # refuses a size the model cannot be split into
     geometry = shard_geometry(config, plan)
+    config = with_page_size(config, geometry, shard_widest_row(plan))
     warn_retired_environment()
     logger.info("tensor parallelism: %d ranks (%s), %d q heads and %d KV heads per rank", plan.size,
                 "NCCL" if device.type == "cuda" else "gloo", plan.heads, plan.kv_heads)  # fmt: skip
@@ -77,10 +78,14 @@ def build_sharded_components(config: EngineConfig) -> Components:
 def shard_geometry(config: EngineConfig, plan: ShardPlan) -> PoolGeometry:
     """A rank's page: its KV heads' share of one device's; checked to hold the rank's widest adapter row (a
     column-parallel lora_A row keeps the full hidden width: adapter_shard.py)."""
+    local = plan.local_spec()
+    return PoolGeometry.holding(plan.spec.num_layers, config.page_size, local.num_kv_heads, plan.spec.head_dim,
+                                shard_widest_row(plan))  # fmt: skip
+
+
+def shard_widest_row(plan: ShardPlan) -> int:
     spec, local = plan.spec, plan.local_spec()
-    geometry = PoolGeometry(spec.num_layers, config.page_size, local.num_kv_heads, spec.head_dim)
-    geometry.validate(max(spec.hidden_size, local.q_size, local.intermediate_size))
-    return geometry
+    return max(spec.hidden_size, local.q_size, local.intermediate_size)
 
 
 def build_shard(

@@ -32,7 +32,7 @@ from slora.backend.runtime.messages import (
     ToEngine,
 )
 from slora.backend.runtime.output_sink import RequestSink, deliver_each
-from slora.backend.runtime.peers import shut_down
+from slora.backend.runtime.peers import load_failure, shut_down
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +124,8 @@ class EnginePeer:
         while not self._stopping.is_set():
             conn = self._connect()
             if conn is None:
+                if not self._settled.is_set() and self._engine_failed():
+                    return
                 self._stopping.wait(RETRY_S)
                 continue
             self._receive(conn)
@@ -159,6 +161,17 @@ class EnginePeer:
         self._settled.set()
         logger.info("%s serves through the engine of model %r", self._name, self._engine_model)
         return conn
+
+    def _engine_failed(self) -> bool:
+        """Whether the engine's model failed to load (its note, peers.note_load_failure): this peer fails for good."""
+        reason = load_failure(self._address)
+        if reason is None:
+            return False
+        self.failure = f"model {self._engine_model!r} failed to load: {reason}"
+        logger.error("%s cannot serve: %s", self._name, self.failure)
+        self._stopping.set()
+        self._settled.set()
+        return True
 
     def _welcomed(self, conn: Connection) -> PeerWelcomeMsg | None:
         """The engine's welcome after this peer's hello, or None (logged; the connector tries again)."""

@@ -70,6 +70,32 @@ def peer_address(repository: str | Path, model: str, server_pid: int | None = No
     return str(_private_dir() / f"{key}.sock")
 
 
+def note_load_failure(address: str, reason: str) -> None:
+    """Leave beside the engine's socket why its model failed to load: its peers then fail at once, saying so,
+    instead of waiting for an engine that will not come (Triton finishes starting only when every model has)."""
+    note = _failure_note(address)
+    partial = note.with_name(note.name + ".partial")
+    partial.write_text(reason)
+    partial.replace(note)
+
+
+def clear_load_failure(address: str) -> None:
+    """A new load of the engine's model begins: an earlier failure no longer holds."""
+    _failure_note(address).unlink(missing_ok=True)
+
+
+def load_failure(address: str) -> str | None:
+    """Why the model of the engine at `address` failed to load, or None while it has not (or loads again)."""
+    try:
+        return _failure_note(address).read_text()
+    except OSError:
+        return None
+
+
+def _failure_note(address: str) -> Path:
+    return Path(address + ".failed")
+
+
 def _private_dir() -> Path:
     folder = Path(tempfile.gettempdir()) / f"slora-peers-{os.getuid()}"
     folder.mkdir(mode=0o700, exist_ok=True)

@@ -32,7 +32,7 @@ def _jobs(model: ModelWithAdapters, prompts: list[list[int]]) -> list[tuple[list
     return [(prompts[(i + k) % len(prompts)], name) for i, name in enumerate(names) for k in range(2)]
 
 
-def _check(model: ModelWithAdapters, config: EngineConfig, prompt_lengths: list[int]) -> None:
+def _check(model: ModelWithAdapters, config: EngineConfig, prompt_lengths: list[int]) -> LLMEngine:
     engine = LLMEngine(config)
     prompts = _prompts(engine.spec.vocab_size, prompt_lengths, seed=7)
     jobs = _jobs(model, prompts)
@@ -47,6 +47,7 @@ def _check(model: ModelWithAdapters, config: EngineConfig, prompt_lengths: list[
         total += MAX_NEW
     assert compared >= 0.9 * total, f"only {compared}/{total} tokens were outside near ties"
     engine.check_idle_integrity()
+    return engine
 
 
 def _config(model: ModelWithAdapters, target: dict[str, str], **options: object) -> EngineConfig:
@@ -98,6 +99,15 @@ def test_llama3_rope_scaling_tied_embeddings(llama3_scaled: ModelWithAdapters, t
 
 def test_qwen2_qkv_bias(qwen2: ModelWithAdapters, target: dict[str, str]) -> None:
     _check(qwen2, _config(qwen2, target, page_size=8), prompt_lengths=[6, 19, 12])
+
+
+def test_auto_page_size_holds_the_widest_adapter_row(qwen2_wide_mlp: ModelWithAdapters, target: dict[str, str]) -> None:
+    """page_size left auto on a model whose 16-token pages are narrower than its MLP adapter rows (Qwen2.5-7B's
+    case): the engine starts with pages of 32 tokens, serves every adapter (MLP ones included) as HF + PEFT
+    does, and says so in its config."""
+    engine = _check(qwen2_wide_mlp, _config(qwen2_wide_mlp, target), prompt_lengths=[6, 40, 21])
+    assert engine.pool.geometry.block_size == 32
+    assert engine.config.page_size == 32
 
 
 def test_mistral_sharded_checkpoint(mistral_sharded: ModelWithAdapters, target: dict[str, str]) -> None:

@@ -94,3 +94,27 @@ def test_views_address_the_same_storage() -> None:
 def test_geometry_refuses_pages_narrower_than_a_row() -> None:
     with pytest.raises(ValueError, match="page_size >= 3"):
         PoolGeometry(num_layers=1, block_size=2, num_kv_heads=1, head_dim=64).validate(widest_row=300)
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "widest_row", "tokens"),
+    [
+        (32, 11008, 16),  # Llama-2-7B: 16 tokens of 32 KV heads hold any row
+        (8, 14336, 16),  # Llama-3-8B
+        (4, 18944, 32),  # Qwen2.5-7B: 16 tokens of 4 KV heads are 16384 elements, its MLP rows 18944
+        (1, 40000, 256),
+    ],
+)
+def test_auto_page_size_is_the_smallest_doubling_that_holds_the_widest_row(
+    kv_heads: int, widest_row: int, tokens: int
+) -> None:
+    geometry = PoolGeometry.holding(2, None, kv_heads, 128, widest_row)
+    assert geometry.block_size == tokens
+    assert geometry.page_elems >= widest_row
+    assert tokens == 16 or PoolGeometry(2, tokens // 2, kv_heads, 128).page_elems < widest_row
+
+
+def test_a_given_page_size_is_kept_or_refused_naming_it() -> None:
+    assert PoolGeometry.holding(2, 8, 32, 128, 11008).block_size == 8
+    with pytest.raises(ValueError, match=r"page_size=16 tokens .* use page_size >= 19"):
+        PoolGeometry.holding(2, 16, 4, 128, 18944)

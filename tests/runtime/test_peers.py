@@ -24,7 +24,15 @@ from slora.backend.runtime.engine_process import EngineProcess
 from slora.backend.runtime.engine_service import LocalEngine
 from slora.backend.runtime.messages import PeerWelcomeMsg, Submission
 from slora.backend.runtime.output_sink import RequestCallbacks
-from slora.backend.runtime.peers import PeerHub, PeerSettings, RoutingSink, peer_address
+from slora.backend.runtime.peers import (
+    PeerHub,
+    PeerSettings,
+    RoutingSink,
+    clear_load_failure,
+    load_failure,
+    note_load_failure,
+    peer_address,
+)
 from tests.model_fixtures import ModelWithAdapters
 from tests.runtime.callback_engine import CallbackEngine
 from tests.runtime.test_engine_service import GREEDY, PROMPTS, Collector, _config
@@ -221,3 +229,30 @@ def test_a_peer_that_cannot_take_the_welcome_fails_at_once_with_the_reason(
         assert time.monotonic() - started < 30 and peer.failure == "OSError: no tokenizer files in /models/m"
     finally:
         peer.stop()
+
+
+def test_a_peer_of_an_engine_whose_model_failed_to_load_fails_at_once_with_the_reason(address: str) -> None:
+    note_load_failure(address, "RuntimeError: the engine failed to start: ValueError: page_size=1")
+    peer = Peer(address)
+    try:
+        started = time.monotonic()
+        assert not peer.service.wait_connected(60)
+        assert time.monotonic() - started < 5
+        assert peer.service.failure == (
+            "model 'slora' failed to load: RuntimeError: the engine failed to start: ValueError: page_size=1"
+        )
+    finally:
+        peer.service.stop()
+
+
+def test_a_new_load_clears_the_failure_and_the_peer_then_waits(address: str) -> None:
+    note_load_failure(address, "an earlier attempt")
+    assert load_failure(address) == "an earlier attempt"
+    clear_load_failure(address)
+    assert load_failure(address) is None
+    peer = Peer(address)
+    try:
+        assert not peer.service.wait_connected(0.5)
+        assert peer.service.failure is None  # still waiting for the engine, not failed
+    finally:
+        peer.service.stop()

@@ -31,7 +31,15 @@ import triton_python_backend_utils as pb_utils
 from slora.backend.runtime.engine_process import EngineProcess
 from slora.backend.runtime.engine_service import EngineService, LocalEngine
 from slora.backend.runtime.fresh_threads import FreshThreadExecutor
-from slora.backend.runtime.peers import PeerHub, PeerSettings, RoutingSink, open_hub, peer_address
+from slora.backend.runtime.peers import (
+    PeerHub,
+    PeerSettings,
+    RoutingSink,
+    clear_load_failure,
+    note_load_failure,
+    open_hub,
+    peer_address,
+)
 from slora.backend.serving.admin_guard import AdminGuard
 from slora.backend.serving.drain import DrainWatcher
 from slora.backend.serving.health import HealthReporter
@@ -58,13 +66,23 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise ValueError("the slora model must be decoupled (model_transaction_policy { decoupled: true })")
         self.options = ServingOptions.from_parameters(model_config_parameters(model_config), version_dir(args))
+        address = peer_address(Path(args["model_repository"]).parent, args["model_name"])
+        clear_load_failure(address)
+        try:
+            self._start(address)
+        except BaseException as exc:
+            note_load_failure(address, f"{type(exc).__name__}: {exc}")
+            raise
+
+    def _start(self, address: str) -> None:
+        """The engine and what serves it, per self.options; peers reach it at `address`."""
         if self.options.failed_reason:  # slora-serve keeps a model whose engine will not serve again unloadable
             raise pb_utils.TritonModelException(f"the engine does not serve: {self.options.failed_reason}")
         where = "in a process of its own" if self.options.engine_process else "in the stub process"
         logger.info("starting the engine %s: %s", where, self.options.engine)
         started = time.monotonic()
         self.responder = Responder(self.options.cancel_check_s)  # the engine's sink: the one request table here
-        peers = PeerSettings(peer_address(Path(args["model_repository"]).parent, args["model_name"]), self.options)
+        peers = PeerSettings(address, self.options)
         self.engine, self.peers = _start_engine(self.options, self.responder, peers)
         self.metrics = _metrics(self.options, self.engine.info.max_num_seqs)
         self.engine.on_stats(self.metrics.update_stats)
