@@ -43,7 +43,7 @@ from slora.backend.launcher.processes import (
 from slora.backend.launcher.server_locator import TritonInstall, locate_server
 from slora.backend.launcher.supervisor import MODEL, Supervisor, SupervisorSettings
 from slora.backend.model.default_model import resolve_model_path
-from slora.backend.runtime.peers import load_failure, peer_address
+from slora.backend.runtime.peers import clear_load_failure, load_failure, peer_address
 from slora.backend.serving import drain
 from slora.backend.serving.admin_guard import read_token
 from slora.backend.stub_compat import numpy_problem, stub_numpy_version
@@ -54,7 +54,6 @@ logger = logging.getLogger("slora.serve")
 ENGINE_FLAGS = ("device", "dtype", "max_model_len", "max_num_seqs", "max_batch_tokens", "max_waiting",
                 "page_size", "pool_bytes", "pool_fraction", "kernel_backend", "max_lora_rank", "seed",
                 "tensor_parallel_size")  # fmt: skip
-LOADED_MODELS = ("slora", "ensemble")  # what tritonserver loads at start (explicit model control)
 DRAIN_TIMEOUT_S = 10.0  # how long the slora model may take to end its requests before tritonserver is stopped anyway
 STOP_TIMEOUT_S = 60.0  # how long tritonserver may take to exit after SIGTERM before it is killed
 DRAINED_STOP_S = 8.0  # how long tritonserver may take to exit once every request has ended (open client streams)
@@ -246,7 +245,8 @@ def server_command(install: TritonInstall, repository: Path, options: LaunchOpti
         "--strict-readiness=true",
         # Explicit model control: the supervisor loads slora again when its engine fails (launcher/supervisor.py)
         "--model-control-mode=explicit",
-        *(f"--load-model={name}" for name in LOADED_MODELS),
+        "--load-model=slora",
+        "--load-model=ensemble",
         f"--log-verbose={options.log_verbose}",
     ]
     if _cpu_only(options.engine.get("device", "auto")):
@@ -359,9 +359,10 @@ def _run(
     ready = False
     frontend: OpenAIFrontend | None = None
     supervisor: Supervisor | None = None
+    # slora's engine socket, beside which the model says why it failed to load (runtime/peers.py:note_load_failure)
+    engine_address = peer_address(supervision.repository, MODEL, process.pid) if supervision is not None else None
     try:
-        repository = supervision.repository if supervision is not None else None
-        ready = _wait_ready(process, options, requests.stop, repository)
+        ready = _wait_ready(process, options, requests.stop, engine_address)
         if ready and supervision is not None:
             supervisor = Supervisor.start(supervision)
         if ready and not requests.stop.is_set():
@@ -377,6 +378,8 @@ def _run(
         if frontend is not None:
             frontend.stop()  # first: its open streams end, aborting their requests, before Triton drains
         code = _shutdown(process, requests.force, drain_file if ready else None)
+        if engine_address is not None:
+            clear_load_failure(engine_address)  # its server is gone: nobody will read it
     return code
 
 
@@ -390,17 +393,16 @@ def _start_openai(options: LaunchOptions, stop: threading.Event) -> OpenAIFronte
 
 
 def _wait_ready(
-    process: subprocess.Popen, options: LaunchOptions, stop: threading.Event, repository: Path | None
+    process: subprocess.Popen, options: LaunchOptions, stop: threading.Event, engine_address: str | None
 ) -> bool:
     """Whether the models are ready: True once they are, or if they were ready by the time we were asked to stop
-    (clients may have sent requests before we saw it). A failed load of the slora model of `repository` ends the
-    wait at once, with its reason."""
-    note = peer_address(repository, MODEL, process.pid) if repository is not None else None
+    (clients may have sent requests before we saw it). A failed load of the slora model whose engine listens at
+    `engine_address` ends the wait at once, with its reason."""
     url = f"http://127.0.0.1:{options.http_port}/v2/health/ready"
     started = time.monotonic()
     reported = started
     while not stop.is_set():
-        failure = load_failure(note) if note is not None else None
+        failure = load_failure(engine_address) if engine_address is not None else None
         if failure is not None:  # Triton stays up until every model has loaded or failed: the alias would wait
             raise RuntimeError(f"model {MODEL!r} failed to load: {failure}")
         if process.poll() is not None:

@@ -243,6 +243,7 @@ def test_a_peer_of_an_engine_whose_model_failed_to_load_fails_at_once_with_the_r
         )
     finally:
         peer.service.stop()
+        clear_load_failure(address)
 
 
 def test_a_new_load_clears_the_failure_and_the_peer_then_waits(address: str) -> None:
