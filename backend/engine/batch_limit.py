@@ -1,4 +1,5 @@
-"""Inter-token-latency admission (`EngineConfig.itl_slo_s`): no more running requests than keep steps that short.
+"""Inter-token-latency admission (`EngineConfig.itl_slo_s`): no more running requests than keep decode steps that
+short.
 
 Every running request gets one token per step, so a step's duration is the time between two of its tokens. On a
 saturated GPU each request added to the batch makes every step longer: with room in the pool and batch slots
@@ -7,27 +8,37 @@ slower. With `itl_slo_s`, the running requests are capped instead, and the rest 
 `fair`, the light tenants' requests are admitted ahead of the flood's backlog (VTC), and early abort refuses what
 would then miss its first-token SLO.
 
-The cap moves by additive increase, multiplicative decrease on the steps' moving average (the time from one plan to
-the next, idle time not counted):
+The cap follows the median of the last WINDOW decode-only steps (step_clock.py). Steps that computed prompt
+tokens are left out: how long a prefill takes depends on its prompts, not on the batch, and a cap cut for a long
+prompt would only keep requests waiting (unless WINDOW steps in a row computed prompts, as while a long prompt is
+prefilled in chunks or admission runs every step: then each counts until a decode-only step comes, so that the
+batch cannot grow unseen). The median ignores the odd slow step (a compile, a collection), and no
+verdict comes before WINDOW steps were seen, so a fresh engine's first steps move nothing.
 
-    average > itl_slo_s        cap = the requests running × itl_slo_s / average (between FLOOR and DECREASE of
-                               them, at least 1), then COOLDOWN_STEPS steps unchanged (the average takes that long
-                               to show the smaller batch)
-    average ≤ itl_slo_s and the cap binds (as many running as it allows)   cap + 1, up to max_num_seqs
+    median > itl_slo_s    cap = the step's batch × itl_slo_s / median, between FLOOR and DECREASE of it (at
+                          least 1); the window starts again, and steps of a batch above the cap (still draining
+                          down to it) are not counted: the next verdict is on WINDOW steps of the smaller batch
+    median ≤ itl_slo_s, requests waiting and the cap binds (as many running as it allows)   cap + 1, up to
+                          max_num_seqs
 
-Running requests are never preempted for it: the batch shrinks as they finish.
+A cut is small, since a step's time is not all per request and the batch only shrinks as requests finish: while it
+drains to the cap nobody is admitted. Running requests are never preempted for it. A batch of one is never cut
+(nothing to gain): steps of one request over the target are logged once.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
+from collections import deque
+
+from slora.backend.engine.step_clock import Step
 
 logger = logging.getLogger(__name__)
 
-DECREASE = 0.9  # the least cut: steps just over the target
-FLOOR = 0.5  # the most: steps far over it (a step's time is not all per request)
-COOLDOWN_STEPS = 8
-ALPHA = 1 / 8  # weight of the newest step in the moving average
+WINDOW = 16  # decode steps per verdict
+DECREASE = 0.95  # the least cut: steps just over the target
+FLOOR = 0.8  # the most: steps far over it
 
 
 class BatchLimiter:
@@ -35,34 +46,39 @@ class BatchLimiter:
         self.itl_slo_s = itl_slo_s
         self.max_num_seqs = max_num_seqs
         self.cap = max_num_seqs
-        self.step_s: float | None = None  # the moving average
-        self._last: float | None = None  # when the previous step was planned, while requests ran
-        self._cooldown = 0
+        self._window: deque[float] = deque(maxlen=WINDOW)
         self._warned = False
+        self._prefill_run = 0  # steps in a row that computed prompt tokens
 
-    def planned(self, now: float, running: int) -> None:
-        """A step is being planned at `now`, with `running` requests in the batch before admission."""
-        if self._last is not None:
-            seconds = now - self._last
-            self.step_s = seconds if self.step_s is None else self.step_s + ALPHA * (seconds - self.step_s)
-            self._adjust(running)
-        self._last = now if running else None
+    @property
+    def step_s(self) -> float | None:
+        """The median of the window's decode steps; None until it holds WINDOW of them."""
+        return statistics.median(self._window) if len(self._window) == WINDOW else None
 
-    def idle(self) -> None:
-        """Nothing runs: the time until the next plan is no step."""
-        self._last = None
-
-    def _adjust(self, running: int) -> None:
-        assert self.step_s is not None
-        if self._cooldown:
-            self._cooldown -= 1
-        elif self.step_s > self.itl_slo_s:
-            if self.cap == 1 and running <= 1 and not self._warned:
-                logger.warning("itl_slo_s=%g s cannot be met: steps of one running request take %.3g s", self.itl_slo_s,
-                               self.step_s)  # fmt: skip
-                self._warned = True
-            cut = min(DECREASE, max(FLOOR, self.itl_slo_s / self.step_s))
-            self.cap = max(1, min(self.cap, int(running * cut)))
-            self._cooldown = COOLDOWN_STEPS
-        elif running >= self.cap:
+    def observe(self, step: Step | None, running: int, waiting: bool) -> None:
+        """At a plan: `step` is the one planned before (None: none was timed), `running` the requests in the batch
+        now, before admission, and `waiting` whether requests wait."""
+        if step is None or step.seqs > self.cap:
+            return
+        self._prefill_run = self._prefill_run + 1 if step.prompt_tokens else 0
+        if 0 < self._prefill_run < WINDOW:
+            return
+        self._window.append(step.seconds)
+        median = self.step_s
+        if median is None:
+            return
+        if median > self.itl_slo_s:
+            self._cut(step.seqs, median)
+        elif waiting and running >= self.cap:
             self.cap = min(self.max_num_seqs, self.cap + 1)
+
+    def _cut(self, batch: int, median: float) -> None:
+        if batch <= 1:
+            if not self._warned:
+                logger.warning("itl_slo_s=%g s cannot be met: decode steps of one request take %.3g s",
+                               self.itl_slo_s, median)  # fmt: skip
+                self._warned = True
+            return
+        cut = min(DECREASE, max(FLOOR, self.itl_slo_s / median))
+        self.cap = max(1, min(self.cap, int(batch * cut)))
+        self._window.clear()

@@ -42,6 +42,7 @@ from slora.backend.engine.outputs import TenantStats
 from slora.backend.engine.request import FinishReason, Request, RequestStatus
 from slora.backend.engine.scheduling_policy import FcfsPolicy, SchedulingPolicy
 from slora.backend.engine.slo import SWEEP_INTERVAL_S, SloGuard, SloSettings
+from slora.backend.engine.step_clock import StepClock
 from slora.backend.engine.tenants import TenantBook, served_tokens
 from slora.backend.errors import AdapterError, SloraError, SloRefusedError
 from slora.backend.executor.batch import ScheduledSeq
@@ -116,6 +117,7 @@ class Scheduler:
         self.guard = guard if guard is not None else SloGuard(SloSettings())
         self.clock = clock  # what request arrival times are measured with
         self.limiter = limiter
+        self.steps = StepClock()  # times steps for the guard's meter and the limiter
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.refusals: Counter[str] = Counter()  # SLO refusals by reason (slo.RefusalReason)
@@ -144,9 +146,13 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        now = self.clock() if self._deadlines or self.limiter is not None else 0.0
+        timed = self._deadlines or self.limiter is not None
+        now = self.clock() if timed else 0.0
+        step = self.steps.lap(now) if timed else None
+        if step is not None and self._deadlines:
+            self.guard.meter.observe(step)
         if self.limiter is not None:
-            self.limiter.planned(now, len(self.running))
+            self.limiter.observe(step, len(self.running), bool(self.policy))
         if self._deadlines:
             self._refuse_late(out, now)
         budget = self._schedule_running(out, self.limits.max_batch_tokens)
@@ -159,13 +165,12 @@ class Scheduler:
                 admitted = self._admit_waiting(out, budget)
         self.policy.served(out.seqs)
         self._prefetch()
+        if timed:
+            self.steps.started(now, sum(s.num_tokens for s in out.seqs if s.num_tokens > 1), len(out.seqs))
         if self._deadlines and out.seqs:
-            prefill = sum(s.num_tokens for s in out.seqs if s.num_tokens > 1)
-            self.guard.meter.planned(now, admitted, prefill, admission, bool(self.policy))
+            self.guard.meter.planned(now, admitted, admission, bool(self.policy))
         elif self._deadlines:
             self.guard.meter.idle()  # nothing runs this step (all refused, or every last token in flight)
-        if self.limiter is not None and not out.seqs:
-            self.limiter.idle()
         return out
 
     def max_running(self) -> int:
@@ -213,7 +218,8 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         self.book.finished(request)
         if not self.has_work():
-            self.guard.meter.idle()  # no step until new work comes: that wait is not a step's time
+            self.steps.stop()  # no step until new work comes: that wait is not a step's time
+            self.guard.meter.idle()
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0

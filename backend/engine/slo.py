@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from slora.backend.engine.request import Request
+from slora.backend.engine.step_clock import Step
 from slora.backend.errors import InvalidRequestError, SloRefusedError
 
 RATE_WINDOW_S = 5.0
@@ -69,11 +70,11 @@ def set_deadlines(request: Request, settings: SloSettings, ttft_slo_s: float | N
 class RateMeter:
     """Recent admissions per second while admission was the bottleneck, seconds per step and per prompt token.
 
-    `planned` is called at every step's plan. The time to the next plan is that step's duration. An admission
-    round that left requests waiting (the batch, the budget or the pool was full) admitted what the time since the
-    round before freed: those rounds alone give the rate (a round that admitted everyone says only how fast requests
-    arrived, and a step without a round, with admit_interval > 1, that it was not due). `idle` stops the clocks
-    when nothing is left to run, so that time without work is counted as neither.
+    `observe` takes each timed step (step_clock.py), `planned` is called at every step's plan. An admission round
+    that left requests waiting (the batch, the budget or the pool was full) admitted what the time since the round
+    before freed: those rounds alone give the rate (a round that admitted everyone says only how fast requests
+    arrived, and a step without a round, with admit_interval > 1, that it was not due). `idle` stops the round
+    clock when nothing is left to run, so that time without work counts as no round's.
     """
 
     def __init__(self, window_s: float = RATE_WINDOW_S, min_busy_s: float = MIN_BUSY_S) -> None:
@@ -86,15 +87,18 @@ class RateMeter:
         self._rounds: deque[tuple[float, float, int]] = deque()  # limited rounds: (time, seconds since the last, n)
         self._rounds_s = 0.0
         self._rounds_admitted = 0
-        self._last: tuple[float, int] | None = None  # the previous plan: (time, prompt tokens)
         self._last_round: float | None = None  # when the last admission round ran
 
-    def planned(self, now: float, admitted: int, prompt_tokens: int, admission: bool, waiting: bool) -> None:
-        """A plan at `now` with `prompt_tokens` to prefill; `admission`: it ran an admission round, which admitted
-        `admitted` and left requests `waiting` or not."""
-        if self._last is not None:
-            self._step(now - self._last[0], self._last[1])
-        self._last = (now, prompt_tokens)
+    def observe(self, step: Step) -> None:
+        self.step_s = step.seconds if self.step_s == 0.0 else self.step_s + _ALPHA * (step.seconds - self.step_s)
+        if step.prompt_tokens:
+            self._prompt_steps += 1
+            self._prompt_tokens += _ALPHA * (step.prompt_tokens - self._prompt_tokens)
+            self._prompt_s += _ALPHA * (step.seconds - self._prompt_s)
+
+    def planned(self, now: float, admitted: int, admission: bool, waiting: bool) -> None:
+        """A plan at `now`; `admission`: it ran an admission round, which admitted `admitted` and left requests
+        `waiting` or not."""
         if not admission:
             return
         if waiting and self._last_round is not None:
@@ -108,7 +112,6 @@ class RateMeter:
             self._rounds_admitted -= old_admitted
 
     def idle(self) -> None:
-        self._last = None
         self._last_round = None
 
     def admitted_per_s(self) -> float | None:
@@ -124,13 +127,6 @@ class RateMeter:
         if self._prompt_steps < MIN_PREFILL_STEPS:
             return self.step_s
         return max(self.step_s, prompt_tokens * self._prompt_s / self._prompt_tokens)
-
-    def _step(self, seconds: float, prompt_tokens: int) -> None:
-        self.step_s = seconds if self.step_s == 0.0 else self.step_s + _ALPHA * (seconds - self.step_s)
-        if prompt_tokens:
-            self._prompt_steps += 1
-            self._prompt_tokens += _ALPHA * (prompt_tokens - self._prompt_tokens)
-            self._prompt_s += _ALPHA * (seconds - self._prompt_s)
 
 
 class SloGuard:

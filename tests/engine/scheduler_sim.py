@@ -132,12 +132,13 @@ def make_sim(
     settings: SloSettings | None = None,
     aging_rate: float = 1.0,
     limiter: BatchLimiter | None = None,
+    admit_interval: int = 1,
 ) -> Sim:
     geometry = PoolGeometry(num_layers=1, block_size=BLOCK, num_kv_heads=1, head_dim=2)
     pool = PagePool(geometry, pages, torch.float32, torch.device("cpu"))
     book = TenantBook(weights)
     clock = FakeClock()
-    limits = SchedulerLimits(max_batch_tokens, max_num_seqs, prefetch_adapters=0)
+    limits = SchedulerLimits(max_batch_tokens, max_num_seqs, prefetch_adapters=0, admit_interval=admit_interval)
     scheduler = Scheduler(limits, pool, AdapterCache(pool), make_policy(policy, book, 1.0, 2.0, aging_rate), book,
                           SloGuard(settings or SloSettings()), clock, limiter=limiter)  # fmt: skip
     return Sim(scheduler, clock)

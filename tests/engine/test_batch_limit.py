@@ -5,70 +5,119 @@ backlog; then the engine with it gives the same tokens."""
 
 from __future__ import annotations
 
+import logging
 import random
 import statistics
 
 import pytest
 
 from slora.backend.config import EngineConfig
-from slora.backend.engine.batch_limit import COOLDOWN_STEPS, BatchLimiter
+from slora.backend.engine.batch_limit import DECREASE, FLOOR, WINDOW, BatchLimiter
 from slora.backend.engine.llm_engine import LLMEngine
 from slora.backend.engine.sampling_params import SamplingParams
+from slora.backend.engine.step_clock import Step
 from tests.engine.scheduler_sim import Sim, make_request, make_sim
 from tests.model_fixtures import ModelWithAdapters
 
 TARGET_S = 0.02
 BASE_S, PER_SEQ_S = 0.002, 0.001  # the simulated step: fixed cost plus a cost per running request
 STEADY_CAP = (TARGET_S - BASE_S) / PER_SEQ_S  # the batch at which steps take TARGET_S: 18
+FLOOD, SETTLED = 600, 250
 
 
-def test_the_cap_falls_below_what_ran_when_steps_are_slow_then_waits() -> None:
+def _decodes(limiter: BatchLimiter, seconds: float, batch: int, n: int = WINDOW, waiting: bool = True) -> None:
+    for _ in range(n):
+        limiter.observe(Step(seconds, 0, batch), batch, waiting)
+
+
+def test_no_verdict_before_a_window_of_decode_steps_then_a_cut_by_the_overshoot() -> None:
     limiter = BatchLimiter(TARGET_S, max_num_seqs=64)
-    now = 0.0
-    limiter.planned(now, 40)
-    now += 0.05
-    limiter.planned(now, 40)  # one step far over the target: the deepest cut, half of what ran
-    assert limiter.cap == 20
-    for _ in range(COOLDOWN_STEPS):  # the average still shows the larger batch: no second cut meanwhile
-        now += 0.05
-        limiter.planned(now, 40)
-        assert limiter.cap == 20
-    now += 0.05
-    limiter.planned(now, 30)
-    assert limiter.cap == 15
-    just_over = BatchLimiter(TARGET_S, max_num_seqs=64)
-    just_over.planned(0.0, 40)
-    just_over.planned(0.021, 40)  # just over: the least cut, 0.9 of what ran
-    assert just_over.cap == 36
+    _decodes(limiter, 0.022, 40, n=WINDOW - 1)
+    assert limiter.cap == 64 and limiter.step_s is None  # a fresh engine's first steps move nothing
+    _decodes(limiter, 0.022, 40, n=1)  # 10% over: cut by 10%
+    assert limiter.cap == int(40 * TARGET_S / 0.022) == 36
+    far = BatchLimiter(TARGET_S, max_num_seqs=64)
+    _decodes(far, 0.1, 40)  # five times over: the deepest cut, FLOOR
+    assert far.cap == int(40 * FLOOR) == 32
+    near = BatchLimiter(TARGET_S, max_num_seqs=64)
+    _decodes(near, 0.0201, 40)  # just over: the least cut, DECREASE
+    assert near.cap == int(40 * DECREASE) == 38
 
 
-def test_the_cap_grows_by_one_a_step_while_it_binds_and_steps_are_fast() -> None:
+def test_after_a_cut_only_steps_of_the_smaller_batch_count() -> None:
     limiter = BatchLimiter(TARGET_S, max_num_seqs=64)
-    limiter.cap = 10
-    now = 0.0
-    limiter.planned(now, 10)
-    for expected in (11, 12, 13):
-        now += 0.01
-        limiter.planned(now, limiter.cap)
+    _decodes(limiter, 0.1, 40)
+    assert limiter.cap == 32
+    _decodes(limiter, 0.1, 35, n=100)  # still draining down to the cap: no second cut
+    assert limiter.cap == 32 and limiter.step_s is None
+    _decodes(limiter, 0.1, 32, n=WINDOW - 1)
+    assert limiter.cap == 32, "a verdict needs a whole window of steps at the cap"
+    _decodes(limiter, 0.1, 32, n=1)
+    assert limiter.cap == int(32 * FLOOR)
+
+
+def test_prefill_steps_and_the_odd_slow_step_cut_nothing() -> None:
+    limiter = BatchLimiter(TARGET_S, max_num_seqs=64)
+    for _ in range(100):  # admission every other step (admit_interval=2), of long prompts: not the batch's doing
+        limiter.observe(Step(0.08, 512, 40), 40, True)
+        limiter.observe(Step(0.015, 0, 40), 40, False)
+    assert limiter.cap == 64 and limiter.step_s == pytest.approx(0.015)
+    limiter = BatchLimiter(TARGET_S, max_num_seqs=64)
+    for k in range(3 * WINDOW):
+        limiter.observe(Step(0.5 if k % WINDOW == 3 else 0.015, 0, 40), 40, False)  # a compile, a collection
+    assert limiter.cap == 64 and limiter.step_s == pytest.approx(0.015)
+
+
+def test_when_every_step_computes_prompts_they_count_after_a_window_of_them() -> None:
+    limiter = BatchLimiter(TARGET_S, max_num_seqs=64)
+    for _ in range(WINDOW - 1):
+        limiter.observe(Step(0.1, 64, 40), 40, True)
+    limiter.observe(Step(0.01, 0, 40), 40, True)  # a decode step ends the run
+    for _ in range(WINDOW - 1):
+        limiter.observe(Step(0.1, 64, 40), 40, True)
+    assert limiter.cap == 64 and limiter.step_s is None
+    for _ in range(WINDOW):  # a chunked prompt, or admission at every step: now each counts
+        limiter.observe(Step(0.1, 64, 40), 40, True)
+    assert limiter.cap == int(40 * FLOOR)
+
+
+def test_the_cap_grows_by_one_a_step_while_it_binds_requests_wait_and_steps_are_fast() -> None:
+    limiter = BatchLimiter(TARGET_S, max_num_seqs=64)
+    _decodes(limiter, 0.1, 20)
+    assert limiter.cap == 16
+    _decodes(limiter, 0.01, 16, n=WINDOW - 1)
+    for expected in (17, 18, 19):
+        limiter.observe(Step(0.01, 0, limiter.cap), limiter.cap, True)
         assert limiter.cap == expected
-    now += 0.01
-    limiter.planned(now, 5)  # fast, but the cap does not bind: it stays
-    assert limiter.cap == 13
+    limiter.observe(Step(0.01, 0, 19), 19, False)  # nobody waits: no evidence that more would still be fast
+    limiter.observe(Step(0.01, 0, 19), 12, True)  # the cap does not bind
+    assert limiter.cap == 19
     limiter.cap = 64
-    now += 0.01
-    limiter.planned(now, 64)
+    limiter.observe(Step(0.01, 0, 64), 64, True)
     assert limiter.cap == 64  # never above max_num_seqs
 
 
-def test_idle_time_is_no_step() -> None:
+def test_a_batch_of_one_is_never_cut_and_the_miss_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     limiter = BatchLimiter(TARGET_S, max_num_seqs=64)
-    limiter.planned(0.0, 8)
-    limiter.planned(0.01, 8)
+    with caplog.at_level(logging.WARNING, logger="slora.backend.engine.batch_limit"):
+        _decodes(limiter, 0.05, 1, n=3 * WINDOW)
+    assert limiter.cap == 64
+    assert [r.getMessage() for r in caplog.records] == [
+        "itl_slo_s=0.02 s cannot be met: decode steps of one request take 0.05 s"
+    ]
+
+
+def test_the_scheduler_gives_the_limiter_its_steps_without_the_wait_for_work() -> None:
+    limiter = BatchLimiter(TARGET_S, max_num_seqs=64)
+    sim = make_sim("fcfs", pages=400, max_num_seqs=64, limiter=limiter)
+    sim.pace = lambda batch: 0.01
+    for i in range(4):
+        sim.add(make_request(f"r{i}", "t", 1, 40))  # prompts of one token: every step is a decode step
+    sim.run()
     assert limiter.step_s == pytest.approx(0.01)
-    limiter.planned(0.02, 0)  # nothing runs from here ...
-    limiter.planned(100.0, 8)  # ... until now: not a 100 s step
-    limiter.idle()
-    limiter.planned(200.0, 8)
+    sim.clock.now += 100.0  # idle: the next plan's lap is no step
+    sim.add(make_request("late", "t", 1, 5))
+    sim.run()
     assert limiter.step_s == pytest.approx(0.01) and limiter.cap == 64
 
 
@@ -93,23 +142,26 @@ def _run(sim: Sim, light_every: int, lights: int) -> tuple[list[float], dict[str
 
 def _sim(policy: str, limited: bool) -> Sim:
     limiter = BatchLimiter(TARGET_S, max_num_seqs=64) if limited else None
-    sim = make_sim(policy, pages=4000, max_num_seqs=64, limiter=limiter)
+    sim = make_sim(policy, pages=4000, max_num_seqs=64, limiter=limiter, admit_interval=2)  # as on a GPU
     sim.pace = lambda batch: BASE_S + PER_SEQ_S * batch
     rng = random.Random(7)
-    for i in range(300):
+    for i in range(FLOOD):
         sim.add(make_request(f"flood-{i}", "flood", rng.randint(4, 24), rng.randint(10, 50)))
     return sim
 
 
 def test_the_cap_keeps_steps_near_the_target_and_fair_admits_the_light_tenant_first() -> None:
-    steps, waits = {}, {}
+    steps, waits, batches = {}, {}, {}
     for policy, limited in (("fair", True), ("fcfs", True), ("fair", False)):
         sim = _sim(policy, limited)
         steps[policy, limited], waited = _run(sim, light_every=25, lights=12)
+        batches[policy, limited] = [len(plan.seqs) for plan in sim.plans[SETTLED:-100]]
         waits[policy, limited] = [waited[f"light-{i}"] for i in range(12)]
-        assert len(sim.finished) == 312 and not sim.scheduler.running
-    capped = steps["fair", True][60:300]  # once the first batch (64, admitted before any step was timed) has gone
+        assert len(sim.finished) == FLOOD + 12 and not sim.scheduler.running
+    capped = steps["fair", True][SETTLED:-100]  # the first batch of 64 (admitted before any step was timed) cut
+    # by at most FLOOR a window, each cut waiting for the batch to drain to it: settled after SETTLED steps
     assert statistics.mean(capped) <= 1.1 * TARGET_S and max(capped) <= 1.3 * TARGET_S
+    assert statistics.median(batches["fair", True]) >= 0.8 * STEADY_CAP  # not cut far below what meets the target
     assert statistics.mean(steps["fair", False][:200]) > 2 * TARGET_S  # uncapped: the flood fills the batch
     fair_waits = waits["fair", True]
     assert statistics.median(fair_waits) <= 4 and max(fair_waits[2:]) <= 10  # ahead of the flood's backlog
@@ -121,11 +173,11 @@ def test_the_engine_with_the_cap_gives_the_same_tokens(llama: ModelWithAdapters)
                           page_size=8, max_num_seqs=8, warmup=False)  # fmt: skip
     prompts = [[5, 9, 14, 2, 7], [3] * 30, [11, 12], [8, 1, 4]]
     adapters = [llama.adapters[0], None, llama.adapters[1], llama.adapters[2]]
-    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=WINDOW + 8, temperature=0.0, ignore_eos=True)  # a window of decode steps
     expected = LLMEngine(config).generate(prompts, adapters, greedy)
     capped = LLMEngine(EngineConfig.from_dict({**config.__dict__, "itl_slo_s": "0.0001"}))
     assert capped.scheduler.limiter is not None and capped.scheduler.limiter.max_num_seqs == 8
-    got = capped.generate(prompts, adapters, greedy)  # steps slower than the target: a cap of one, still served
+    got = capped.generate(prompts, adapters, greedy)  # steps slower than the target: the cap cut, still served
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
     assert capped.scheduler.limiter.cap < 8 and capped.stats().max_running == capped.scheduler.limiter.cap
     assert LLMEngine(config).stats().max_running == 8  # uncapped: max_num_seqs

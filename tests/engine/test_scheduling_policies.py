@@ -25,6 +25,7 @@ from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.engine.scheduler import SchedulerOutput
 from slora.backend.engine.scheduling_policy import FairPolicy
 from slora.backend.engine.slo import RateMeter, RefusalReason, SloSettings
+from slora.backend.engine.step_clock import Step, StepClock
 from slora.backend.engine.tenants import BASE_TENANT, TenantBook, load_weights_file
 from slora.backend.errors import EngineOverloadedError, InvalidRequestError, SloRefusedError
 from slora.backend.memory.page_pool import PageKind
@@ -262,28 +263,44 @@ def test_rate_meter_counts_only_admission_rounds_that_left_requests_waiting() ->
     meter = RateMeter(window_s=10.0, min_busy_s=0.5)
     t = 0.0
     for _ in range(50):  # rounds every other 0.1 s step; 2 admitted per round while requests wait: 10 a second
-        meter.planned(t, 0, 64, admission=False, waiting=True)  # admission not due: says nothing of the rate
+        meter.observe(Step(0.1, 64, 4))
+        meter.planned(t, 0, admission=False, waiting=True)  # admission not due: says nothing of the rate
         t += 0.1
-        meter.planned(t, 2, 64, admission=True, waiting=True)
+        meter.observe(Step(0.1, 64, 4))
+        meter.planned(t, 2, admission=True, waiting=True)
         t += 0.1
     for _ in range(50):  # rounds that admit everyone waiting: arrivals set the pace, not counted
-        meter.planned(t, 1, 0, admission=True, waiting=False)
+        meter.observe(Step(0.1, 0, 4))
+        meter.planned(t, 1, admission=True, waiting=False)
         t += 0.1
     assert meter.admitted_per_s() == pytest.approx(10.0)
     assert meter.step_s == pytest.approx(0.1)
     assert meter.prefill_s(640) == pytest.approx(1.0, rel=0.05)  # 64 prompt tokens per 0.1 s step
     meter.idle()
-    meter.planned(t + 1.0, 0, 0, admission=True, waiting=True)  # the idle second is no step and no round
-    assert meter.step_s == pytest.approx(0.1) and meter.admitted_per_s() == pytest.approx(10.0)
-    meter.planned(t + 100.0, 0, 0, admission=True, waiting=True)
+    meter.planned(t + 1.0, 0, admission=True, waiting=True)  # the idle second is no round
+    assert meter.admitted_per_s() == pytest.approx(10.0)
+    meter.planned(t + 100.0, 0, admission=True, waiting=True)
     assert meter.admitted_per_s() is None, "the rounds of long ago have left the window"
 
 
 def test_rate_meter_gives_no_rate_while_limited_rounds_admit_none() -> None:
     meter = RateMeter(window_s=10.0, min_busy_s=0.5)
     for k in range(20):
-        meter.planned(0.1 * k, 0, 0, admission=True, waiting=True)
+        meter.planned(0.1 * k, 0, admission=True, waiting=True)
     assert meter.admitted_per_s() is None
+
+
+def test_the_step_clock_times_plan_to_plan_and_not_the_wait_for_work() -> None:
+    clock = StepClock()
+    assert clock.lap(0.0) is None
+    clock.started(1.0, 12, 3)
+    assert clock.lap(1.25) == Step(0.25, 12, 3)
+    assert clock.lap(1.5) is None, "each step is timed once"
+    clock.started(2.0, 0, 3)
+    clock.stop()  # nothing left to run: the time to the next plan is a wait
+    assert clock.lap(9.0) is None
+    clock.started(9.0, 0, 0)  # an empty plan starts no step
+    assert clock.lap(9.5) is None
 
 
 def _busy_sim(settings: SloSettings, n: int = 60) -> Sim:
