@@ -22,8 +22,10 @@ verdict comes before WINDOW steps were seen, so a fresh engine's first steps mov
                           max_num_seqs
 
 A cut is small, since a step's time is not all per request and the batch only shrinks as requests finish: while it
-drains to the cap nobody is admitted. Running requests are never preempted for it. A batch of one is never cut
-(nothing to gain): steps of one request over the target are logged once.
+drains to the cap nobody is admitted (under `fcfs` and `priority`). Running requests are never preempted for it.
+Under `fair` the cap's slots are split among the tenants by weighted max-min fairness (slot_shares.py): a cut
+then falls on the tenants above their share, and a light tenant's requests are admitted at once, even while the
+batch drains. A batch of one is never cut (nothing to gain): steps of one request over the target are logged once.
 """
 
 from __future__ import annotations
@@ -80,5 +82,8 @@ class BatchLimiter:
                 self._warned = True
             return
         cut = min(DECREASE, max(FLOOR, self.itl_slo_s / median))
-        self.cap = max(1, min(self.cap, int(batch * cut)))
+        cap = max(1, min(self.cap, int(batch * cut)))
+        logger.info("itl_slo_s=%g s: decode steps of %d requests take %.3g s (median): running requests capped at %d "
+                    "(was %d)", self.itl_slo_s, batch, median, cap, self.cap)  # fmt: skip
+        self.cap = cap
         self._window.clear()

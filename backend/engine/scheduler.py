@@ -40,8 +40,9 @@ from slora.backend.adapters.read_ahead import HostSource, ReadAhead
 from slora.backend.engine.batch_limit import BatchLimiter
 from slora.backend.engine.outputs import TenantStats
 from slora.backend.engine.request import FinishReason, Request, RequestStatus
-from slora.backend.engine.scheduling_policy import FcfsPolicy, SchedulingPolicy
+from slora.backend.engine.scheduling_policy import FairPolicy, FcfsPolicy, SchedulingPolicy
 from slora.backend.engine.slo import SWEEP_INTERVAL_S, SloGuard, SloSettings
+from slora.backend.engine.slot_shares import may_admit, slot_shares
 from slora.backend.engine.step_clock import StepClock
 from slora.backend.engine.tenants import TenantBook, served_tokens
 from slora.backend.errors import AdapterError, SloraError, SloRefusedError
@@ -89,6 +90,17 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.seqs)
+
+
+@dataclass
+class _Shares:
+    """One admission round's slot shares (slot_shares.py) and the tenants' running requests, kept up to date."""
+
+    shares: dict[str, float]
+    running: Counter[str]
+
+    def may_admit(self, tenant: str, batch_full: bool) -> bool:
+        return may_admit(self.shares.get(tenant, 0.0), self.running[tenant], batch_full)
 
 
 class Scheduler:
@@ -288,12 +300,18 @@ class Scheduler:
         copies, max_copies = 0, max(self.limits.prefetch_adapters, 1)
         admitted_count = out.reading = 0
         most = self.max_running()
-        while self.policy and budget > 0 and len(self.running) < most:
+        shares = self._slot_shares(most)
+        limit = most if shares is None else self.limits.max_num_seqs  # shares let a tenant under its own past the cap
+        while self.policy and budget > 0 and len(self.running) < limit:
             if copies >= max_copies or len(passed_over) >= MAX_PASSES:
                 break
             request = self.policy.peek()
             if request is None:
                 break
+            if shares is not None and not shares.may_admit(request.tenant, len(self.running) >= most):
+                assert isinstance(self.policy, FairPolicy)
+                self.policy.hold(request.tenant)
+                continue
             if self._deadlines and self._refuse_if_late(request, out):
                 continue
             outcome = self._try_admit(request, may_pass, not passed_over, out)
@@ -302,6 +320,8 @@ class Scheduler:
             if outcome is Admission.ADMITTED:
                 budget -= self._start(request, budget, out)
                 admitted_count += 1
+                if shares is not None:
+                    shares.running[request.tenant] += 1
                 for other in blocked:
                     self._bypassed[other] = self._bypassed.get(other, 0) + 1
                 continue
@@ -316,6 +336,16 @@ class Scheduler:
         self.policy.put_back(passed_over)
         self._count_admissions(admitted_count)
         return admitted_count
+
+    def _slot_shares(self, most: int) -> _Shares | None:
+        """Under fair with itl_slo_s, while more requests have work than the cap allows: the tenants' slot shares."""
+        if self.limiter is None or not isinstance(self.policy, FairPolicy):
+            return None
+        running = Counter(r.tenant for r in self.running)
+        demands = running + Counter(self.policy.waiting_by_tenant())
+        if sum(demands.values()) <= most:
+            return None
+        return _Shares(slot_shares(most, demands, self.book.weight), running)
 
     def _try_admit(self, request: Request, may_pass: bool, head: bool, out: SchedulerOutput) -> Admission | None:
         """_admit, with a failed adapter read refusing the request (None)."""

@@ -8,7 +8,8 @@
 
 The scheduler (scheduler.py) owns admission, pages and preemption; a policy only chooses. Its calls, per step:
 while admitting `peek` → `take` (admitted), or `set_aside` … `put_back` (passed over this step: its adapter copy
-is not issued yet); `victim` when the pool is full (which running request to preempt); `served` (the step's plan,
+is not issued yet), and under fair `hold` (a tenant at its slot share under the itl_slo_s cap, slot_shares.py,
+until `put_back`); `victim` when the pool is full (which running request to preempt); `served` (the step's plan,
 for service counters). Off the step: `push` (arrival), `push_preempted`, `remove` (abort or SLO refusal),
 `upcoming` (adapter prefetch) and `positions` (how many admissions come before each waiting request: the SLO
 estimate, slo.py). Running requests stay in admission order under every policy (the token budget goes to them
@@ -263,6 +264,7 @@ class FairPolicy(SchedulingPolicy):
         self._keys: dict[str, tuple[float, float]] = {}  # each backlogged tenant's live heap key
         self._last_left: str | None = None
         self._size = 0
+        self._held: set[str] = set()  # tenants passed over for this admission round (hold)
 
     def __len__(self) -> int:
         return self._size
@@ -301,8 +303,21 @@ class FairPolicy(SchedulingPolicy):
         self._dequeue(request)
 
     def put_back(self, requests: list[Request]) -> None:
+        """Also ends the holds of this admission round."""
         for request in reversed(requests):
             self._enqueue(request, front=True)
+        for tenant in self._held:
+            if tenant in self._queues:
+                self._rekey(tenant)
+        self._held.clear()
+
+    def hold(self, tenant: str) -> None:
+        """Pass over all of `tenant`'s waiting requests until put_back (it is at its slot share: slot_shares.py)."""
+        self._keys.pop(tenant, None)  # its heap entries go stale: _least skips them
+        self._held.add(tenant)
+
+    def waiting_by_tenant(self) -> dict[str, int]:
+        return {tenant: len(queue) for tenant, queue in self._queues.items()}
 
     def remove(self, request: Request) -> None:
         self._dequeue(request)
@@ -408,7 +423,7 @@ class FairPolicy(SchedulingPolicy):
             self._rekey(request.tenant)
             return False
         del self._queues[request.tenant]
-        del self._keys[request.tenant]
+        self._keys.pop(request.tenant, None)  # (none while held)
         return True
 
 

@@ -164,7 +164,7 @@ def test_the_cap_keeps_steps_near_the_target_and_fair_admits_the_light_tenant_fi
     assert statistics.median(batches["fair", True]) >= 0.8 * STEADY_CAP  # not cut far below what meets the target
     assert statistics.mean(steps["fair", False][:200]) > 2 * TARGET_S  # uncapped: the flood fills the batch
     fair_waits = waits["fair", True]
-    assert statistics.median(fair_waits) <= 4 and max(fair_waits[2:]) <= 10  # ahead of the flood's backlog
+    assert max(fair_waits) <= max(waits["fair", False]), "slot shares: admitted at once, as without a cap"
     assert min(waits["fcfs", True]) > 100  # behind it under fcfs: the cap alone does not make the light one wait less
 
 
