@@ -19,7 +19,9 @@ verdict comes before WINDOW steps were seen, so a fresh engine's first steps mov
                           least 1); the window starts again, and steps of a batch above the cap (still draining
                           down to it) are not counted: the next verdict is on WINDOW steps of the smaller batch
     median ≤ itl_slo_s, requests waiting and the cap binds (as many running as it allows)   cap + 1, up to
-                          max_num_seqs
+                          max_num_seqs; cap + cap / FAST_GROWTH while the median is under GROW_FAST_BELOW of the
+                          target (after a cut that the load no longer needs, a slow start or a burst of long
+                          steps, the cap is back within a few windows, not a step per request)
 
 A cut is small, since a step's time is not all per request and the batch only shrinks as requests finish: while it
 drains to the cap nobody is admitted (under `fcfs` and `priority`). Running requests are never preempted for it.
@@ -41,6 +43,8 @@ logger = logging.getLogger(__name__)
 WINDOW = 16  # decode steps per verdict
 DECREASE = 0.95  # the least cut: steps just over the target
 FLOOR = 0.8  # the most: steps far over it
+GROW_FAST_BELOW = 0.8  # steps this far under the target: the cap grows by 1/FAST_GROWTH of itself a step
+FAST_GROWTH = 32
 
 
 class BatchLimiter:
@@ -72,7 +76,8 @@ class BatchLimiter:
         if median > self.itl_slo_s:
             self._cut(step.seqs, median)
         elif waiting and running >= self.cap:
-            self.cap = min(self.max_num_seqs, self.cap + 1)
+            step = max(1, self.cap // FAST_GROWTH) if median < GROW_FAST_BELOW * self.itl_slo_s else 1
+            self.cap = min(self.max_num_seqs, self.cap + step)
 
     def _cut(self, batch: int, median: float) -> None:
         if batch <= 1:

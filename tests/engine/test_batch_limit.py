@@ -12,7 +12,7 @@ import statistics
 import pytest
 
 from slora.backend.config import EngineConfig
-from slora.backend.engine.batch_limit import DECREASE, FLOOR, WINDOW, BatchLimiter
+from slora.backend.engine.batch_limit import DECREASE, FAST_GROWTH, FLOOR, WINDOW, BatchLimiter
 from slora.backend.engine.llm_engine import LLMEngine
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.engine.step_clock import Step
@@ -85,16 +85,29 @@ def test_the_cap_grows_by_one_a_step_while_it_binds_requests_wait_and_steps_are_
     limiter = BatchLimiter(TARGET_S, max_num_seqs=64)
     _decodes(limiter, 0.1, 20)
     assert limiter.cap == 16
-    _decodes(limiter, 0.01, 16, n=WINDOW - 1)
+    _decodes(limiter, 0.018, 16, n=WINDOW - 1)  # under the target, not far under it: one a step
     for expected in (17, 18, 19):
-        limiter.observe(Step(0.01, 0, limiter.cap), limiter.cap, True)
+        limiter.observe(Step(0.018, 0, limiter.cap), limiter.cap, True)
         assert limiter.cap == expected
-    limiter.observe(Step(0.01, 0, 19), 19, False)  # nobody waits: no evidence that more would still be fast
-    limiter.observe(Step(0.01, 0, 19), 12, True)  # the cap does not bind
+    limiter.observe(Step(0.018, 0, 19), 19, False)  # nobody waits: no evidence that more would still be fast
+    limiter.observe(Step(0.018, 0, 19), 12, True)  # the cap does not bind
     assert limiter.cap == 19
     limiter.cap = 64
     limiter.observe(Step(0.01, 0, 64), 64, True)
     assert limiter.cap == 64  # never above max_num_seqs
+
+
+def test_far_under_the_target_the_cap_grows_by_a_fraction_of_itself() -> None:
+    limiter = BatchLimiter(TARGET_S, max_num_seqs=512)
+    _decodes(limiter, 0.1, 40)
+    assert limiter.cap == 32
+    _decodes(limiter, 0.005, 32, n=WINDOW - 1)
+    caps = []
+    for _ in range(3 * WINDOW):  # a cut the load no longer needs: back within a few windows
+        limiter.observe(Step(0.005, 0, limiter.cap), limiter.cap, True)
+        caps.append(limiter.cap)
+    assert caps[:3] == [33, 34, 35] and caps[-1] >= 3 * 32
+    assert all(b - a == max(1, a // FAST_GROWTH) for a, b in zip(caps, caps[1:]))
 
 
 def test_a_batch_of_one_is_never_cut_and_the_miss_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
