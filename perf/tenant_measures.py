@@ -35,8 +35,12 @@ def tenant_figures(records: list[RequestRecord], window: float) -> dict[str, dic
     return {tenant: _figures(rs, window, total) for tenant, rs in sorted(by_tenant.items())}
 
 
+SLOWEST = 3  # a tenant's requests with the latest first tokens, kept to tell a tail's cause (arrival, prompt)
+
+
 def _figures(rs: list[RequestRecord], window: float, total: int) -> dict[str, Any]:
     ttfts = [r.ttft for r in rs if r.ok and r.ttft is not None]
+    slowest = sorted((r for r in rs if r.ok and r.ttft is not None), key=lambda r: -(r.ttft or 0.0))[:SLOWEST]
     in_window = sum(k for r in rs for t, k in zip(r.chunk_times, r.chunk_tokens) if t <= window)
     return {
         "requests": len(rs),
@@ -46,6 +50,7 @@ def _figures(rs: list[RequestRecord], window: float, total: int) -> dict[str, An
         "share": sum(r.num_output for r in rs) / total,
         "ttft_p50_s": float(np.percentile(ttfts, 50)) if ttfts else None,
         "ttft_p90_s": float(np.percentile(ttfts, 90)) if ttfts else None,
+        "ttft_slowest": [{"arrival_s": r.arrival, "ttft_s": r.ttft, "input_len": r.input_len} for r in slowest],
     }
 
 

@@ -45,6 +45,10 @@ def _accounted(run: dict[str, Any]) -> None:
     assert m["num_unfinished"] == 0 and m["stream_errors"] == 0, (run["name"], m["first_errors"])
     assert sum(t["requests"] for t in m["tenants"].values()) == m["num_requests"]
     assert sum(t["finished"] for t in m["tenants"].values()) == m["num_finished"]
+    for figures in m["tenants"].values():
+        slowest = [s["ttft_s"] for s in figures["ttft_slowest"]]
+        assert slowest == sorted(slowest, reverse=True) and len(slowest) == min(3, figures["finished"])
+        assert not slowest or slowest[0] >= figures["ttft_p90_s"]  # the latest first token of all
 
 
 def test_a_fair_server_accounts_for_every_request_of_every_tenant(fair_server: ServeProcess, tmp_path: Path) -> None:
