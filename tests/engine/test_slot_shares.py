@@ -9,7 +9,9 @@ import random
 import pytest
 
 from slora.backend.engine.batch_limit import BatchLimiter
+from slora.backend.engine.scheduling_policy import FairPolicy
 from slora.backend.engine.slot_shares import may_admit, slot_shares
+from slora.backend.engine.tenants import TenantBook
 from tests.engine.scheduler_sim import make_request, make_sim
 
 
@@ -89,3 +91,19 @@ def test_many_tenants_of_one_request_each_stay_within_the_cap(monkeypatch: pytes
         assert len(sim.scheduler.running) <= 16
         sim.scheduler.pool.check_integrity()
     assert len(sim.finished) == 300
+
+
+def test_a_held_tenant_is_passed_over_until_put_back_and_keeps_its_place() -> None:
+    book = TenantBook()
+    policy = FairPolicy(book, 1.0, 2.0)
+    flood = [make_request(f"f{i}", "flood", 4, 4, arrival=float(i)) for i in range(5)]
+    light = make_request("l0", "light", 4, 4, arrival=10.0)
+    for request in [*flood, light]:
+        policy.push(request)
+    assert policy.peek() is flood[0]  # counters tie: the earlier head first
+    policy.hold("flood")
+    assert policy.peek() is light
+    policy.take(light)
+    assert policy.peek() is None and len(policy) == 5, "held, not gone"
+    policy.put_back([])
+    assert policy.peek() is flood[0] and list(policy) == flood
