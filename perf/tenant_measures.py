@@ -39,8 +39,9 @@ SLOWEST = 3  # a tenant's requests with the latest first tokens, kept to tell a 
 
 
 def _figures(rs: list[RequestRecord], window: float, total: int) -> dict[str, Any]:
-    ttfts = [r.ttft for r in rs if r.ok and r.ttft is not None]
-    slowest = sorted((r for r in rs if r.ok and r.ttft is not None), key=lambda r: -(r.ttft or 0.0))[:SLOWEST]
+    served = [(r.ttft, r) for r in rs if r.ok and r.ttft is not None]
+    ttfts = [ttft for ttft, _ in served]
+    slowest = [r for _, r in sorted(served, key=lambda pair: -pair[0])[:SLOWEST]]
     in_window = sum(k for r in rs for t, k in zip(r.chunk_times, r.chunk_tokens) if t <= window)
     return {
         "requests": len(rs),

@@ -76,8 +76,8 @@ class BatchLimiter:
         if median > self.itl_slo_s:
             self._cut(step.seqs, median)
         elif waiting and running >= self.cap:
-            step = max(1, self.cap // FAST_GROWTH) if median < GROW_FAST_BELOW * self.itl_slo_s else 1
-            self.cap = min(self.max_num_seqs, self.cap + step)
+            growth = max(1, self.cap // FAST_GROWTH) if median < GROW_FAST_BELOW * self.itl_slo_s else 1
+            self.cap = min(self.max_num_seqs, self.cap + growth)
 
     def _cut(self, batch: int, median: float) -> None:
         if batch <= 1:

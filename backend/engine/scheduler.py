@@ -341,10 +341,10 @@ class Scheduler:
         """Under fair with itl_slo_s, while more requests have work than the cap allows: the tenants' slot shares."""
         if self.limiter is None or not isinstance(self.policy, FairPolicy):
             return None
+        if len(self.running) + len(self.policy) <= most:  # every request with work fits: no tenant counted
+            return None
         running = Counter(r.tenant for r in self.running)
         demands = running + Counter(self.policy.waiting_by_tenant())
-        if sum(demands.values()) <= most:
-            return None
         return _Shares(slot_shares(most, demands, self.book.weight), running)
 
     def _try_admit(self, request: Request, may_pass: bool, head: bool, out: SchedulerOutput) -> Admission | None:
