@@ -95,7 +95,18 @@ def test_picker_reads_the_engine_state(servers: dict[str, Launched], epp_config:
         assert [r.result().finish_reason for r in requests] == ["length"] * 3
     idle, page = _state_when(server, engine, lambda s: s.running == 0)
     assert (idle.waiting, idle.active_models, idle.waiting_models) == (0, set(), set())
-    assert page.count("vllm:lora_requests_info{") == 1  # one series, however many adapter sets went by
+    assert page.count("vllm:lora_requests_info{") >= 1  # a new label set's series comes before the old one goes
+    assert _series_settle(server) == 1  # one series, however many adapter sets went by
+    (series,) = picker.families(_page(server))["vllm:lora_requests_info"]
+    assert series.labels == {"running_lora_adapters": "", "waiting_lora_adapters": "", "max_lora": "2"}
+
+
+def _series_settle(server: Launched, timeout_s: float = 10.0) -> int:
+    """How many LoRA info series the page shows once the old label sets are gone (or at the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while (count := _page(server).count("vllm:lora_requests_info{")) != 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return count
 
 
 def test_lora_affinity_sends_each_adapter_to_its_holder(

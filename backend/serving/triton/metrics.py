@@ -30,7 +30,8 @@
         LoRA affinity (its newest series by value). One series at a time: the current adapter sets. A Python-
         backend family keeps every series it ever made, so a new label set replaces the whole family (dropping
         a family removes its series from Triton's registry); the page stays one line long however many adapter
-        sets the server goes through, and a scrape between the two sees no series, which the picker skips.
+        sets the server goes through. The new family comes before the old one goes: a scrape between the two
+        sees two series and the picker takes the newer, where a gap would tell it the replica runs no adapter.
 
 Every update is a message to the server process, so updates are queued and made by one thread; gauges follow
 the engine's statistics at most every `interval_s`.
@@ -263,10 +264,9 @@ class TritonMetrics(NullMetrics):
         self._lora_metric.set(time.time())
 
     def _replace_lora_series(self, labels: tuple[str, str]) -> None:
-        """The LoRA gauge's family anew with one series for `labels`; the old family, and its series, go."""
-        if self._lora_family is not None:
-            self._families.remove(self._lora_family)
-        self._lora_metric = self._lora_family = None  # the last references: the family is deleted here
+        """The LoRA gauge's family anew with one series for `labels`, made before the old family and its series
+        go, so that a scrape between the two sees both (the newer stamp wins, as with vLLM's gauge), never none."""
+        old = self._lora_family
         self._lora_family = self._family(
             LORA_INFO_METRIC, "Running and waiting LoRA adapters", pb_utils.MetricFamily.GAUGE
         )
@@ -277,4 +277,7 @@ class TritonMetrics(NullMetrics):
                 "max_lora": str(self._max_lora),
             }
         )
+        self._lora_metric.set(time.time())
         self._lora_labels = labels
+        if old is not None:
+            self._families.remove(old)  # the last reference to the old family and, through it, its series
