@@ -42,7 +42,7 @@ from slora.backend.engine.outputs import TenantStats
 from slora.backend.engine.request import FinishReason, Request, RequestStatus
 from slora.backend.engine.scheduling_policy import FairPolicy, FcfsPolicy, SchedulingPolicy
 from slora.backend.engine.slo import SWEEP_INTERVAL_S, SloGuard, SloSettings
-from slora.backend.engine.slot_shares import may_admit, slot_shares
+from slora.backend.engine.slot_shares import DemandMeter, may_admit, shares
 from slora.backend.engine.step_clock import StepClock
 from slora.backend.engine.tenants import TenantBook, served_tokens
 from slora.backend.errors import AdapterError, SloraError, SloRefusedError
@@ -137,6 +137,8 @@ class Scheduler:
         self._admissions = 0
         self.reads = ReadAhead(hosts or _NoHosts(), limits.read_ahead, limits.read_ahead_bytes)
         self._bypassed: dict[Request, int] = {}  # requests passed over for want of room → admissions ahead of them
+        # Under fair with itl_slo_s, each tenant's demand averaged in time: what its share of the cap follows.
+        self.demand = DemandMeter() if limiter is not None and isinstance(self.policy, FairPolicy) else None
         settings = self.guard.settings
         self._deadlines = settings.ttft_slo_s is not None or settings.queue_timeout_s is not None
 
@@ -338,14 +340,16 @@ class Scheduler:
         return admitted_count
 
     def _slot_shares(self, most: int) -> _Shares | None:
-        """Under fair with itl_slo_s, while more requests have work than the cap allows: the tenants' slot shares."""
-        if self.limiter is None or not isinstance(self.policy, FairPolicy):
-            return None
-        if len(self.running) + len(self.policy) <= most:  # every request with work fits: no tenant counted
+        """Under fair with itl_slo_s: the tenants' averaged demands brought up to date, and while more requests
+        have work than the cap allows, their slot shares."""
+        if self.demand is None:
             return None
         running = Counter(r.tenant for r in self.running)
         demands = running + Counter(self.policy.waiting_by_tenant())
-        return _Shares(slot_shares(most, demands, self.book.weight), running)
+        averages = self.demand.observe(self.clock(), demands)
+        if len(self.running) + len(self.policy) <= most:  # every request with work fits
+            return None
+        return _Shares(shares(most, demands, averages, self.book.weight), running)
 
     def _try_admit(self, request: Request, may_pass: bool, head: bool, out: SchedulerOutput) -> Admission | None:
         """_admit, with a failed adapter read refusing the request (None)."""

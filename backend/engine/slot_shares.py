@@ -3,11 +3,21 @@
 With a cap on running requests (batch_limit.py) and a flood waiting, VTC alone still makes a light tenant's new
 request wait for a slot to free, behind the flood's next admission when their counters tie, and for as long as
 the batch drains after the cap is cut. Shares instead give each tenant with work (requests running or waiting) a
-part of the cap: its whole demand when that is below its weighted level, the level otherwise, the level set so
-that the shares fill the cap (water-filling). A tenant at its share is passed over; one clearly under it (below
-the share's whole part) is admitted even while the batch is at the cap, since the tenants over theirs free those
-slots as their requests finish, and are not admitted meanwhile. So a flood loses the slots that a cut takes,
-and a light tenant gets the slots its requests need at once.
+part of the cap. A tenant at its share is passed over; one clearly under it (below the share's whole part) is
+admitted even while the batch is at the cap (up to max_num_seqs), since the tenants over theirs free those slots
+as their requests finish, and are not admitted meanwhile. So a flood loses the slots that a cut takes, and a light
+tenant gets the slots its requests need at once.
+
+A tenant's share is the water level of max-min fairness times its weight: the level λ at which Σ min(demand,
+λ·weight) = cap, over the demands (requests running and waiting) of the moment, or over each tenant's demand
+averaged over the last DEMAND_TAU_S or so (DemandMeter), whichever level is higher. A light tenant's requests
+come at random times, so the number it has running swings around its mean; over the demands of the moment its
+peaks sum with every other light tenant's into a level that holds each one at its peak, even while a flood takes
+the rest of the cap. Over the averages its peaks are gone, and the level leaves it room for them. The level of
+the moment is there for what averages are slow to see: a flood that comes from nowhere is over its share at
+once, and while averages still fit under the cap (a flood's backlog building), the tenants of the moment are
+split as they stand. The share is the level, not the demand under it: a tenant under the level runs all it
+asks for, and its next request, should it come, is admitted at once.
 """
 
 from __future__ import annotations
@@ -15,24 +25,60 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 
+DEMAND_TAU_S = 5.0  # the averages' time constant: about a light request's life, so that its peaks even out
+FORGET_BELOW = 0.01  # a tenant without work whose average decayed below this leaves the averages
 
-def slot_shares(slots: int, demands: Mapping[str, int], weight: Callable[[str], float]) -> dict[str, float]:
-    """Each tenant's share of `slots`: min(demand, λ·weight), λ such that the shares sum to `slots` (every demand
-    when they fit)."""
+
+class DemandMeter:
+    """Each tenant's demand (requests running and waiting), as an exponential average in time."""
+
+    def __init__(self, tau_s: float = DEMAND_TAU_S) -> None:
+        self.tau_s = tau_s
+        self.average: dict[str, float] = {}
+        self._last: float | None = None
+
+    def observe(self, now: float, demands: Mapping[str, int]) -> dict[str, float]:
+        """The averages after the demands of `now` (tenants not in `demands` have none)."""
+        keep = 1.0 if self._last is None else math.exp(-max(now - self._last, 0.0) / self.tau_s)
+        self._last = now
+        average = self.average
+        for tenant in [t for t in average if t not in demands]:
+            value = average[tenant] * keep
+            if value < FORGET_BELOW:
+                del average[tenant]
+            else:
+                average[tenant] = value
+        for tenant, demand in demands.items():
+            previous = average.get(tenant)
+            average[tenant] = float(demand) if previous is None else demand + (previous - demand) * keep
+        return average
+
+
+def water_level(slots: int, demands: Mapping[str, float], weight: Callable[[str], float]) -> float | None:
+    """λ such that Σ min(demand, λ·weight) = slots; None when the demands fit."""
     if sum(demands.values()) <= slots:
-        return {tenant: float(d) for tenant, d in demands.items()}
+        return None
     order = sorted(demands, key=lambda t: demands[t] / weight(t))
     remaining, weights = float(slots), sum(weight(t) for t in order)
-    shares: dict[str, float] = {}
-    for i, tenant in enumerate(order):
+    for tenant in order:
         level = remaining / weights
         if demands[tenant] > level * weight(tenant):
-            shares.update((t, level * weight(t)) for t in order[i:])
-            break
-        shares[tenant] = float(demands[tenant])
+            return level
         remaining -= demands[tenant]
         weights -= weight(tenant)
-    return shares
+    raise AssertionError("demands over the slots leave a tenant over the level")
+
+
+def shares(
+    slots: int, demands: Mapping[str, int], averages: Mapping[str, float], weight: Callable[[str], float]
+) -> dict[str, float]:
+    """Each tenant's share of `slots` (module docstring): level·weight, the level the higher of the water levels of
+    the demands of the moment and of the averaged ones; every demand when the demands fit."""
+    now = water_level(slots, demands, weight)
+    if now is None:
+        return {tenant: float(d) for tenant, d in demands.items()}
+    level = max(now, water_level(slots, averages, weight) or 0.0)
+    return {tenant: level * weight(tenant) for tenant in demands}
 
 
 def may_admit(share: float, running: int, batch_full: bool) -> bool:

@@ -1,21 +1,26 @@
 """Slot shares under the itl_slo_s cap (backend/engine/slot_shares.py): the water-filling split against a brute-force
-reference, and, on the scheduler stepped without a model, that a cap cut falls on the flood while light tenants
-are admitted at once, and that many tenants of one request each never take the batch past the cap."""
+reference, the averaged demands against their closed form, and, on the scheduler stepped without a model, that a
+cap cut falls on the flood while light tenants are admitted at once, that a light tenant's peak above the level of
+the moment is admitted when its average fits, and that many tenants of one request each never take the batch past
+the cap."""
 
 from __future__ import annotations
 
+import math
 import random
+from collections import Counter
+from collections.abc import Mapping
 
 import pytest
 
 from slora.backend.engine.batch_limit import BatchLimiter
 from slora.backend.engine.scheduling_policy import FairPolicy
-from slora.backend.engine.slot_shares import may_admit, slot_shares
+from slora.backend.engine.slot_shares import DemandMeter, may_admit, shares, water_level
 from slora.backend.engine.tenants import TenantBook
 from tests.engine.scheduler_sim import make_request, make_sim
 
 
-def _reference(slots: int, demands: dict[str, int], weights: dict[str, float]) -> dict[str, float]:
+def _reference(slots: int, demands: Mapping[str, float], weights: dict[str, float]) -> dict[str, float]:
     """Water-filling by bisection on the level λ: Σ min(d, λ·w) = slots."""
     lo, hi = 0.0, max(d / weights[t] for t, d in demands.items())
     for _ in range(200):
@@ -28,19 +33,20 @@ def _reference(slots: int, demands: dict[str, int], weights: dict[str, float]) -
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_shares_are_the_weighted_max_min_split(seed: int) -> None:
+def test_the_water_level_gives_the_weighted_max_min_split(seed: int) -> None:
     rng = random.Random(seed)
     tenants = [f"t{i}" for i in range(rng.randint(1, 30))]
     demands = {t: rng.randint(1, 200) for t in tenants}
     weights = {t: rng.choice([0.5, 1.0, 2.0, 3.0]) for t in tenants}
     slots = rng.randint(1, 1000)
-    shares = slot_shares(slots, demands, weights.__getitem__)
+    level = water_level(slots, demands, weights.__getitem__)
     if sum(demands.values()) <= slots:
-        assert shares == {t: float(d) for t, d in demands.items()}
+        assert level is None
         return
-    assert sum(shares.values()) == pytest.approx(slots)
-    assert shares == pytest.approx(_reference(slots, demands, weights), rel=1e-6)
-    assert all(0 < shares[t] <= demands[t] + 1e-9 for t in tenants)
+    assert level is not None
+    split = {t: min(d, level * weights[t]) for t, d in demands.items()}
+    assert sum(split.values()) == pytest.approx(slots)
+    assert split == pytest.approx(_reference(slots, demands, weights), rel=1e-6)
 
 
 def test_a_tenant_at_its_share_waits_and_one_clearly_under_it_passes_a_full_batch() -> None:
@@ -107,3 +113,61 @@ def test_a_held_tenant_is_passed_over_until_put_back_and_keeps_its_place() -> No
     assert policy.peek() is None and len(policy) == 5, "held, not gone"
     policy.put_back([])
     assert policy.peek() is flood[0] and list(policy) == flood
+
+
+def test_averaged_demands_start_at_the_demand_and_decay_in_time() -> None:
+    meter = DemandMeter(tau_s=2.0)
+    assert meter.observe(10.0, {"a": 6, "b": 1}) == {"a": 6.0, "b": 1.0}  # first met: its demand, not 0
+    averages = meter.observe(11.0, {"a": 2})
+    keep = math.exp(-1.0 / 2.0)
+    assert averages["a"] == pytest.approx(2 + 4 * keep) and averages["b"] == pytest.approx(keep)
+    averages = meter.observe(31.0, {"a": 2})  # b, without work for 20 s, falls under FORGET_BELOW
+    assert set(averages) == {"a"} and averages["a"] == pytest.approx(2 + 4 * keep * math.exp(-10.0))
+    assert meter.observe(31.0, {"a": 9})["a"] == pytest.approx(averages["a"]), "no time passed: no change"
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_share_level_is_the_higher_water_level_of_the_moment_and_of_the_averages(seed: int) -> None:
+    rng = random.Random(seed)
+    tenants = [f"t{i}" for i in range(rng.randint(2, 20))]
+    weights = {t: rng.choice([0.5, 1.0, 2.0]) for t in tenants}
+    demands = {t: rng.randint(1, 60) for t in tenants}
+    averages = {t: rng.uniform(0.5, 60.0) for t in tenants}
+    slots = rng.randint(1, sum(demands.values()) - 1)
+    averaged = _level(_reference(slots, averages, weights), weights) if sum(averages.values()) > slots else 0.0
+    level = max(_level(_reference(slots, demands, weights), weights), averaged)
+    assert shares(slots, demands, averages, weights.__getitem__) == pytest.approx(
+        {t: level * weights[t] for t in tenants}, rel=1e-6
+    )
+    fitting = shares(sum(demands.values()), demands, averages, weights.__getitem__)
+    assert fitting == {t: float(d) for t, d in demands.items()}, "demands that fit: each its own"
+
+
+def _level(split: dict[str, float], weights: dict[str, float]) -> float:
+    return max(split[t] / weights[t] for t in split)
+
+
+def test_a_light_tenants_peak_is_admitted_at_the_cap_when_its_average_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """8 light tenants hold 4 requests each for long, a flood the rest of a cap of 41: averaged, the flood's level
+    is 9. When one light tenant's load doubles, the level of the moment (6.5) would hold it at 6; it gets all 8."""
+    limiter = BatchLimiter(0.02, max_num_seqs=128)
+    monkeypatch.setattr(limiter, "observe", lambda *args: None)
+    limiter.cap = 41
+    sim = make_sim("fair", pages=20000, max_num_seqs=128, limiter=limiter)
+    for k in range(8):
+        for i in range(4):
+            sim.add(make_request(f"light-{k}-{i}", f"light-{k}", 4, 5000, arrival=sim.clock.now))
+    for i in range(200):
+        sim.add(make_request(f"flood-{i}", "flood", 4, 5000, arrival=sim.clock.now))
+    for _ in range(1000):  # 10 s: five times the averages' time constant
+        sim.step()
+    running = Counter(r.tenant for r in sim.scheduler.running)
+    assert running == {**{f"light-{k}": 4 for k in range(8)}, "flood": 9}
+    peak = [make_request(f"peak-{i}", "light-0", 4, 5000, arrival=sim.clock.now) for i in range(4)]
+    for request in peak:
+        sim.add(request)
+    demands = running + Counter(sim.scheduler.policy.waiting_by_tenant())
+    assert water_level(41, demands, lambda t: 1.0) == pytest.approx(6.5)  # what the moment alone would allow
+    sim.step()
+    assert all(r in sim.scheduler.running for r in peak), "the peak admitted past the cap at once"
+    assert Counter(r.tenant for r in sim.scheduler.running)["flood"] == 9, "the flood is not admitted meanwhile"
