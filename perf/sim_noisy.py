@@ -1,0 +1,149 @@
+"""The noisy-neighbour suite on the scheduler alone: no model, no GPU, a step's time from a linear model.
+
+    python -m perf.sim_noisy --capacity 35 --seeds 0 1 2
+
+Each seed's trace is perf/tenant_suites.py's: `tenants` tenants at equal Poisson rates summing to base_load ×
+capacity, lengths U[8, 512), once without and once with one more tenant at noisy_factor times a tenant's rate,
+served by the fair policy with the itl_slo_s cap (batch_limit.py) as the engine would, each step taking
+base + per_seq × batch + per_prompt_token × prompt tokens seconds. It prints each light tenant's first-token p90
+with over without the noisy tenant (the worst and the median) and how many light first tokens took longer than
+`late_s`. It shows what the scheduler does to the light tenants in seconds instead of a GPU session; the GPU
+figures (perf/bench_tenants_served.py) are the ones that count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from slora.backend.engine.batch_limit import BatchLimiter
+from slora.backend.engine.request import Request
+from slora.backend.engine.scheduler import SchedulerOutput
+from tests.engine.scheduler_sim import Sim, make_request, make_sim
+
+logger = logging.getLogger("perf.sim_noisy")
+
+
+@dataclass(frozen=True)
+class StepModel:
+    base_s: float = 0.006
+    per_seq_s: float = 0.00007
+    per_prompt_token_s: float = 0.000015
+
+    def seconds(self, plan: SchedulerOutput) -> float:
+        prompt = sum(s.num_tokens for s in plan.seqs if s.num_tokens > 1)
+        return self.base_s + self.per_seq_s * len(plan.seqs) + self.per_prompt_token_s * prompt
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at: float
+    tenant: str
+    prompt: int
+    output: int
+
+
+def trace(rates: dict[str, float], duration_s: float, seed: int) -> list[Arrival]:
+    """Poisson arrivals per tenant, each tenant from its own generator (the same whoever else is in the trace)."""
+    out = []
+    for k, (tenant, rate) in enumerate(rates.items()):
+        rng = np.random.default_rng([seed, k])
+        t = rng.exponential(1.0 / rate)
+        while t < duration_s:
+            out.append(Arrival(float(t), tenant, int(rng.integers(8, 512)), int(rng.integers(8, 512))))
+            t += rng.exponential(1.0 / rate)
+    return sorted(out, key=lambda a: a.at)
+
+
+def replay(arrivals: list[Arrival], model: StepModel, itl_slo_s: float, max_num_seqs: int) -> dict[str, list[float]]:
+    """Each tenant's first-token latencies."""
+    sim = make_sim("fair", pages=200_000, max_batch_tokens=8192, max_num_seqs=max_num_seqs,
+                   limiter=BatchLimiter(itl_slo_s, max_num_seqs), admit_interval=2)  # fmt: skip
+    start = sim.clock.now
+    arrived: dict[str, float] = {}
+    ttft: dict[str, list[float]] = {}
+    i = 0
+    while i < len(arrivals) or sim.scheduler.has_work():
+        while i < len(arrivals) and start + arrivals[i].at <= sim.clock.now:
+            a = arrivals[i]
+            request = make_request(f"r{i}", a.tenant, a.prompt, a.output, arrival=start + a.at)
+            arrived[request.request_id] = start + a.at
+            sim.add(request)
+            i += 1
+        if not sim.scheduler.has_work():
+            sim.clock.now = start + arrivals[i].at
+            continue
+        for request in _step(sim, model):
+            ttft.setdefault(request.tenant, []).append(sim.clock.now - arrived[request.request_id])
+    return ttft
+
+
+def _step(sim: Sim, model: StepModel) -> list[Request]:
+    """One step; the requests that sampled their first token in it."""
+    plan = sim.scheduler.schedule()
+    for seq in plan.seqs:
+        seq.request.num_computed += seq.num_tokens
+    sim.clock.now += model.seconds(plan)
+    first = []
+    for seq in plan.seqs:
+        request = seq.request
+        if request.num_computed < request.num_tokens:
+            continue
+        if request.num_output == 0:
+            first.append(request)
+        request.token_ids.append(0)
+        if request.num_output >= request.sampling.max_tokens:
+            sim.scheduler.release(request)
+    return first
+
+
+def compare(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    rate = args.base_load * args.capacity / args.tenants
+    light = {f"t{k}": rate for k in range(args.tenants)}
+    model = StepModel(args.base_s, args.per_seq_s, args.per_prompt_token_s)
+    without = replay(trace(light, args.duration, seed), model, args.itl_slo, args.max_num_seqs)
+    loud = {**light, "noisy": args.noisy_factor * rate}
+    with_ = replay(trace(loud, args.duration, seed), model, args.itl_slo, args.max_num_seqs)
+    ratios = [_p90(with_[t]) / _p90(without[t]) for t in light]
+    late = sum(v > args.late_s for t in light for v in with_[t])
+    return {"seed": seed, "max_ttft_p90_ratio": round(max(ratios), 3),
+            "median_ttft_p90_ratio": round(statistics.median(ratios), 3), "late_light_first_tokens": late}  # fmt: skip
+
+
+def _p90(values: list[float]) -> float:
+    return float(np.percentile(values, 90))
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--capacity", type=float, default=35.0, help="req/s the light tenants' load is scaled by")
+    parser.add_argument("--itl-slo", type=float, default=0.018)
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--tenants", type=int, default=20)
+    parser.add_argument("--base-load", type=float, default=0.8)
+    parser.add_argument("--noisy-factor", type=float, default=10.0)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--late-s", type=float, default=0.15)
+    parser.add_argument("--base-s", type=float, default=StepModel.base_s)
+    parser.add_argument("--per-seq-s", type=float, default=StepModel.per_seq_s)
+    parser.add_argument("--per-prompt-token-s", type=float, default=StepModel.per_prompt_token_s)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = make_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("slora").setLevel(logging.WARNING)  # the cap's every cut: thousands of lines a run
+    for seed in args.seeds:
+        logger.info(json.dumps(compare(args, seed)))
+
+
+if __name__ == "__main__":
+    main()
