@@ -102,8 +102,9 @@ def test_the_alias_requests_count_in_the_engine_models_metrics(server: Server) -
 
 
 def test_gateway_lora_info_gauge(server: Server) -> None:
-    """vllm:lora_requests_info names the running adapters (opt-in --lora-info-metric) in one series at a time,
-    whose value is the time of the update; when the request ends, that series gives way to an idle one."""
+    """vllm:lora_requests_info names the running adapters (opt-in --lora-info-metric) in its newest series, whose
+    value is the time of the update; when the request ends, that series gives way to an idle one, and the page
+    settles to that one series (a new label set's series comes before the old one goes, so two at most)."""
     started = time.time()
     inputs = token_inputs(IDS, 64, "demo-o-r2", sampling={"temperature": 0, "ignore_eos": True})
     with ThreadPoolExecutor(1) as pool:
@@ -113,16 +114,21 @@ def test_gateway_lora_info_gauge(server: Server) -> None:
     assert f'max_lora="{MAX_NUM_SEQS}"' in running[0] and running[1] >= started - 1
     idle = _lora_series_until(server, lambda labels: 'running_lora_adapters=""' in labels)
     assert idle[1] >= running[1]
+    _lora_series_until(server, lambda labels: 'running_lora_adapters=""' in labels, alone=True)
 
 
-def _lora_series_until(server: Server, predicate: Any, timeout_s: float = 30.0) -> tuple[str, float]:
-    """The one vllm:lora_requests_info series, once its labels satisfy `predicate`; never more than one."""
+def _lora_series_until(
+    server: Server, predicate: Any, timeout_s: float = 30.0, alone: bool = False
+) -> tuple[str, float]:
+    """The newest vllm:lora_requests_info series (by value), once its labels satisfy `predicate` (and, if
+    `alone`, once it is the only one); never more than two."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         series = [(k, v) for k, v in scrape(server.metrics_url).items() if k.startswith("vllm:lora_requests_info{")]
-        assert len(series) <= 1, series
-        if series and predicate(series[0][0]):
-            return series[0]
+        assert len(series) <= 2, series
+        newest = max(series, key=lambda kv: kv[1], default=None)
+        if newest is not None and predicate(newest[0]) and (len(series) == 1 or not alone):
+            return newest
         time.sleep(0.05)
     raise AssertionError(f"no vllm:lora_requests_info series matched within {timeout_s} s")
 
