@@ -143,6 +143,12 @@ def test_the_share_level_is_the_higher_water_level_of_the_moment_and_of_the_aver
     assert fitting == {t: float(d) for t, d in demands.items()}, "demands that fit: each its own"
 
 
+def test_averages_over_the_slots_by_a_rounding_error_still_give_a_level() -> None:
+    averages = {"a": 0.2, "b": 0.1, "c": 0.15, "d": 0.45, "e": 0.1}  # sums to 1.0000000000000002
+    assert sum(averages.values()) > 1
+    assert water_level(1, averages, lambda t: 1.0) == pytest.approx(0.45)
+
+
 def _level(split: dict[str, float], weights: dict[str, float]) -> float:
     return max(split[t] / weights[t] for t in split)
 
