@@ -260,8 +260,9 @@ class TritonMetrics(NullMetrics):
     def _publish_lora_info(self, stats: EngineStats) -> None:
         labels = (",".join(stats.running_adapters), ",".join(stats.waiting_adapters))
         if labels != self._lora_labels:
-            self._replace_lora_series(labels)
-        self._lora_metric.set(time.time())
+            self._replace_lora_series(labels)  # stamped there, before the old series goes
+        else:
+            self._lora_metric.set(time.time())
 
     def _replace_lora_series(self, labels: tuple[str, str]) -> None:
         """The LoRA gauge's family anew with one series for `labels`, made before the old family and its series
