@@ -2,9 +2,9 @@
 
     python -m perf.sim_noisy --capacity 35 --seeds 0 1 2
 
-Each seed's trace is perf/tenant_suites.py's: `tenants` tenants at equal Poisson rates summing to base_load ×
-capacity, lengths U[8, 512), once without and once with one more tenant at noisy_factor times a tenant's rate,
-served by the fair policy with the itl_slo_s cap (batch_limit.py) as the engine would, each step taking
+Each seed's trace is perf/tenant_suites.py's (tenant_trace): `tenants` tenants at equal Poisson rates summing to
+base_load × capacity, lengths U[8, 512), once without and once with one more tenant at noisy_factor times a
+tenant's rate, served by the fair policy with the itl_slo_s cap (batch_limit.py) as the engine would, each step taking
 base + per_seq × batch + per_prompt_token × prompt tokens seconds. It prints each light tenant's first-token p90
 with over without the noisy tenant (the worst and the median) and how many light first tokens took longer than
 `late_s`. It shows what the scheduler does to the light tenants in seconds instead of a GPU session; the GPU
@@ -22,12 +22,15 @@ from typing import Any
 
 import numpy as np
 
+from perf.tenant_suites import BenchOptions, tenant_trace
+from perf.workload import Trace
 from slora.backend.engine.batch_limit import BatchLimiter
 from slora.backend.engine.request import Request
 from slora.backend.engine.scheduler import SchedulerOutput
 from tests.engine.scheduler_sim import Sim, make_request, make_sim
 
 logger = logging.getLogger("perf.sim_noisy")
+VOCAB_SIZE = 32000  # the prompts' token ids only fill the trace: the scheduler counts them
 
 
 @dataclass(frozen=True)
@@ -41,43 +44,23 @@ class StepModel:
         return self.base_s + self.per_seq_s * len(plan.seqs) + self.per_prompt_token_s * prompt
 
 
-@dataclass(frozen=True)
-class Arrival:
-    at: float
-    tenant: str
-    prompt: int
-    output: int
-
-
-def trace(rates: dict[str, float], duration_s: float, seed: int) -> list[Arrival]:
-    """Poisson arrivals per tenant, each tenant from its own generator (the same whoever else is in the trace)."""
-    out = []
-    for k, (tenant, rate) in enumerate(rates.items()):
-        rng = np.random.default_rng([seed, k])
-        t = rng.exponential(1.0 / rate)
-        while t < duration_s:
-            out.append(Arrival(float(t), tenant, int(rng.integers(8, 512)), int(rng.integers(8, 512))))
-            t += rng.exponential(1.0 / rate)
-    return sorted(out, key=lambda a: a.at)
-
-
-def replay(arrivals: list[Arrival], model: StepModel, itl_slo_s: float, max_num_seqs: int) -> dict[str, list[float]]:
+def replay(arrivals: Trace, model: StepModel, itl_slo_s: float, max_num_seqs: int) -> dict[str, list[float]]:
     """Each tenant's first-token latencies."""
     sim = make_sim("fair", pages=200_000, max_batch_tokens=8192, max_num_seqs=max_num_seqs,
                    limiter=BatchLimiter(itl_slo_s, max_num_seqs), admit_interval=2)  # fmt: skip
     start = sim.clock.now
     arrived: dict[str, float] = {}
     ttft: dict[str, list[float]] = {}
-    i = 0
-    while i < len(arrivals) or sim.scheduler.has_work():
-        while i < len(arrivals) and start + arrivals[i].at <= sim.clock.now:
-            a = arrivals[i]
-            request = make_request(f"r{i}", a.tenant, a.prompt, a.output, arrival=start + a.at)
-            arrived[request.request_id] = start + a.at
+    requests, i = arrivals.requests, 0
+    while i < len(requests) or sim.scheduler.has_work():
+        while i < len(requests) and start + requests[i].arrival <= sim.clock.now:
+            a = requests[i]
+            request = make_request(f"r{i}", a.adapter or "", a.input_len, a.output_len, arrival=start + a.arrival)
+            arrived[request.request_id] = start + a.arrival
             sim.add(request)
             i += 1
         if not sim.scheduler.has_work():
-            sim.clock.now = start + arrivals[i].at
+            sim.clock.now = start + requests[i].arrival
             continue
         for request in _step(sim, model):
             ttft.setdefault(request.tenant, []).append(sim.clock.now - arrived[request.request_id])
@@ -107,9 +90,10 @@ def compare(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     rate = args.base_load * args.capacity / args.tenants
     light = {f"t{k}": rate for k in range(args.tenants)}
     model = StepModel(args.base_s, args.per_seq_s, args.per_prompt_token_s)
-    without = replay(trace(light, args.duration, seed), model, args.itl_slo, args.max_num_seqs)
+    options = BenchOptions(tenants=args.tenants, duration_s=args.duration, progress=False)
+    without = replay(tenant_trace(light, options, seed, VOCAB_SIZE), model, args.itl_slo, args.max_num_seqs)
     loud = {**light, "noisy": args.noisy_factor * rate}
-    with_ = replay(trace(loud, args.duration, seed), model, args.itl_slo, args.max_num_seqs)
+    with_ = replay(tenant_trace(loud, options, seed, VOCAB_SIZE), model, args.itl_slo, args.max_num_seqs)
     ratios = [_p90(with_[t]) / _p90(without[t]) for t in light]
     late = sum(v > args.late_s for t in light for v in with_[t])
     return {"seed": seed, "max_ttft_p90_ratio": round(max(ratios), 3),
