@@ -15,13 +15,22 @@ prefilled in chunks or admission runs every step: then each counts until a decod
 batch cannot grow unseen). The median ignores the odd slow step (a compile, a collection), and no
 verdict comes before WINDOW steps were seen, so a fresh engine's first steps move nothing.
 
-    median > itl_slo_s    cap = the step's batch × itl_slo_s / median, between FLOOR and DECREASE of it (at
-                          least 1); the window starts again, and steps of a batch above the cap (still draining
-                          down to it) are not counted: the next verdict is on WINDOW steps of the smaller batch
-    median ≤ itl_slo_s, requests waiting and the cap binds (as many running as it allows)   cap + 1, up to
-                          max_num_seqs; cap + cap / FAST_GROWTH while the median is under GROW_FAST_BELOW of the
-                          target (after a cut that the load no longer needs, a slow start or a burst of long
-                          steps, the cap is back within a few windows, not a step per request)
+    median > itl_slo_s    a verdict on the window, which then starts again: cap = the step's batch × itl_slo_s /
+                          median, between FLOOR and DECREASE of it (at least 1), if that is below the cap (a
+                          batch above the cap cuts it only when a cut of its own would go below it)
+    median ≤ itl_slo_s and the cap holds requests back    cap + 1, up to max_num_seqs;
+                          cap + max(FAST_LEAST, cap / FAST_GROWTH) while the median is under GROW_FAST_BELOW of
+                          the target, up to the window's batch × itl_slo_s / median (after a cut that the load
+                          no longer needs, a slow start or a burst of long steps, the cap is back within a few
+                          windows, not a step per request)
+
+After a cut, the steps of a batch still draining down to it are left out: they would only cut again for what the
+last cut already took (the next verdict is on WINDOW steps of the smaller batch). Other steps of a batch above the
+cap count: under `fair`, slot shares let light tenants past the cap, and a batch that stays above it for WINDOW
+steps without shrinking is no longer draining. A limiter that waited for such a batch to come down to the cap
+would neither grow nor cut, and a cap cut by a start-up burst would stay where the burst left it, holding every
+tenant at a share of too few slots. The cap holds requests back when, at a plan, as many run as it allows (or
+more) and requests wait.
 
 A cut is small, since a step's time is not all per request and the batch only shrinks as requests finish: while it
 drains to the cap nobody is admitted (under `fcfs` and `priority`). Running requests are never preempted for it.
@@ -45,6 +54,7 @@ DECREASE = 0.95  # the least cut: steps just over the target
 FLOOR = 0.8  # the most: steps far over it
 GROW_FAST_BELOW = 0.8  # steps this far under the target: the cap grows by 1/FAST_GROWTH of itself a step
 FAST_GROWTH = 32
+FAST_LEAST = 4  # far under the target, at least this many a step: a cap cut to a few slots is back within a window
 
 
 class BatchLimiter:
@@ -53,31 +63,54 @@ class BatchLimiter:
         self.max_num_seqs = max_num_seqs
         self.cap = max_num_seqs
         self._window: deque[float] = deque(maxlen=WINDOW)
+        self._batches: deque[int] = deque(maxlen=WINDOW)  # the window's steps' batch sizes
         self._warned = False
         self._prefill_run = 0  # steps in a row that computed prompt tokens
+        self._drain: tuple[int, int] | None = None  # after a cut: (the least batch since, steps without a lesser)
 
     @property
     def step_s(self) -> float | None:
         """The median of the window's decode steps; None until it holds WINDOW of them."""
         return statistics.median(self._window) if len(self._window) == WINDOW else None
 
-    def observe(self, step: Step | None, running: int, waiting: bool) -> None:
-        """At a plan: `step` is the one planned before (None: none was timed), `running` the requests in the batch
-        now, before admission, and `waiting` whether requests wait."""
-        if step is None or step.seqs > self.cap:
+    def observe(self, step: Step | None, held: bool) -> None:
+        """At a plan: `step` is the one planned before (None: none was timed); `held`: whether the cap holds
+        requests back (as many run as it allows, or more, and requests wait)."""
+        if step is None or self._draining(step.seqs):
             return
         self._prefill_run = self._prefill_run + 1 if step.prompt_tokens else 0
         if 0 < self._prefill_run < WINDOW:
             return
         self._window.append(step.seconds)
+        self._batches.append(step.seqs)
         median = self.step_s
         if median is None:
             return
         if median > self.itl_slo_s:
             self._cut(step.seqs, median)
-        elif waiting and running >= self.cap:
-            growth = max(1, self.cap // FAST_GROWTH) if median < GROW_FAST_BELOW * self.itl_slo_s else 1
-            self.cap = min(self.max_num_seqs, self.cap + growth)
+        elif held:
+            self.cap = min(self.max_num_seqs, self._grown(median))
+
+    def _draining(self, batch: int) -> bool:
+        """Whether a step of `batch` requests is one of the batch draining down to a cut: above the cap and still
+        shrinking (a new least batch within the last WINDOW steps)."""
+        if self._drain is None:
+            return False
+        least, flat = self._drain
+        if batch <= self.cap or flat >= WINDOW:
+            self._drain = None
+            return False
+        self._drain = (batch, 0) if batch < least else (least, flat + 1)
+        return True
+
+    def _grown(self, median: float) -> int:
+        """The cap after a step under the target that held requests back: one more, or, far under the target, a
+        fraction of itself more, but no further than the window's batch scaled by target / median (what steps
+        with a fixed part take no longer than, per request; the window lags the growth by half its length)."""
+        if median >= GROW_FAST_BELOW * self.itl_slo_s:
+            return self.cap + 1
+        seen = statistics.median_low(self._batches) * self.itl_slo_s / median
+        return max(self.cap + 1, min(self.cap + max(FAST_LEAST, self.cap // FAST_GROWTH), int(seen)))
 
     def _cut(self, batch: int, median: float) -> None:
         if batch <= 1:
@@ -87,8 +120,12 @@ class BatchLimiter:
                 self._warned = True
             return
         cut = min(DECREASE, max(FLOOR, self.itl_slo_s / median))
-        cap = max(1, min(self.cap, int(batch * cut)))
+        cap = max(1, int(batch * cut))
+        self._window.clear()  # one verdict per window of steps
+        self._batches.clear()
+        if cap >= self.cap:
+            return  # a batch above the cap, no slower than its own cut allows
         logger.info("itl_slo_s=%g s: decode steps of %d requests take %.3g s (median): running requests capped at %d "
                     "(was %d)", self.itl_slo_s, batch, median, cap, self.cap)  # fmt: skip
         self.cap = cap
-        self._window.clear()
+        self._drain = (batch, 0)

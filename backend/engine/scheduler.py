@@ -166,7 +166,7 @@ class Scheduler:
         if step is not None and self._deadlines:
             self.guard.meter.observe(step)
         if self.limiter is not None:
-            self.limiter.observe(step, len(self.running), bool(self.policy))
+            self.limiter.observe(step, len(self.running) >= self.max_running() and bool(self.policy))
         if self._deadlines:
             self._refuse_late(out, now)
         budget = self._schedule_running(out, self.limits.max_batch_tokens)

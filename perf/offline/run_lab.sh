@@ -82,7 +82,8 @@
 # CHECK_K ("not cpu": pytest -k) of the checks suite, DECODE_STEP (1; 0 skips its decode-step benchmark),
 # HOST_FORWARD (1; 0 skips bench_host_forward), GPU_LOG (1: the GPU's clocks, power and temperature every 200 ms
 # into gpu_log.csv), PY (python3), OUT, WORK, PORT_BASE (8000), GPU_ENV (.whl/gpu-env.sh; "none" skips it);
-# of the tenants suite: TENANT_SUITE (overload | noisy | all), TENANT_MODES ("fcfs early-abort"; or fair),
+# of the tenants suite: TENANT_SUITE (overload | noisy | all), TENANT_MODES ("fcfs early-abort"; or fair, priority:
+# at TENANT_LOADS=1 the cost of each policy without overload),
 # TENANT_LOADS ("2": units of the capacity), TENANT_POLICIES ("fcfs fair"; or priority), TENANT_DURATION (30 s of
 # arrivals a run), TENANT_SLO (6 s: the SLO counted, and early abort's ttft_slo_s), CAPACITY (req/s, e.g. an earlier
 # tenants-served-capacity run's; empty: measured by a burst of TENANT_BURST requests, the benchmark's 512 if empty),

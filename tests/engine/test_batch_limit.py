@@ -12,7 +12,7 @@ import statistics
 import pytest
 
 from slora.backend.config import EngineConfig
-from slora.backend.engine.batch_limit import DECREASE, FAST_GROWTH, FLOOR, WINDOW, BatchLimiter
+from slora.backend.engine.batch_limit import DECREASE, FAST_GROWTH, FAST_LEAST, FLOOR, WINDOW, BatchLimiter
 from slora.backend.engine.llm_engine import LLMEngine
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.engine.step_clock import Step
@@ -25,9 +25,9 @@ STEADY_CAP = (TARGET_S - BASE_S) / PER_SEQ_S  # the batch at which steps take TA
 FLOOD, SETTLED = 600, 250
 
 
-def _decodes(limiter: BatchLimiter, seconds: float, batch: int, n: int = WINDOW, waiting: bool = True) -> None:
+def _decodes(limiter: BatchLimiter, seconds: float, batch: int, n: int = WINDOW, held: bool = True) -> None:
     for _ in range(n):
-        limiter.observe(Step(seconds, 0, batch), batch, waiting)
+        limiter.observe(Step(seconds, 0, batch), held)
 
 
 def test_no_verdict_before_a_window_of_decode_steps_then_a_cut_by_the_overshoot() -> None:
@@ -44,11 +44,12 @@ def test_no_verdict_before_a_window_of_decode_steps_then_a_cut_by_the_overshoot(
     assert near.cap == int(40 * DECREASE) == 38
 
 
-def test_after_a_cut_only_steps_of_the_smaller_batch_count() -> None:
+def test_after_a_cut_the_steps_of_the_draining_batch_are_left_out() -> None:
     limiter = BatchLimiter(TARGET_S, max_num_seqs=64)
     _decodes(limiter, 0.1, 40)
     assert limiter.cap == 32
-    _decodes(limiter, 0.1, 35, n=100)  # still draining down to the cap: no second cut
+    for batch in range(39, 32, -1):  # draining down to the cap, a request fewer every few steps: no second cut
+        _decodes(limiter, 0.1, batch, n=WINDOW - 1)
     assert limiter.cap == 32 and limiter.step_s is None
     _decodes(limiter, 0.1, 32, n=WINDOW - 1)
     assert limiter.cap == 32, "a verdict needs a whole window of steps at the cap"
@@ -56,44 +57,73 @@ def test_after_a_cut_only_steps_of_the_smaller_batch_count() -> None:
     assert limiter.cap == int(32 * FLOOR)
 
 
+def test_a_batch_that_stays_above_the_cap_counts_and_cuts_it_only_below_its_own_cut() -> None:
+    """Slot shares let light tenants past the cap: a batch above it that no longer shrinks is not draining."""
+    limiter = BatchLimiter(TARGET_S, max_num_seqs=64)
+    _decodes(limiter, 0.0201, 40)
+    assert limiter.cap == 38
+    _decodes(limiter, 0.0201, 41, n=WINDOW + 1)  # the draining rule's patience: WINDOW steps without a lesser batch
+    assert limiter.step_s is None
+    _decodes(limiter, 0.0201, 41, n=6 * WINDOW)  # just over the target: 41 × DECREASE is not below the cap
+    assert limiter.cap == 38
+    _decodes(limiter, 0.1, 41, n=WINDOW)  # five times over: 41 × FLOOR = 32, below the cap
+    assert limiter.cap == int(41 * FLOOR) == 32
+
+
+def test_a_batch_above_the_cap_that_meets_the_target_grows_it_while_requests_are_held() -> None:
+    """Or a cap cut by a start-up burst would stay where the burst left it."""
+    limiter = BatchLimiter(TARGET_S, max_num_seqs=256)
+    _decodes(limiter, 0.1, 20)
+    assert limiter.cap == 16
+    _decodes(limiter, 0.01, 10, n=1, held=False)  # the burst is over: its batch drained below the cap
+    _decodes(limiter, 0.01, 40, n=WINDOW - 2)  # then 40 running past the cap, steps half the target
+    assert limiter.cap == 16
+    _decodes(limiter, 0.01, 40, n=1)
+    assert limiter.cap == 16 + FAST_LEAST
+    _decodes(limiter, 0.01, 40, n=5, held=False)  # nothing held back: no evidence that the cap is too low
+    assert limiter.cap == 16 + FAST_LEAST
+    limiter.cap = 78
+    _decodes(limiter, 0.01, 40, n=1)
+    assert limiter.cap == int(40 * TARGET_S / 0.01) == 80, "no further than what the window's steps allow"
+
+
 def test_prefill_steps_and_the_odd_slow_step_cut_nothing() -> None:
     limiter = BatchLimiter(TARGET_S, max_num_seqs=64)
     for _ in range(100):  # admission every other step (admit_interval=2), of long prompts: not the batch's doing
-        limiter.observe(Step(0.08, 512, 40), 40, True)
-        limiter.observe(Step(0.015, 0, 40), 40, False)
+        limiter.observe(Step(0.08, 512, 40), True)
+        limiter.observe(Step(0.015, 0, 40), False)
     assert limiter.cap == 64 and limiter.step_s == pytest.approx(0.015)
     limiter = BatchLimiter(TARGET_S, max_num_seqs=64)
     for k in range(3 * WINDOW):
-        limiter.observe(Step(0.5 if k % WINDOW == 3 else 0.015, 0, 40), 40, False)  # a compile, a collection
+        limiter.observe(Step(0.5 if k % WINDOW == 3 else 0.015, 0, 40), False)  # a compile, a collection
     assert limiter.cap == 64 and limiter.step_s == pytest.approx(0.015)
 
 
 def test_when_every_step_computes_prompts_they_count_after_a_window_of_them() -> None:
     limiter = BatchLimiter(TARGET_S, max_num_seqs=64)
     for _ in range(WINDOW - 1):
-        limiter.observe(Step(0.1, 64, 40), 40, True)
-    limiter.observe(Step(0.01, 0, 40), 40, True)  # a decode step ends the run
+        limiter.observe(Step(0.1, 64, 40), True)
+    limiter.observe(Step(0.01, 0, 40), True)  # a decode step ends the run
     for _ in range(WINDOW - 1):
-        limiter.observe(Step(0.1, 64, 40), 40, True)
+        limiter.observe(Step(0.1, 64, 40), True)
     assert limiter.cap == 64 and limiter.step_s is None
     for _ in range(WINDOW):  # a chunked prompt, or admission at every step: now each counts
-        limiter.observe(Step(0.1, 64, 40), 40, True)
+        limiter.observe(Step(0.1, 64, 40), True)
     assert limiter.cap == int(40 * FLOOR)
 
 
-def test_the_cap_grows_by_one_a_step_while_it_binds_requests_wait_and_steps_are_fast() -> None:
+def test_the_cap_grows_by_one_a_step_while_it_holds_requests_back_and_steps_are_fast() -> None:
     limiter = BatchLimiter(TARGET_S, max_num_seqs=64)
     _decodes(limiter, 0.1, 20)
     assert limiter.cap == 16
     _decodes(limiter, 0.018, 16, n=WINDOW - 1)  # under the target, not far under it: one a step
     for expected in (17, 18, 19):
-        limiter.observe(Step(0.018, 0, limiter.cap), limiter.cap, True)
+        limiter.observe(Step(0.018, 0, limiter.cap), True)
         assert limiter.cap == expected
-    limiter.observe(Step(0.018, 0, 19), 19, False)  # nobody waits: no evidence that more would still be fast
-    limiter.observe(Step(0.018, 0, 19), 12, True)  # the cap does not bind
+    limiter.observe(Step(0.018, 0, 19), False)  # the cap held nobody back: no evidence that more would be fast
     assert limiter.cap == 19
     limiter.cap = 64
-    limiter.observe(Step(0.01, 0, 64), 64, True)
+    limiter.observe(Step(0.01, 0, 64), True)
     assert limiter.cap == 64  # never above max_num_seqs
 
 
@@ -104,10 +134,10 @@ def test_far_under_the_target_the_cap_grows_by_a_fraction_of_itself() -> None:
     _decodes(limiter, 0.005, 32, n=WINDOW - 1)
     caps = []
     for _ in range(3 * WINDOW):  # a cut the load no longer needs: back within a few windows
-        limiter.observe(Step(0.005, 0, limiter.cap), limiter.cap, True)
+        limiter.observe(Step(0.005, 0, limiter.cap), True)
         caps.append(limiter.cap)
-    assert caps[:3] == [33, 34, 35] and caps[-1] >= 3 * 32
-    assert all(b - a == max(1, a // FAST_GROWTH) for a, b in zip(caps, caps[1:]))
+    assert caps[:3] == [36, 40, 44] and caps[-1] >= 6 * 32
+    assert all(b - a == min(512 - a, max(FAST_LEAST, a // FAST_GROWTH)) for a, b in zip(caps, caps[1:]))
 
 
 def test_a_batch_of_one_is_never_cut_and_the_miss_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:

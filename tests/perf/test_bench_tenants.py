@@ -21,7 +21,7 @@ def test_smoke_runs_every_suite(tmp_path: Path) -> None:
     runs = {r["name"]: r for r in load_results(out)["runs"]}
     expected = {"tenants-capacity"}
     expected |= {f"tenants-noisy-{p}-{w}" for p in ("fcfs", "fair") for w in ("with", "without")}
-    expected |= {f"tenants-overload-{load}x-{m}" for load in ("1", "4") for m in bench_tenants.MODES}
+    expected |= {f"tenants-overload-{load}x-{m}" for load in ("1", "4") for m in bench_tenants.SMOKE.modes}
     assert set(runs) == expected
     capacity = runs["tenants-capacity"]["metrics"]
     assert capacity["num_finished"] == 12 and capacity["capacity_rps"] > 0
