@@ -42,7 +42,7 @@ from slora.backend.engine.outputs import TenantStats
 from slora.backend.engine.request import FinishReason, Request, RequestStatus
 from slora.backend.engine.scheduling_policy import FairPolicy, FcfsPolicy, SchedulingPolicy
 from slora.backend.engine.slo import SWEEP_INTERVAL_S, SloGuard, SloSettings
-from slora.backend.engine.slot_shares import DemandMeter, headroom, heavy, may_admit, shares
+from slora.backend.engine.slot_shares import DemandMeter, may_admit, shares
 from slora.backend.engine.step_clock import StepClock
 from slora.backend.engine.tenants import TenantBook, served_tokens
 from slora.backend.errors import AdapterError, SloraError, SloRefusedError
@@ -98,14 +98,9 @@ class _Shares:
 
     shares: dict[str, float]
     running: Counter[str]
-    heavy: frozenset[str]  # tenants whose averaged demand is over their share
-    headroom: int  # running requests past which a heavy tenant is not admitted
 
-    def may_admit(self, tenant: str, batch: int, most: int) -> bool:
-        """Whether `tenant` may have one more request running, with `batch` running of a cap of `most`."""
-        if tenant in self.heavy and batch >= self.headroom:
-            return False
-        return may_admit(self.shares.get(tenant, 0.0), self.running[tenant], batch >= most)
+    def may_admit(self, tenant: str, batch_full: bool) -> bool:
+        return may_admit(self.shares.get(tenant, 0.0), self.running[tenant], batch_full)
 
 
 class Scheduler:
@@ -315,7 +310,7 @@ class Scheduler:
             request = self.policy.peek()
             if request is None:
                 break
-            if shares is not None and not shares.may_admit(request.tenant, len(self.running), most):
+            if shares is not None and not shares.may_admit(request.tenant, len(self.running) >= most):
                 assert isinstance(self.policy, FairPolicy)
                 self.policy.hold(request.tenant)
                 continue
@@ -354,9 +349,7 @@ class Scheduler:
         averages = self.demand.observe(self.clock(), demands)
         if len(self.running) + len(self.policy) <= most:  # every request with work fits
             return None
-        split = shares(most, demands, averages, self.book.weight)
-        over = heavy(split, averages)
-        return _Shares(split, running, over, headroom(most, over, averages))
+        return _Shares(shares(most, demands, averages, self.book.weight), running)
 
     def _try_admit(self, request: Request, may_pass: bool, head: bool, out: SchedulerOutput) -> Admission | None:
         """_admit, with a failed adapter read refusing the request (None)."""

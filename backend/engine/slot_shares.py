@@ -18,13 +18,6 @@ the moment is there for what averages are slow to see: a flood that comes from n
 once, and while averages still fit under the cap (a flood's backlog building), the tenants of the moment are
 split as they stand. The share is the level, not the demand under it: a tenant under the level runs all it
 asks for, and its next request, should it come, is admitted at once.
-
-A heavy tenant, one whose averaged demand is over its share (a flood, not a light tenant's peak), is admitted only
-while the batch is below the cap by a reserve for the light tenants' peaks (`headroom`). Left to fill the cap, a
-flood keeps every step at the target: the light tenants' requests then live longer, more of them run at once,
-and at a high load they alone come near the cap, where their random peaks wait for slots. Below the headroom the
-steps stay shorter, and the reserve is there for those peaks (a light tenant under its share is admitted up to
-the cap, and past it as above).
 """
 
 from __future__ import annotations
@@ -34,8 +27,6 @@ from collections.abc import Callable, Mapping
 
 DEMAND_TAU_S = 5.0  # the averages' time constant: about a light request's life, so that its peaks even out
 FORGET_BELOW = 0.01  # a tenant without work whose average decayed below this leaves the averages
-RESERVE_MAX = 0.15  # of the cap: the most that is kept from the heavy tenants
-PEAK_SIGMAS = 2.0  # the reserve: this many standard deviations of the light tenants' Poisson demand
 
 
 class DemandMeter:
@@ -89,19 +80,6 @@ def shares(
         return {tenant: float(d) for tenant, d in demands.items()}
     level = max(now, water_level(slots, averages, weight) or 0.0)
     return {tenant: level * weight(tenant) for tenant in demands}
-
-
-def heavy(shares: Mapping[str, float], averages: Mapping[str, float]) -> frozenset[str]:
-    """The tenants whose averaged demand is over their share."""
-    return frozenset(t for t, share in shares.items() if averages.get(t, 0.0) > share)
-
-
-def headroom(slots: int, heavy: frozenset[str], averages: Mapping[str, float]) -> int:
-    """The running requests past which a heavy tenant is not admitted: `slots` less a reserve for the light
-    tenants' peaks, PEAK_SIGMAS × √(their averaged demand), at most RESERVE_MAX of the slots (no reserve, and
-    nothing kept from the heavy tenants, while no light tenant has work)."""
-    light = sum(d for t, d in averages.items() if t not in heavy)
-    return slots - min(math.ceil(PEAK_SIGMAS * math.sqrt(light)), int(RESERVE_MAX * slots))
 
 
 def may_admit(share: float, running: int, batch_full: bool) -> bool:

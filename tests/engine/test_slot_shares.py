@@ -15,7 +15,7 @@ import pytest
 
 from slora.backend.engine.batch_limit import BatchLimiter
 from slora.backend.engine.scheduling_policy import FairPolicy
-from slora.backend.engine.slot_shares import DemandMeter, headroom, heavy, may_admit, shares, water_level
+from slora.backend.engine.slot_shares import DemandMeter, may_admit, shares, water_level
 from slora.backend.engine.tenants import TenantBook
 from tests.engine.scheduler_sim import make_request, make_sim
 
@@ -154,9 +154,8 @@ def _level(split: dict[str, float], weights: dict[str, float]) -> float:
 
 
 def test_a_light_tenants_peak_is_admitted_at_the_cap_when_its_average_fits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """8 light tenants hold 4 requests each for long, a flood the rest of a cap of 41 less the light tenants'
-    reserve (6). When one light tenant's load doubles, the level of the moment (6.5) would hold it at 6; it gets
-    all 8."""
+    """8 light tenants hold 4 requests each for long, a flood the rest of a cap of 41: averaged, the flood's level
+    is 9. When one light tenant's load doubles, the level of the moment (6.5) would hold it at 6; it gets all 8."""
     limiter = BatchLimiter(0.02, max_num_seqs=128)
     monkeypatch.setattr(limiter, "observe", lambda *args: None)
     limiter.cap = 41
@@ -169,8 +168,7 @@ def test_a_light_tenants_peak_is_admitted_at_the_cap_when_its_average_fits(monke
     for _ in range(1000):  # 10 s: five times the averages' time constant
         sim.step()
     running = Counter(r.tenant for r in sim.scheduler.running)
-    flood = running["flood"]
-    assert running == {**{f"light-{k}": 4 for k in range(8)}, "flood": flood} and 1 <= flood <= 41 - 32 - 6 + 1
+    assert running == {**{f"light-{k}": 4 for k in range(8)}, "flood": 9}
     peak = [make_request(f"peak-{i}", "light-0", 4, 5000, arrival=sim.clock.now) for i in range(4)]
     for request in peak:
         sim.add(request)
@@ -178,39 +176,4 @@ def test_a_light_tenants_peak_is_admitted_at_the_cap_when_its_average_fits(monke
     assert water_level(41, demands, lambda t: 1.0) == pytest.approx(6.5)  # what the moment alone would allow
     sim.step()
     assert all(r in sim.scheduler.running for r in peak), "the peak admitted past the cap at once"
-    assert Counter(r.tenant for r in sim.scheduler.running)["flood"] == flood, "the flood is not admitted meanwhile"
-
-
-def test_heavy_tenants_are_those_whose_average_is_over_their_share_and_the_reserve_grows_with_the_lights() -> None:
-    split = {"flood": 12.0, "a": 12.0, "b": 12.0}
-    averages = {"flood": 300.0, "a": 20.0, "b": 5.0}
-    assert heavy(split, averages) == {"flood", "a"}  # a's average is over its share: heavy too
-    assert headroom(200, frozenset({"flood"}), averages) == 200 - 10  # 2 × √25
-    assert headroom(40, frozenset({"flood"}), averages) == 40 - 6  # at most 15% of the slots
-    assert headroom(200, frozenset({"flood"}), {"flood": 300.0}) == 200, "no light tenant: nothing kept back"
-    assert headroom(200, frozenset({"flood"}), {"flood": 300.0, "a": 1.0}) == 198
-
-
-def test_a_flood_keeps_below_the_cap_by_the_reserve_while_light_tenants_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    limiter = BatchLimiter(0.02, max_num_seqs=256)
-    monkeypatch.setattr(limiter, "observe", lambda *args: None)
-    limiter.cap = 100
-    sim = make_sim("fair", pages=40000, max_num_seqs=256, limiter=limiter)
-    for i in range(400):
-        sim.add(make_request(f"flood-{i}", "flood", 4, 5000, arrival=sim.clock.now))
-    sim.step()
-    assert len(sim.scheduler.running) == 100, "alone, the flood has the whole cap"
-    for k in range(4):  # four light tenants of 4 requests: a light demand of 16, a reserve of 8
-        for i in range(4):
-            sim.add(make_request(f"light-{k}-{i}", f"light-{k}", 4, 5000, arrival=sim.clock.now))
-    for _ in range(50):  # the flood's requests run on; its average stays far over its share
-        sim.step()
-    running = Counter(r.tenant for r in sim.scheduler.running)
-    assert all(running[f"light-{k}"] == 4 for k in range(4)), running
-    assert running["flood"] == 100  # its running requests are never preempted: nothing freed a slot yet
-    for request in [r for r in sim.scheduler.running if r.tenant == "flood"][:30]:
-        sim.scheduler.release(request)  # 30 of the flood's requests finish
-    sim.step()
-    sim.step()
-    running = Counter(r.tenant for r in sim.scheduler.running)
-    assert running["flood"] + 16 == 100 - 8, "readmitted only up to the cap less the reserve"
+    assert Counter(r.tenant for r in sim.scheduler.running)["flood"] == 9, "the flood is not admitted meanwhile"
