@@ -172,6 +172,8 @@ def test_headline_and_sweep_sections(tmp_path: Path) -> None:
     assert "| s-cap | 36.00 | capacity | 60.00 | 35.00 | 0.10 / 0.50 |" in sweep
     assert "| s-cap | 36.00 | 50% | 18.00 | 18.00 | 0.10 / 0.50 |" in sweep
     assert "| s-cap | 36.00 | 80% | 28.80 | 28.80 | 0.10 / 0.50 |" in sweep
+    targets = text.split("## Targets")[1].split("##")[0]
+    assert "| s1-2000 | s-cap |" in targets and "s-at50" not in targets, "a load run is no throughput figure"
 
 
 def test_base_runs_are_judged_against_a_roofline_the_gpu_limits(tmp_path: Path) -> None:
