@@ -42,7 +42,7 @@ from slora.backend.engine.outputs import TenantStats
 from slora.backend.engine.request import FinishReason, Request, RequestStatus
 from slora.backend.engine.scheduling_policy import FairPolicy, FcfsPolicy, SchedulingPolicy
 from slora.backend.engine.slo import SWEEP_INTERVAL_S, SloGuard, SloSettings
-from slora.backend.engine.slot_shares import DemandMeter, may_admit, shares
+from slora.backend.engine.slot_shares import HEAVY_TARGET, DemandMeter, heavy, may_admit, shares
 from slora.backend.engine.step_clock import StepClock
 from slora.backend.engine.tenants import TenantBook, served_tokens
 from slora.backend.errors import AdapterError, SloraError, SloRefusedError
@@ -98,9 +98,13 @@ class _Shares:
 
     shares: dict[str, float]
     running: Counter[str]
+    heavy: frozenset[str]
+    heavy_bound: int
 
-    def may_admit(self, tenant: str, batch_full: bool) -> bool:
-        return may_admit(self.shares.get(tenant, 0.0), self.running[tenant], batch_full)
+    def may_admit(self, tenant: str, batch: int, most: int) -> bool:
+        if tenant in self.heavy and batch >= self.heavy_bound:
+            return False
+        return may_admit(self.shares.get(tenant, 0.0), self.running[tenant], batch >= most)
 
 
 class Scheduler:
@@ -139,6 +143,10 @@ class Scheduler:
         self._bypassed: dict[Request, int] = {}  # requests passed over for want of room → admissions ahead of them
         # Under fair with itl_slo_s, each tenant's demand averaged in time: what its share of the cap follows.
         self.demand = DemandMeter() if limiter is not None and isinstance(self.policy, FairPolicy) else None
+        # Under fair with itl_slo_s, the batch up to which heavy tenants are admitted while others have work.
+        self.heavy_limiter = None
+        if limiter is not None and self.demand is not None:
+            self.heavy_limiter = BatchLimiter(HEAVY_TARGET * limiter.itl_slo_s, limiter.max_num_seqs)
         settings = self.guard.settings
         self._deadlines = settings.ttft_slo_s is not None or settings.queue_timeout_s is not None
 
@@ -167,6 +175,8 @@ class Scheduler:
             self.guard.meter.observe(step)
         if self.limiter is not None:
             self.limiter.observe(step, len(self.running) >= self.max_running() and bool(self.policy))
+        if self.heavy_limiter is not None:
+            self.heavy_limiter.observe(step, len(self.running) >= self.heavy_limiter.cap and bool(self.policy))
         if self._deadlines:
             self._refuse_late(out, now)
         budget = self._schedule_running(out, self.limits.max_batch_tokens)
@@ -310,7 +320,7 @@ class Scheduler:
             request = self.policy.peek()
             if request is None:
                 break
-            if shares is not None and not shares.may_admit(request.tenant, len(self.running) >= most):
+            if shares is not None and not shares.may_admit(request.tenant, len(self.running), most):
                 assert isinstance(self.policy, FairPolicy)
                 self.policy.hold(request.tenant)
                 continue
@@ -349,7 +359,12 @@ class Scheduler:
         averages = self.demand.observe(self.clock(), demands)
         if len(self.running) + len(self.policy) <= most:  # every request with work fits
             return None
-        return _Shares(shares(most, demands, averages, self.book.weight), running)
+        split = shares(most, demands, averages, self.book.weight)
+        over = heavy(split, averages)
+        bound = most
+        if self.heavy_limiter is not None and any(t not in over for t in demands):
+            bound = min(most, self.heavy_limiter.cap)
+        return _Shares(split, running, over, bound)
 
     def _try_admit(self, request: Request, may_pass: bool, head: bool, out: SchedulerOutput) -> Admission | None:
         """_admit, with a failed adapter read refusing the request (None)."""

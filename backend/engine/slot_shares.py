@@ -18,6 +18,15 @@ the moment is there for what averages are slow to see: a flood that comes from n
 once, and while averages still fit under the cap (a flood's backlog building), the tenants of the moment are
 split as they stand. The share is the level, not the demand under it: a tenant under the level runs all it
 asks for, and its next request, should it come, is admitted at once.
+
+A heavy tenant, one whose averaged demand is over its share (a flood, not a light tenant's peak), is admitted,
+while any other tenant has work, only up to a second cap: the batch at which decode steps take HEAVY_TARGET of
+itl_slo_s, kept by a BatchLimiter of its own (Scheduler.heavy_limiter). Left to fill the cap, a flood keeps every
+step at the target: the light tenants' requests then live longer, more of them run at once, and at a high load
+they alone come near the cap, where their random peaks wait for slots. Under the second cap the steps stay
+shorter, and the slots above it are there for those peaks. It is a cap on step time, not a part of the first
+cap, so that a bound below the first cap cannot keep the batch where neither grows: each grows while the batch is
+at it and steps are under its target.
 """
 
 from __future__ import annotations
@@ -80,6 +89,14 @@ def shares(
         return {tenant: float(d) for tenant, d in demands.items()}
     level = max(now, water_level(slots, averages, weight) or 0.0)
     return {tenant: level * weight(tenant) for tenant in demands}
+
+
+HEAVY_TARGET = 0.85  # of itl_slo_s: the step time up to which heavy tenants are admitted while light ones have work
+
+
+def heavy(shares: Mapping[str, float], averages: Mapping[str, float]) -> frozenset[str]:
+    """The tenants whose averaged demand is over their share."""
+    return frozenset(t for t, share in shares.items() if averages.get(t, 0.0) > share)
 
 
 def may_admit(share: float, running: int, batch_full: bool) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from collections import Counter
 from collections.abc import Mapping
 
@@ -15,9 +16,9 @@ import pytest
 
 from slora.backend.engine.batch_limit import BatchLimiter
 from slora.backend.engine.scheduling_policy import FairPolicy
-from slora.backend.engine.slot_shares import DemandMeter, may_admit, shares, water_level
+from slora.backend.engine.slot_shares import HEAVY_TARGET, DemandMeter, heavy, may_admit, shares, water_level
 from slora.backend.engine.tenants import TenantBook
-from tests.engine.scheduler_sim import make_request, make_sim
+from tests.engine.scheduler_sim import Sim, make_request, make_sim
 
 
 def _reference(slots: int, demands: Mapping[str, float], weights: dict[str, float]) -> dict[str, float]:
@@ -177,3 +178,49 @@ def test_a_light_tenants_peak_is_admitted_at_the_cap_when_its_average_fits(monke
     sim.step()
     assert all(r in sim.scheduler.running for r in peak), "the peak admitted past the cap at once"
     assert Counter(r.tenant for r in sim.scheduler.running)["flood"] == 9, "the flood is not admitted meanwhile"
+
+
+def test_heavy_tenants_are_those_whose_averaged_demand_is_over_their_share() -> None:
+    split = {"flood": 12.0, "a": 12.0, "b": 12.0}
+    assert heavy(split, {"flood": 300.0, "a": 20.0, "b": 5.0}) == {"flood", "a"}
+    assert heavy(split, {"flood": 12.0}) == frozenset(), "at its share is not over it"
+
+
+def _paced_sim(cap: int, target: float = 0.018) -> Sim:
+    limiter = BatchLimiter(target, max_num_seqs=256)
+    limiter.cap = cap
+    sim = make_sim("fair", pages=40_000, max_num_seqs=256, limiter=limiter, admit_interval=2)
+    sim.pace = lambda batch: 0.006 + 0.00007 * batch  # the H200-like step of perf/sim_noisy.py
+    return sim
+
+
+def test_a_flood_is_admitted_only_while_steps_stay_under_the_heavy_target() -> None:
+    """With light tenants at work, the flood fills the batch only up to where steps take HEAVY_TARGET of
+    itl_slo_s; the light tenants' requests go up to the full target."""
+    sim = _paced_sim(256)
+    for i in range(1000):
+        sim.add(make_request(f"flood-{i}", "flood", 8, 400, arrival=sim.clock.now))
+    for k in range(10):
+        for i in range(3):
+            sim.add(make_request(f"light-{k}-{i}", f"light-{k}", 8, 2000, arrival=sim.clock.now))
+    for _ in range(1500):
+        sim.step()
+    heavy_cap = sim.scheduler.heavy_limiter.cap
+    heavy_batch = (HEAVY_TARGET * 0.018 - 0.006) / 0.00007  # where steps take HEAVY_TARGET of the target: 133
+    assert 0.8 * heavy_batch <= heavy_cap <= 1.1 * heavy_batch, heavy_cap
+    batches = [len(p.seqs) for p in sim.plans[-300:]]
+    assert max(batches) <= heavy_cap + 30 + 2, "the flood stays under the heavy cap, the lights' 30 above it"
+    assert statistics.median(sim.durations[-300:]) < 0.018
+
+
+def test_a_cap_cut_low_grows_back_while_backlogged_tenants_count_as_heavy() -> None:
+    """The GPU's failure of a reserve kept from the heavy tenants (#112): a warm-up cut to 26, tenants backlogged
+    behind it count as heavy, and a bound below the cap kept the batch where the cap never grows."""
+    sim = _paced_sim(26)
+    sim.scheduler.heavy_limiter.cap = 26
+    for k in range(20):
+        for i in range(40 if k < 10 else 2):
+            sim.add(make_request(f"t{k}-{i}", f"t{k}", 8, 300, arrival=sim.clock.now))
+    for _ in range(400):
+        sim.step()
+    assert sim.scheduler.limiter.cap > 120 and max(len(p.seqs) for p in sim.plans[-50:]) > 120  # not 26
