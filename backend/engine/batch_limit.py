@@ -58,12 +58,13 @@ FAST_LEAST = 4  # far under the target, at least this many a step: a cap cut to 
 
 
 class BatchLimiter:
-    def __init__(self, itl_slo_s: float, max_num_seqs: int) -> None:
+    def __init__(self, itl_slo_s: float, max_num_seqs: int, name: str = "running requests") -> None:
+        """`name`: what the cap is of, in its log lines."""
         self.itl_slo_s = itl_slo_s
+        self.name = name
         self.max_num_seqs = max_num_seqs
         self.cap = max_num_seqs
-        self._window: deque[float] = deque(maxlen=WINDOW)
-        self._batches: deque[int] = deque(maxlen=WINDOW)  # the window's steps' batch sizes
+        self._window: deque[Step] = deque(maxlen=WINDOW)
         self._warned = False
         self._prefill_run = 0  # steps in a row that computed prompt tokens
         self._drain: tuple[int, int] | None = None  # after a cut: (the least batch since, steps without a lesser)
@@ -71,7 +72,7 @@ class BatchLimiter:
     @property
     def step_s(self) -> float | None:
         """The median of the window's decode steps; None until it holds WINDOW of them."""
-        return statistics.median(self._window) if len(self._window) == WINDOW else None
+        return statistics.median(s.seconds for s in self._window) if len(self._window) == WINDOW else None
 
     def observe(self, step: Step | None, held: bool) -> None:
         """At a plan: `step` is the one planned before (None: none was timed); `held`: whether the cap holds
@@ -81,8 +82,7 @@ class BatchLimiter:
         self._prefill_run = self._prefill_run + 1 if step.prompt_tokens else 0
         if 0 < self._prefill_run < WINDOW:
             return
-        self._window.append(step.seconds)
-        self._batches.append(step.seqs)
+        self._window.append(step)
         median = self.step_s
         if median is None:
             return
@@ -109,7 +109,7 @@ class BatchLimiter:
         with a fixed part take no longer than, per request; the window lags the growth by half its length)."""
         if median >= GROW_FAST_BELOW * self.itl_slo_s:
             return self.cap + 1
-        seen = statistics.median_low(self._batches) * self.itl_slo_s / median
+        seen = statistics.median_low(s.seqs for s in self._window) * self.itl_slo_s / median
         return max(self.cap + 1, min(self.cap + max(FAST_LEAST, self.cap // FAST_GROWTH), int(seen)))
 
     def _cut(self, batch: int, median: float) -> None:
@@ -122,10 +122,9 @@ class BatchLimiter:
         cut = min(DECREASE, max(FLOOR, self.itl_slo_s / median))
         cap = max(1, int(batch * cut))
         self._window.clear()  # one verdict per window of steps
-        self._batches.clear()
         if cap >= self.cap:
             return  # a batch above the cap, no slower than its own cut allows
-        logger.info("itl_slo_s=%g s: decode steps of %d requests take %.3g s (median): running requests capped at %d "
-                    "(was %d)", self.itl_slo_s, batch, median, cap, self.cap)  # fmt: skip
+        logger.info("target %g s: decode steps of %d requests take %.3g s (median): %s capped at %d (was %d)",
+                    self.itl_slo_s, batch, median, self.name, cap, self.cap)  # fmt: skip
         self.cap = cap
         self._drain = (batch, 0)

@@ -146,7 +146,8 @@ class Scheduler:
         # Under fair with itl_slo_s, the batch up to which heavy tenants are admitted while others have work.
         self.heavy_limiter = None
         if limiter is not None and self.demand is not None:
-            self.heavy_limiter = BatchLimiter(HEAVY_TARGET * limiter.itl_slo_s, limiter.max_num_seqs)
+            target = HEAVY_TARGET * limiter.itl_slo_s
+            self.heavy_limiter = BatchLimiter(target, limiter.max_num_seqs, "heavy tenants' running requests")
         settings = self.guard.settings
         self._deadlines = settings.ttft_slo_s is not None or settings.queue_timeout_s is not None
 
