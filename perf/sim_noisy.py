@@ -47,7 +47,7 @@ class StepModel:
 def replay(arrivals: Trace, model: StepModel, itl_slo_s: float, max_num_seqs: int,
            start_cap: int | None = None) -> dict[str, list[float]]:  # fmt: skip
     """Each tenant's first-token latencies. `start_cap`: the cap as a cut before the trace left it (on the GPU,
-    the benchmark's own warm-up requests cut it to 25-28 of 416 before its first run)."""
+    the benchmark's own warm-up requests cut it far down before its first run: perf/RESULTS.md, session 25)."""
     limiter = BatchLimiter(itl_slo_s, max_num_seqs)
     if start_cap is not None:
         limiter.cap = min(start_cap, max_num_seqs)

@@ -214,8 +214,9 @@ def test_a_flood_is_admitted_only_while_steps_stay_under_the_heavy_target() -> N
 
 
 def test_a_cap_cut_low_grows_back_while_backlogged_tenants_count_as_heavy() -> None:
-    """The GPU's failure of a reserve kept from the heavy tenants (#112): a warm-up cut to 26, tenants backlogged
-    behind it count as heavy, and a bound below the cap kept the batch where the cap never grows."""
+    """How a reserve kept from the heavy tenants failed on the GPU (perf/RESULTS.md, session 25): after a warm-up
+    cut, tenants backlogged behind it count as heavy, and a bound below the cap kept the batch where the cap never
+    grows."""
     sim = _paced_sim(26)
     sim.scheduler.heavy_limiter.cap = 26
     for k in range(20):

@@ -21,7 +21,7 @@ def test_light_tenants_keep_their_first_tokens_under_a_simulated_flood() -> None
 
 
 def test_a_cap_cut_before_the_trace_comes_back_with_and_without_the_flood() -> None:
-    """As on the GPU, where the benchmark's warm-up requests cut the cap to 25-28 of 416 before its first run: a
+    """As on the GPU, where the benchmark's warm-up requests cut the cap far down before its first run: a
     limiter that leaves out every step of a batch above the cap gives hundreds of late first tokens here (ratio
     about 99), even without the flood."""
     result = _compare(1, "--start-cap", "25")
