@@ -78,6 +78,8 @@ def _step(sim: Sim, model: StepModel) -> list[Request]:
     for seq in plan.seqs:
         seq.request.num_computed += seq.num_tokens
     sim.clock.now += model.seconds(plan)
+    if plan.seqs:
+        sim.scheduler.step_done()  # the step's tokens, at its end
     first = []
     for seq in plan.seqs:
         request = seq.request

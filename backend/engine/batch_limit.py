@@ -8,11 +8,11 @@ slower. With `itl_slo_s`, the running requests are capped instead, and the rest 
 `fair`, the light tenants' requests are admitted ahead of the flood's backlog (VTC), and early abort refuses what
 would then miss its first-token SLO.
 
-The cap follows the median of the last WINDOW decode-only steps (step_clock.py). Steps that computed prompt
-tokens are left out: how long a prefill takes depends on its prompts, not on the batch, and a cap cut for a long
-prompt would only keep requests waiting (unless WINDOW steps in a row computed prompts, as while a long prompt is
-prefilled in chunks or admission runs every step: then each counts until a decode-only step comes, so that the
-batch cannot grow unseen). The median ignores the odd slow step (a compile, a collection), and no
+The cap follows the median of the last WINDOW decode-only steps, each timed to its own tokens (step_clock.py). Steps
+that computed prompt tokens are left out: how long a prefill takes depends on its prompts, not on the batch, and a
+cap cut for a long prompt would only keep requests waiting (unless WINDOW steps in a row computed prompts, as while
+a long prompt is prefilled in chunks or admission runs every step: then each counts until a decode-only step comes,
+so that the batch cannot grow unseen). The median ignores the odd slow step (a compile, a collection), and no
 verdict comes before WINDOW steps were seen, so a fresh engine's first steps move nothing.
 
     median > itl_slo_s    a verdict on the window, which then starts again: cap = the step's batch × itl_slo_s /
@@ -74,10 +74,10 @@ class BatchLimiter:
         """The median of the window's decode steps; None until it holds WINDOW of them."""
         return statistics.median(s.seconds for s in self._window) if len(self._window) == WINDOW else None
 
-    def observe(self, step: Step | None, held: bool) -> None:
-        """At a plan: `step` is the one planned before (None: none was timed); `held`: whether the cap holds
-        requests back (as many run as it allows, or more, and requests wait)."""
-        if step is None or self._draining(step.seqs):
+    def observe(self, step: Step, held: bool) -> None:
+        """At a plan: `step` is one whose tokens came since the last plan; `held`: whether the cap holds requests
+        back (as many run as it allows, or more, and requests wait)."""
+        if self._draining(step.seqs):
             return
         self._prefill_run = self._prefill_run + 1 if step.prompt_tokens else 0
         if 0 < self._prefill_run < WINDOW:

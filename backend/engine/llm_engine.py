@@ -242,8 +242,10 @@ class LLMEngine:
         """Read a launched step's tokens and append them; those of requests finished since it was launched (an
         abort, or a stop found in the step before) are dropped."""
         outputs = []
+        tokens = self.runner.collect(step)
+        self.scheduler.step_done()
         now = time.monotonic()
-        for request, token in self.runner.collect(step):
+        for request, token in tokens:
             if not request.finished:
                 outputs.append(self._append_token(request, token, now))
         return outputs

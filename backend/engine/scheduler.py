@@ -43,7 +43,7 @@ from slora.backend.engine.request import FinishReason, Request, RequestStatus
 from slora.backend.engine.scheduling_policy import FairPolicy, FcfsPolicy, SchedulingPolicy
 from slora.backend.engine.slo import SWEEP_INTERVAL_S, SloGuard, SloSettings
 from slora.backend.engine.slot_shares import HEAVY_TARGET, DemandMeter, heavy, may_admit, shares
-from slora.backend.engine.step_clock import StepClock
+from slora.backend.engine.step_clock import Step, StepClock
 from slora.backend.engine.tenants import TenantBook, served_tokens
 from slora.backend.errors import AdapterError, SloraError, SloRefusedError
 from slora.backend.executor.batch import ScheduledSeq
@@ -171,13 +171,8 @@ class Scheduler:
         out = SchedulerOutput()
         timed = self._deadlines or self.limiter is not None
         now = self.clock() if timed else 0.0
-        step = self.steps.lap(now) if timed else None
-        if step is not None and self._deadlines:
-            self.guard.meter.observe(step)
-        if self.limiter is not None:
-            self.limiter.observe(step, len(self.running) >= self.max_running() and bool(self.policy))
-        if self.heavy_limiter is not None:
-            self.heavy_limiter.observe(step, len(self.running) >= self.heavy_limiter.cap and bool(self.policy))
+        if timed:
+            self._observe(self.steps.completed())
         if self._deadlines:
             self._refuse_late(out, now)
         budget = self._schedule_running(out, self.limits.max_batch_tokens)
@@ -197,6 +192,20 @@ class Scheduler:
         elif self._deadlines:
             self.guard.meter.idle()  # nothing runs this step (all refused, or every last token in flight)
         return out
+
+    def _observe(self, steps: list[Step]) -> None:
+        """Give the steps whose tokens came since the last plan to the guard's meter and the limiters."""
+        for step in steps:
+            if self._deadlines:
+                self.guard.meter.observe(step)
+            if self.limiter is not None:
+                self.limiter.observe(step, len(self.running) >= self.max_running() and bool(self.policy))
+            if self.heavy_limiter is not None:
+                self.heavy_limiter.observe(step, len(self.running) >= self.heavy_limiter.cap and bool(self.policy))
+
+    def step_done(self) -> None:
+        """The engine read the tokens of the oldest step launched (step_clock.py)."""
+        self.steps.finished(self.clock())
 
     def max_running(self) -> int:
         """Requests that may run at once now: max_num_seqs, or less while itl_slo_s caps the batch."""

@@ -1,13 +1,21 @@
-"""Engine steps timed from one plan to the next: what the SLO guard's rates and the batch limiter measure.
+"""Engine steps timed by when their tokens come: what the SLO guard's rates and the batch limiter measure.
 
-The scheduler plans a step, the engine runs it, the scheduler plans the next: the time between two plans is one
-step's duration, and on a busy engine the time between two tokens of every request in it. One clock serves both
-readers (slo.RateMeter, batch_limit.BatchLimiter), so that they agree on what a step took. `stop` is called when
-nothing is left to run: the wait for new work is no step's time.
+A step's time is the time between its tokens and the previous step's, the inter-token latency of every request
+in both; after a pause (nothing to run, or a plan with nothing in it) it is timed from its own plan. With
+overlapped steps (EngineConfig.overlap_steps) the engine plans and launches step k+1 before it reads step k's
+tokens, so the time from one plan to the next is the GPU's time for the step before: timed plan to plan, a
+decode-only step would carry the time of the prefill before it, and the limiter would cut the batch for prompts
+(step time that no cut of the batch takes away). Timing each step to its own tokens keeps a step's time with the
+step that spent it, with or without overlap.
+
+The scheduler tells the clock of each plan (`started`); the engine, when it has read a step's tokens
+(`finished`, in plan order); the scheduler takes the steps finished since its last plan (`completed`). One clock
+serves both readers (slo.RateMeter, batch_limit.BatchLimiter), so that they agree on what a step took.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -20,19 +28,33 @@ class Step:
 
 class StepClock:
     def __init__(self) -> None:
-        self._open: tuple[float, int, int] | None = None  # the step planned last: (when, prompt tokens, requests)
-
-    def lap(self, now: float) -> Step | None:
-        """The step planned last, timed up to `now` (the next plan); None when none ran since the clock stopped."""
-        if self._open is None:
-            return None
-        start, prompt_tokens, seqs = self._open
-        self._open = None
-        return Step(now - start, prompt_tokens, seqs)
+        self._launched: deque[tuple[float, int, int]] = deque()  # planned, tokens not read: (when, prompt, seqs)
+        self._last_tokens: float | None = None  # when the last step's tokens were read; None after a pause
+        self._done: list[Step] = []
 
     def started(self, now: float, prompt_tokens: int, seqs: int) -> None:
-        """A step of `seqs` requests computing `prompt_tokens` prompt tokens was planned at `now` (none if 0)."""
-        self._open = (now, prompt_tokens, seqs) if seqs else None
+        """A step of `seqs` requests computing `prompt_tokens` prompt tokens was planned at `now`; a plan with no
+        request is a pause."""
+        if seqs:
+            self._launched.append((now, prompt_tokens, seqs))
+        else:
+            self._last_tokens = None
+
+    def finished(self, now: float) -> None:
+        """The oldest launched step's tokens were read at `now` (nothing if no step is open)."""
+        if not self._launched:
+            return
+        start, prompt_tokens, seqs = self._launched.popleft()
+        since = start if self._last_tokens is None else self._last_tokens
+        self._last_tokens = now
+        self._done.append(Step(now - since, prompt_tokens, seqs))
+
+    def completed(self) -> list[Step]:
+        """The steps finished since the last call, oldest first."""
+        done, self._done = self._done, []
+        return done
 
     def stop(self) -> None:
-        self._open = None
+        """Nothing is left to run: the wait for new work is no step's time, and steps still open are dropped."""
+        self._launched.clear()
+        self._last_tokens = None

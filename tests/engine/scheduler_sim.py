@@ -82,6 +82,8 @@ class Sim:
         seconds = self.step_s if self.pace is None else self.pace(len(plan.seqs))
         self.durations.append(seconds)
         self.clock.now += seconds
+        if plan.seqs:
+            self.scheduler.step_done()  # the step's tokens, at its end
         return plan
 
     def run(self, until: Callable[[], bool] | None = None, max_steps: int = 20_000) -> None:

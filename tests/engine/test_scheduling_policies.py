@@ -290,17 +290,46 @@ def test_rate_meter_gives_no_rate_while_limited_rounds_admit_none() -> None:
     assert meter.admitted_per_s() is None
 
 
-def test_the_step_clock_times_plan_to_plan_and_not_the_wait_for_work() -> None:
+def test_the_step_clock_times_each_step_to_its_tokens_and_not_the_wait_for_work() -> None:
     clock = StepClock()
-    assert clock.lap(0.0) is None
+    assert clock.completed() == []
     clock.started(1.0, 12, 3)
-    assert clock.lap(1.25) == Step(0.25, 12, 3)
-    assert clock.lap(1.5) is None, "each step is timed once"
+    clock.finished(1.25)
+    assert clock.completed() == [Step(0.25, 12, 3)]
+    assert clock.completed() == [], "each step is timed once"
+    clock.started(1.3, 0, 3)
+    clock.finished(1.5)  # busy since the last tokens: the time between two steps' tokens
+    assert clock.completed() == [Step(0.25, 0, 3)]
     clock.started(2.0, 0, 3)
-    clock.stop()  # nothing left to run: the time to the next plan is a wait
-    assert clock.lap(9.0) is None
+    clock.stop()  # nothing left to run: the step is dropped, and the time to the next plan is a wait
+    clock.finished(9.0)
+    assert clock.completed() == []
     clock.started(9.0, 0, 0)  # an empty plan starts no step
-    assert clock.lap(9.5) is None
+    clock.finished(9.5)
+    assert clock.completed() == []
+    clock.started(10.0, 0, 2)
+    clock.finished(10.5)  # timed from its own plan after a pause, not from the tokens before it
+    assert clock.completed() == [Step(0.5, 0, 2)]
+
+
+def test_overlapped_steps_keep_each_steps_time_with_the_step_that_spent_it() -> None:
+    """With overlap the engine plans step k+1 before it reads step k's tokens. A GPU that takes 0.05 s for a
+    prefill step and 0.01 s for a decode step: the decode-only steps are timed at 0.01 s, although the time from
+    each decode step's plan to the next plan is the prefill's."""
+    clock = StepClock()
+    gpu_done = 0.0
+    kinds = [(256, 0.05), (0, 0.01)] * 8
+    plan_at = 0.0
+    done: list[Step] = []
+    for k, (prompt, _) in enumerate(kinds):
+        clock.started(plan_at, prompt, 10)
+        if k > 0:  # read the step before, launched one plan ago
+            gpu_done += kinds[k - 1][1]
+            clock.finished(gpu_done)
+            plan_at = gpu_done  # the next plan comes once those tokens are read
+        done += clock.completed()
+    assert [s.prompt_tokens for s in done] == [256, 0] * 7 + [256]
+    assert [s.seconds for s in done] == pytest.approx([0.05, 0.01] * 7 + [0.05])
 
 
 def _busy_sim(settings: SloSettings, n: int = 60) -> Sim:
