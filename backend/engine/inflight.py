@@ -23,8 +23,10 @@ class InflightStep:
     tokens: torch.Tensor  # int64 [num_sampled], on the device: one per batch.sampled
     requests: list[Request]  # batch.sampled's requests, in that order
     index: dict[int, int] = field(default_factory=dict)  # id(request) -> its position in `tokens`, built lazily
+    began: torch.cuda.Event | None = None  # CUDA: recorded (with timing) ahead of the step's forward
     host_tokens: torch.Tensor | None = None  # CUDA: page-locked copy of `tokens`, complete once `copied` is
     copied: torch.cuda.Event | None = None
+    device_s: float | None = None  # after read(), with `began`: the step's own time on the device's stream
 
     def __post_init__(self) -> None:
         # Reading `tokens` itself would queue its copy behind everything launched since (the next step): the copy
@@ -32,7 +34,7 @@ class InflightStep:
         if self.tokens.is_cuda:
             self.host_tokens = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
             self.host_tokens.copy_(self.tokens, non_blocking=True)
-            self.copied = torch.cuda.Event()
+            self.copied = torch.cuda.Event(enable_timing=self.began is not None)
             self.copied.record()
 
     def position(self, request: Request) -> int:
@@ -45,6 +47,8 @@ class InflightStep:
         if self.copied is not None and self.host_tokens is not None:
             self.copied.synchronize()
             values = self.host_tokens.tolist()
+            if self.began is not None:
+                self.device_s = self.began.elapsed_time(self.copied) / 1000.0
         else:
             values = self.tokens.tolist()
         for request in self.requests:

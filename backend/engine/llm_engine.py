@@ -243,7 +243,7 @@ class LLMEngine:
         abort, or a stop found in the step before) are dropped."""
         outputs = []
         tokens = self.runner.collect(step)
-        self.scheduler.step_done()
+        self.scheduler.step_done(step.device_s)
         now = time.monotonic()
         for request, token in tokens:
             if not request.finished:

@@ -203,9 +203,10 @@ class Scheduler:
             if self.heavy_limiter is not None:
                 self.heavy_limiter.observe(step, len(self.running) >= self.heavy_limiter.cap and bool(self.policy))
 
-    def step_done(self) -> None:
-        """The engine read the tokens of the oldest step launched (step_clock.py)."""
-        self.steps.finished(self.clock())
+    def step_done(self, device_s: float | None = None) -> None:
+        """The engine read the tokens of the oldest step launched; `device_s`: its time on the device, where
+        timed there (step_clock.py)."""
+        self.steps.finished(self.clock(), device_s)
 
     def max_running(self) -> int:
         """Requests that may run at once now: max_num_seqs, or less while itl_slo_s caps the batch."""

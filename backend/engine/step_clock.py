@@ -1,12 +1,14 @@
-"""Engine steps timed by when their tokens come: what the SLO guard's rates and the batch limiter measure.
+"""Engine steps, each timed by its own work: what the SLO guard's rates and the batch limiter measure.
 
-A step's time is the time between its tokens and the previous step's, the inter-token latency of every request
-in both; after a pause (nothing to run, or a plan with nothing in it) it is timed from its own plan. With
-overlapped steps (EngineConfig.overlap_steps) the engine plans and launches step k+1 before it reads step k's
-tokens, so the time from one plan to the next is the GPU's time for the step before: timed plan to plan, a
-decode-only step would carry the time of the prefill before it, and the limiter would cut the batch for prompts
-(step time that no cut of the batch takes away). Timing each step to its own tokens keeps a step's time with the
-step that spent it, with or without overlap.
+On CUDA a step's time is its time on the device's stream: from an event recorded ahead of its forward to the copy
+of its sampled tokens (model_runner.py, inflight.py). Timers on the host cannot give it with overlapped steps
+(EngineConfig.overlap_steps): the engine plans and launches step k+1 before it reads step k's tokens, so the time
+from one plan to the next is the GPU's time for the step before, and the time between two steps' tokens carries
+the next step's launch (an eager prefill's kernels launched one by one). With admission every other step, prefill
+steps and decode-only ones alternate, and either host timer gives a decode-only step a prefill's time: the limiter
+then cuts the batch for prompts, a cut that makes no step shorter. Elsewhere (CPU, where a step runs while it is
+launched) a step's time is the time between its tokens and the previous step's; after a pause (nothing to run, or
+a plan with nothing in it) it is timed from its own plan.
 
 The scheduler tells the clock of each plan (`started`); the engine, when it has read a step's tokens
 (`finished`, in plan order); the scheduler takes the steps finished since its last plan (`completed`). One clock
@@ -40,14 +42,15 @@ class StepClock:
         else:
             self._last_tokens = None
 
-    def finished(self, now: float) -> None:
-        """The oldest launched step's tokens were read at `now` (nothing if no step is open)."""
+    def finished(self, now: float, device_s: float | None = None) -> None:
+        """The oldest launched step's tokens were read at `now` (nothing if no step is open); `device_s`: its time
+        on the device, where it was timed there."""
         if not self._launched:
             return
         start, prompt_tokens, seqs = self._launched.popleft()
         since = start if self._last_tokens is None else self._last_tokens
         self._last_tokens = now
-        self._done.append(Step(now - since, prompt_tokens, seqs))
+        self._done.append(Step(now - since if device_s is None else device_s, prompt_tokens, seqs))
 
     def completed(self) -> list[Step]:
         """The steps finished since the last call, oldest first."""

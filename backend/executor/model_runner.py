@@ -38,6 +38,17 @@ def step_kind(batch: ForwardBatch, graph: bool) -> str:
     return "decode" if batch.num_tokens == len(batch.seqs) else "mixed"
 
 
+def _device_clock(device: torch.device) -> torch.cuda.Event | None:
+    """On CUDA, an event recorded now on the current stream: from it to the step's tokens is the step's own time
+    on the device, whatever the host did meanwhile (with overlapped steps its tokens are read after the next step
+    is launched, and a timer on the host would give this step the next one's launch)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 class ModelRunner:
     def __init__(self, model: DecoderModel, pool: PagePool, graphs: DecodeGraphs | None = None) -> None:
         self.model = model
@@ -65,6 +76,7 @@ class ModelRunner:
         built = time.perf_counter()
         self._wait_for_adapters(batch)
         waited = time.perf_counter()
+        on_device = _device_clock(self.device)
         graph = False
         if self.graphs is not None and self.graphs.fits(batch):
             graph = True
@@ -81,7 +93,7 @@ class ModelRunner:
         launched = time.perf_counter()
         phases = (built - began, waited - built, launched - waited, 0.0)
         self.last_step = StepShape(step_kind(batch, graph), len(batch.seqs), batch.num_tokens, phases)
-        return InflightStep(batch, tokens, requests)
+        return InflightStep(batch, tokens, requests, began=on_device)
 
     def collect(self, step: InflightStep) -> list[tuple[Request, int]]:
         """Wait for a launched step's tokens: (request, token) for each sequence that sampled. The time spent

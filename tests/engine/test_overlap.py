@@ -240,3 +240,17 @@ def _submit(loop: EngineLoop, sink: RequestCallbacks, request_id: str, callback:
             prompt: list[int], adapter: str | None, sampling: SamplingParams) -> str:  # fmt: skip
     sink.add(request_id, callback)
     return loop.submit(prompt, adapter, sampling, request_id)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a step timed on the device's stream")
+def test_a_step_is_timed_by_its_own_work_on_the_device_not_by_the_work_queued_before_it() -> None:
+    """With overlapped steps a step is launched while the one before still runs: its time (step_clock.py) starts
+    when the device reaches it."""
+    torch.cuda._sleep(1_000_000_000)  # "the step before": ~0.5 s of GPU time queued ahead
+    began = torch.cuda.Event(enable_timing=True)
+    began.record()
+    torch.cuda._sleep(100_000_000)  # the step's own work: ~0.05 s
+    step = InflightStep(batch=None, tokens=torch.zeros(4, dtype=torch.int64, device="cuda"), requests=[],  # type: ignore[arg-type]
+                        began=began)  # fmt: skip
+    step.read()
+    assert step.device_s is not None and 0.0 < step.device_s < 0.3, step.device_s

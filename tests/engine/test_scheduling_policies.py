@@ -312,6 +312,15 @@ def test_the_step_clock_times_each_step_to_its_tokens_and_not_the_wait_for_work(
     assert clock.completed() == [Step(0.5, 0, 2)]
 
 
+def test_a_step_timed_on_the_device_keeps_that_time() -> None:
+    clock = StepClock()
+    clock.started(1.0, 256, 4)
+    clock.started(1.1, 0, 4)  # overlapped: the next step is planned before the first one's tokens are read
+    clock.finished(1.4, 0.05)
+    clock.finished(1.5, 0.01)
+    assert clock.completed() == [Step(0.05, 256, 4), Step(0.01, 0, 4)]
+
+
 def test_overlapped_steps_keep_each_steps_time_with_the_step_that_spent_it() -> None:
     """With overlap the engine plans step k+1 before it reads step k's tokens. A GPU that takes 0.05 s for a
     prefill step and 0.01 s for a decode step: the decode-only steps are timed at 0.01 s, although the time from
