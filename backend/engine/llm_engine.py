@@ -400,6 +400,7 @@ class LLMEngine:
             refused_queue_timeout=refusals[RefusalReason.QUEUE_TIMEOUT.value],
             tenants=self.scheduler.tenant_stats(self.config.tenant_stats_top),
             max_running=self.scheduler.max_running(),
+            heavy_max_running=self.scheduler.heavy_max_running(),
         )
 
     def list_adapters(self) -> list[AdapterInfo]:

@@ -71,6 +71,7 @@ class EngineStats:
     refused_queue_timeout: int = 0
     tenants: list[TenantStats] = field(default_factory=list)  # EngineConfig.tenant_stats_top, most queued first
     max_running: int = 0  # requests that may run at once now: max_num_seqs, or less while itl_slo_s caps it
+    heavy_max_running: int = 0  # the batch a heavy tenant is admitted up to while others have work (fair, itl_slo_s)
 
 
 def failed_output(request_id: str, exc: Exception, reason: str = "error") -> RequestOutput:

@@ -212,6 +212,12 @@ class Scheduler:
         """Requests that may run at once now: max_num_seqs, or less while itl_slo_s caps the batch."""
         return self.limits.max_num_seqs if self.limiter is None else min(self.limits.max_num_seqs, self.limiter.cap)
 
+    def heavy_max_running(self) -> int:
+        """Requests a heavy tenant may fill the batch up to while other tenants have work (slot_shares.py):
+        max_running() unless fair with itl_slo_s keeps the heavy tenants' step target."""
+        most = self.max_running()
+        return most if self.heavy_limiter is None else min(most, self.heavy_limiter.cap)
+
     def tenant_stats(self, limit: int) -> list[TenantStats]:
         """The `limit` tenants with most requests waiting and running; tokens served include the running ones'."""
         if limit <= 0:

@@ -223,7 +223,16 @@ def test_the_engine_with_the_cap_gives_the_same_tokens(llama: ModelWithAdapters)
     got = capped.generate(prompts, adapters, greedy)  # steps slower than the target: the cap cut, still served
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
     assert capped.scheduler.limiter.cap < 8 and capped.stats().max_running == capped.scheduler.limiter.cap
-    assert LLMEngine(config).stats().max_running == 8  # uncapped: max_num_seqs
+    assert capped.stats().heavy_max_running == capped.stats().max_running  # fcfs: no second cap
+    assert LLMEngine(config).stats().max_running == 8 == LLMEngine(config).stats().heavy_max_running  # uncapped
+    fair = LLMEngine(EngineConfig.from_dict({**config.__dict__, "itl_slo_s": "0.0001", "scheduling_policy": "fair"}))
+    fair.generate(prompts, adapters, greedy)
+    heavy = fair.scheduler.heavy_limiter
+    assert (
+        heavy is not None
+        and heavy.cap < 8
+        and fair.stats().heavy_max_running == min(heavy.cap, fair.stats().max_running)
+    )
 
 
 @pytest.mark.parametrize("value", [0, -1, "inf", "nan"])

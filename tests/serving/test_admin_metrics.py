@@ -63,7 +63,7 @@ def test_metrics_are_present_and_move(server: Server) -> None:
     for family in ('slora_pool_pages{kind="free"}', 'slora_pool_pages{kind="adapter"}', "slora_kv_cache_usage_ratio",
                    'slora_adapters{tier="gpu"}', 'slora_adapters{tier="host"}', 'slora_adapters{tier="disk"}',
                    'slora_requests{state="running"}', 'slora_requests{state="waiting"}', "slora_adapter_loads_total",
-                   "slora_max_running_requests",
+                   "slora_max_running_requests", "slora_heavy_max_running_requests",
                    "slora_adapter_evictions_total", "slora_adapter_disk_reads_total",
                    "slora_adapter_host_evictions_total", "slora_preemptions_total", "slora_generated_tokens_total",
                    'slora_requests_finished_total{reason="length"}', "slora_time_to_first_token_seconds_count",
@@ -72,6 +72,7 @@ def test_metrics_are_present_and_move(server: Server) -> None:
     known = len(_rows(server))
     wait_for_metric(server.metrics_url, 'slora_adapters{tier="disk"}', lambda v: v == known)
     wait_for_metric(server.metrics_url, "slora_max_running_requests", lambda v: v == MAX_NUM_SEQS)  # no itl_slo_s
+    wait_for_metric(server.metrics_url, "slora_heavy_max_running_requests", lambda v: v == MAX_NUM_SEQS)
     tokens = _generate(server, "demo-all-r8", max_tokens=5)
     assert len(tokens) == 5
     # Each series reaches Triton on its own path (engine statistics, or events from the responder), so each is

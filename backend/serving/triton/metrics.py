@@ -7,6 +7,10 @@
     slora_requests{state="running|waiting"}         gauge      requests in the batch / queued
     slora_max_running_requests                      gauge      requests the batch may hold now: max_num_seqs, or
                                                                less while itl_slo_s caps it (batch_limit.py)
+    slora_heavy_max_running_requests                gauge      the batch a heavy tenant (a flood) is admitted up to
+                                                               while other tenants have work: under fair with
+                                                               itl_slo_s, the heavy tenants' step target's cap
+                                                               (slot_shares.py); else as the line above
     slora_adapter_loads_total                       counter    adapter copies into the pool
     slora_adapter_evictions_total                   counter    adapters evicted from the pool
     slora_adapter_disk_reads_total                  counter    adapters read from disk into host memory
@@ -97,6 +101,11 @@ class TritonMetrics(NullMetrics):
         self.max_running = self._family(
             "slora_max_running_requests", "Requests the batch may hold now (max_num_seqs, or the itl_slo_s cap)", gauge
         ).Metric(labels={})
+        self.heavy_max_running = self._family(
+            "slora_heavy_max_running_requests",
+            "The batch a heavy tenant is admitted up to while other tenants have work (fair with itl_slo_s)",
+            gauge,
+        ).Metric(labels={})
         self.counters = {
             "adapter_loads": self._family("slora_adapter_loads_total", "Adapter copies into the pool", counter),
             "adapter_evictions": self._family(
@@ -178,7 +187,7 @@ class TritonMetrics(NullMetrics):
         # Metrics must go before their families.
         self.pages = self.adapters = self.requests = self.counters = self.finished = {}
         self.kv_usage = self.ttft = self.itl = self.serving = self._lora_metric = self._lora_family = None
-        self.max_running = None
+        self.max_running = self.heavy_max_running = None
         self._tenant_metrics = {}
         self._tenant_families = ()
         self._families.clear()
@@ -225,6 +234,7 @@ class TritonMetrics(NullMetrics):
         self.requests["running"].set(stats.running)
         self.requests["waiting"].set(stats.waiting)
         self.max_running.set(stats.max_running)
+        self.heavy_max_running.set(stats.heavy_max_running)
         for key, metric in self.counters.items():
             total = getattr(stats, key)
             if total > self._counted[key]:
