@@ -8,12 +8,13 @@ slower. With `itl_slo_s`, the running requests are capped instead, and the rest 
 `fair`, the light tenants' requests are admitted ahead of the flood's backlog (VTC), and early abort refuses what
 would then miss its first-token SLO.
 
-The cap follows the median of the last WINDOW decode-only steps, each timed to its own tokens (step_clock.py). Steps
-that computed prompt tokens are left out: how long a prefill takes depends on its prompts, not on the batch, and a
-cap cut for a long prompt would only keep requests waiting (unless WINDOW steps in a row computed prompts, as while
-a long prompt is prefilled in chunks or admission runs every step: then each counts until a decode-only step comes,
-so that the batch cannot grow unseen). The median ignores the odd slow step (a compile, a collection), and no
-verdict comes before WINDOW steps were seen, so a fresh engine's first steps move nothing.
+The cap follows the median of the last WINDOW decode-only steps, each timed by its own work (step_clock.py: on CUDA,
+its time on the device's stream). Steps that computed prompt tokens are left out: how long a prefill takes depends
+on its prompts, not on the batch, and a cap cut for a long prompt would only keep requests waiting (unless WINDOW
+steps in a row computed prompts, as while a long prompt is prefilled in chunks or admission runs every step: then
+each counts until a decode-only step comes, so that the batch cannot grow unseen). The median ignores the odd slow
+step (a compile, a collection), and no verdict comes before WINDOW steps were seen, so a fresh engine's first steps
+move nothing.
 
     median > itl_slo_s    a verdict on the window, which then starts again: cap = the step's batch × itl_slo_s /
                           median, between FLOOR and DECREASE of it (at least 1), if that is below the cap (a
