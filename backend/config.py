@@ -63,6 +63,10 @@ class EngineConfig:
     # Replay decode steps as captured CUDA graphs (CUDA + triton kernels; cuda_graphs.py), buckets up to
     # max_num_seqs; auto: on where the Triton kernels run on CUDA, without tensor parallelism.
     cuda_graphs: bool | None = None
+    # Replay steps with prompts as captured CUDA graphs too (mixed_graphs.py), buckets of tokens up to
+    # max_batch_tokens and of sequences up to max_num_seqs, captured at start; needs cuda_graphs. auto: on with
+    # cuda_graphs.
+    mixed_cuda_graphs: bool | None = None
     # How the Triton kernels run a step (kernel_backend triton, or auto on CUDA; the torch references ignore these).
     # They reach the kernels as one kernels.settings.KernelSettings (kernel_settings()), built where the engine
     # builds its ops. Defaults: the rules that served the H200 benchmarks best (perf/RESULTS.md).
@@ -273,6 +277,8 @@ def _check_tensor_parallel(config: EngineConfig) -> None:
     _positive(config, "tensor_parallel_size")
     if config.tensor_parallel_size > 1 and config.cuda_graphs:
         raise ValueError("tensor_parallel_size > 1 does not run CUDA graphs yet: set cuda_graphs=false")
+    if config.mixed_cuda_graphs and config.cuda_graphs is False:
+        raise ValueError("mixed_cuda_graphs needs cuda_graphs: set cuda_graphs=true or mixed_cuda_graphs=false")
     if config.tensor_parallel_size > 1 and config.kernel_backend == "bmm":
         raise ValueError("tensor_parallel_size > 1 needs kernel_backend auto, torch or triton, not 'bmm'")
 

@@ -79,7 +79,7 @@ class SegmentGroup:
     @functools.cached_property
     def max_segment_len(self) -> int:
         if self.static is not None:
-            return 1
+            return self.static.segment_len
         return max((end - start for _, start, end, _ in self.segments), default=0)
 
     @functools.cached_property
@@ -149,6 +149,9 @@ class AttentionMeta:
     seq_lens_host: list[int]
     block_tables_host: list[list[int]]
 
+    # A captured CUDA graph's groups (backend/executor/mixed_graphs.py): static tile buffers refilled before each
+    # replay, decodes apart from prompts, instead of groups derived from the step.
+    static_groups: list[SegmentGroup] | None = None
     _groups: dict[bool, list[SegmentGroup]] = field(default_factory=dict, repr=False, compare=False)
     # Kernel launches built by the first layer of the step, reused by the others (kernels/triton/paged_attention.py).
     launches: dict[object, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -167,6 +170,8 @@ class AttentionMeta:
 
     def groups(self, split: bool = True) -> list[SegmentGroup]:
         """The sequences in launch groups (see length_groups): decodes apart from prompts when a step has both."""
+        if self.static_groups is not None:
+            return self.static_groups
         if split not in self._groups:
             starts = self.q_start_host
             seqs = [(i, starts[i], starts[i + 1], i) for i in range(len(starts) - 1)]
@@ -189,6 +194,9 @@ class StaticBounds:
     tile_block: int  # tokens per tile the buffer was built for
     modules: frozenset[int] = frozenset(range(7))  # the only modules any adapter of a replayed step may target
     kind: str = "decode"  # the LoRA kernels' configs (SegmentGroup.kind): "mixed" for steps of few adapters
+    # The segment length the launchers pick their configs by (SegmentGroup.max_segment_len): 1 for decode tiles;
+    # an attention group of prompts gets a prompt's (above SHORT_SEGMENT: prompt-sized query tiles).
+    segment_len: int = 1
 
 
 @dataclass

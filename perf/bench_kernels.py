@@ -43,8 +43,9 @@ from slora.backend.engine.defaults import AUTO_SEQS
 from slora.backend.engine.request import Request
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.executor.batch import ScheduledSeq, build_batch, build_lora_meta, order_by_adapter
-from slora.backend.executor.cuda_graphs import bucket_for, bucket_sizes, rank_bound
-from slora.backend.executor.static_lora import StaticLora
+from slora.backend.executor.cuda_graphs import bucket_for, bucket_sizes
+from slora.backend.executor.graph_families import rank_bound
+from slora.backend.executor.static_lora import StaticLora, decode_tiling
 from slora.backend.memory.adapter_cache import AdapterCache, ResidentAdapter
 from slora.backend.memory.page_pool import PageKind, PagePool, PoolGeometry
 from slora.backend.model.spec import LORA_MODULES
@@ -413,7 +414,7 @@ def graph_meta(case: LoraCase) -> tuple[LoraMeta, int] | None:
     bound = rank_bound(meta.max_rank, GRAPH_MAX_RANK)
     device = meta.token_adapter.device
     few = kernel_settings.few_adapters_max if meta.of_few_adapters(kernel_settings) else None
-    static = StaticLora(size, meta.targeted_modules(), bound, meta.row_align, device, few)
+    static = StaticLora(size, size, meta.targeted_modules(), bound, meta.row_align, device, decode_tiling(size, few))
     static.fill(meta, n)
     return static.meta, size
 

@@ -6,7 +6,7 @@ stages, because the pool's size is known only once the weights are on the device
 
     resolve_before_model   host_budget_bytes, preload_adapters, warmup, adapter_image_cache,  (device, machine)
                            max_bypass
-    resolve_with_pool      cuda_graphs, max_num_seqs, max_batch_tokens                         (ops, pool, model)
+    resolve_with_pool      cuda_graphs, mixed_cuda_graphs, max_num_seqs, max_batch_tokens      (ops, pool, model)
 
 `log_choices` logs one INFO line per option at start: its value and why (the rule, or "given").
 
@@ -82,9 +82,10 @@ def resolve_with_pool(
 ) -> tuple[EngineConfig, list[Choice]]:
     """The config with the options the kernels and the pool decide resolved; `pool_tokens`: pages × page_size."""
     graphs = cuda_graphs_rule(config, device, ops_name)
+    mixed = mixed_graphs_rule(config, cast(bool, graphs.value))
     seqs = max_num_seqs_rule(config, device, pool_tokens)
     tokens = max_batch_tokens_rule(config, device, cast(int, seqs.value), pool_tokens)
-    choices = [graphs, seqs, tokens]
+    choices = [graphs, mixed, seqs, tokens]
     return _apply(config, choices), choices
 
 
@@ -144,6 +145,17 @@ def cuda_graphs_rule(config: EngineConfig, device: torch.device, ops_name: str) 
     if on is False and config.tensor_parallel_size > 1:
         why = "tensor parallelism"
     return Choice("cuda_graphs", on, f"auto: {'on' if on else 'off'} ({why})")
+
+
+def mixed_graphs_rule(config: EngineConfig, cuda_graphs: bool) -> Choice:
+    """On with cuda_graphs (resolved), else off; a value given is kept, but on without cuda_graphs is refused."""
+    name = "mixed_cuda_graphs"
+    if config.mixed_cuda_graphs is not None:
+        if config.mixed_cuda_graphs and not cuda_graphs:
+            raise ValueError("mixed_cuda_graphs=true needs cuda_graphs, which is off here (a CUDA device and the "
+                             "Triton kernels, without tensor parallelism)")  # fmt: skip
+        return Choice(name, config.mixed_cuda_graphs, "given")
+    return Choice(name, cuda_graphs, f"auto: {'on' if cuda_graphs else 'off'} with cuda_graphs")
 
 
 def max_num_seqs_rule(config: EngineConfig, device: torch.device, pool_tokens: int) -> Choice:

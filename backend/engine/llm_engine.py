@@ -68,7 +68,7 @@ class LLMEngine:
                                  parts.store.budget_bytes // READ_AHEAD_SHARE, c.max_bypass)  # fmt: skip
         self._limits = limits
         self.scheduler = _scheduler(c, limits, parts.pool, parts.cache, parts.store)
-        self.runner = ModelRunner(self.model, self.pool, parts.graphs)
+        self.runner = ModelRunner(self.model, self.pool, parts.graphs, parts.mixed_graphs)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(self.config.seed)
@@ -266,8 +266,9 @@ class LLMEngine:
         )
 
     def capture_graphs_for_host_adapters(self) -> None:
-        """With CUDA graphs: capture decode graphs sized for the adapters now in host memory (their modules and
-        largest rank), so that steps of them need no capture while serving (see cuda_graphs.py)."""
+        """With CUDA graphs: capture decode graphs (and those of steps with prompts) sized for the adapters now in
+        host memory (their modules and largest rank), so that steps of them need no capture while serving (see
+        cuda_graphs.py)."""
         graphs = self.runner.graphs
         if graphs is None:
             return
@@ -275,7 +276,10 @@ class LLMEngine:
         if not loaded:
             return
         modules = frozenset(LORA_MODULES.index(m) for ranks in loaded for m, rank in ranks.items() if rank)
-        graphs.add_family(modules, max(rank for ranks in loaded for rank in ranks.values()))
+        max_rank = max(rank for ranks in loaded for rank in ranks.values())
+        graphs.add_family(modules, max_rank)
+        if self.runner.mixed_graphs is not None:
+            self.runner.mixed_graphs.add_family(modules, max_rank)
 
     def evict_adapters(self) -> None:
         """Empty the pool of (unpinned) adapters, so that the next requests start cold on the GPU; the engine must

@@ -26,6 +26,7 @@ from slora.backend.engine.defaults import (
     resolve_with_pool,
 )
 from slora.backend.executor.cuda_graphs import DecodeGraphs, GraphLimits
+from slora.backend.executor.mixed_graphs import MixedGraphs, MixedLimits
 from slora.backend.memory.adapter_cache import AdapterCache
 from slora.backend.memory.page_pool import DEFAULT_PAGE_SIZE, PageKind, PagePool, PoolGeometry
 from slora.backend.model.checkpoint import load_checkpoint, random_weights
@@ -61,6 +62,7 @@ class Components:
     store: AdapterStore
     cache: AdapterCache
     graphs: DecodeGraphs | None
+    mixed_graphs: MixedGraphs | None = None
     parallel: WorkerGroup | None = None  # the tensor-parallel workers (ranks 1 ..) when tensor_parallel_size > 1
 
 
@@ -133,6 +135,7 @@ def _resolved(parts: Components, early: list[Choice]) -> Components:
     parts.config = config
     if parts.graphs is None:
         parts.graphs = _decode_graphs(config, parts.model, parts.pool, parts.max_model_len, config.kernel_settings())
+        parts.mixed_graphs = _mixed_graphs(config, parts.model, parts.pool, parts.max_model_len, parts.graphs)
     return parts
 
 
@@ -163,6 +166,20 @@ def _decode_graphs(
     graphs = DecodeGraphs(model, pool, limits, settings=settings)
     graphs.capture_all()
     return graphs
+
+
+def _mixed_graphs(
+    config: EngineConfig, model: DecoderModel, pool: PagePool, max_model_len: int, graphs: DecodeGraphs | None
+) -> MixedGraphs | None:
+    """With config.mixed_cuda_graphs, every bucket's graph of steps with prompts without LoRA, captured in the decode
+    graphs' memory pool (the adapters' families follow once the host adapters are known)."""
+    if not config.mixed_cuda_graphs or graphs is None:
+        return None
+    assert config.max_batch_tokens is not None and config.max_num_seqs is not None  # resolved (defaults.py)
+    limits = MixedLimits(config.max_batch_tokens, config.max_num_seqs, max_model_len, config.max_lora_rank)
+    mixed = MixedGraphs(model, pool, limits, row_align=graphs.row_align, pool_handle=graphs.pool_handle())
+    mixed.capture_all()
+    return mixed
 
 
 def _max_model_len(config: EngineConfig, spec: ModelSpec) -> int:

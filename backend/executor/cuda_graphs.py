@@ -34,19 +34,14 @@ from typing import Any, NamedTuple
 import torch
 
 from slora.backend.executor.batch import ForwardBatch
-from slora.backend.executor.static_lora import StaticLora
+from slora.backend.executor.graph_families import NO_MODULES, GraphFamilies, Modules
+from slora.backend.executor.static_lora import StaticLora, decode_tiling
 from slora.backend.memory.page_pool import PagePool
 from slora.backend.model.decoder import DecoderModel
-from slora.backend.model.spec import LORA_MODULES
 from slora.kernels.metadata import AttentionMeta, row_alignment
 from slora.kernels.settings import KernelSettings
 
 logger = logging.getLogger(__name__)
-
-Modules = frozenset[int]  # LoRA modules (indices into LORA_MODULES) the adapters of a graph's steps may target
-ALL_MODULES: Modules = frozenset(range(len(LORA_MODULES)))
-NO_MODULES: Modules = frozenset()
-MIN_RANK_BOUND = 16  # the LoRA kernels' rank chunk: smaller bounds would not shrink any grid
 
 
 class GraphKey(NamedTuple):
@@ -56,11 +51,6 @@ class GraphKey(NamedTuple):
     few: bool = (
         False  # the step's tokens belong to few adapters: tensor-core LoRA tiles (backend/executor/static_lora.py)
     )
-
-
-def rank_bound(max_rank: int, limit: int) -> int:
-    """The power of two (at least MIN_RANK_BOUND, at most `limit`) that bounds a step's largest rank."""
-    return min(limit, max(MIN_RANK_BOUND, 1 << (max(max_rank, 1) - 1).bit_length()))
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -117,8 +107,8 @@ class StaticDecode:
             seq_lens_host=[1] * size,
             block_tables_host=[[] for _ in range(size)],
         )
-        few = few_adapters if key.few else None
-        self._lora = StaticLora(size, key.modules, key.max_rank, row_align, device, few) if key.modules else None
+        tiling = decode_tiling(size, few_adapters if key.few else None)
+        self._lora = StaticLora(size, size, key.modules, key.max_rank, row_align, device, tiling) if key.modules else None
         self.lora = self._lora.meta if self._lora is not None else None
         self.batch = ForwardBatch(
             input_ids=self.input_ids,
@@ -175,9 +165,8 @@ class DecodeGraphs:
         self._static: dict[GraphKey, StaticDecode] = {}
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._logits: dict[GraphKey, torch.Tensor] = {}
-        self._pool_handle: Any = None  # one memory pool for every graph
-        self.generic = (ALL_MODULES, limits.max_lora_rank)  # covers every step; captured at start
-        self._families: list[tuple[Modules, int]] = [self.generic]  # (modules, rank bound) captured for all buckets
+        self._pool_handle: Any = None  # one memory pool for every graph (mixed_graphs.py's too)
+        self.families = GraphFamilies(limits.max_lora_rank)  # the generic family is captured at start
 
     def fits(self, batch: ForwardBatch) -> bool:
         return batch.attn.decode_only and batch.num_tokens <= self.sizes[-1]
@@ -187,7 +176,7 @@ class DecodeGraphs:
         if not self.capture:
             return
         for size in reversed(self.sizes):
-            self._capture(GraphKey(size, *self.generic))
+            self._capture(GraphKey(size, *self.families.generic))
             self._capture(GraphKey(size, NO_MODULES, 0))
         logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self._graphs), self.sizes)
 
@@ -210,10 +199,9 @@ class DecodeGraphs:
     def add_family(self, modules: Modules, max_rank: int) -> None:
         """Capture every bucket for adapters of these modules and ranks up to max_rank (e.g. those in host
         memory), so that their steps replay graphs sized for them without a capture while serving."""
-        family = (frozenset(modules), rank_bound(max_rank, self.limits.max_lora_rank))
-        if not family[0] or family in self._families:
+        family = self.families.add(modules, max_rank)
+        if family is None:
             return
-        self._families.append(family)
         if self.capture:
             for size in reversed(self.sizes):
                 self._capture(GraphKey(size, *family))
@@ -227,11 +215,7 @@ class DecodeGraphs:
         size = bucket_for(self.sizes, batch.num_tokens)
         if batch.lora is None:
             return GraphKey(size, NO_MODULES, 0)
-        modules, bound = batch.lora.targeted_modules(), rank_bound(batch.lora.max_rank, self.limits.max_lora_rank)
-        covering = [f for f in self._families if f[0] >= modules and f[1] >= bound]
-        best = min(covering, key=lambda f: (len(f[0]) * f[1], f[1]))
-        family_modules, family_bound = (modules, bound) if best == self.generic else best
-        return GraphKey(size, family_modules, family_bound, batch.lora.of_few_adapters(self.settings))
+        return GraphKey(size, *self.families.of_step(batch.lora), batch.lora.of_few_adapters(self.settings))
 
     def _buffers(self, key: GraphKey) -> StaticDecode:
         if key not in self._static:
@@ -239,19 +223,38 @@ class DecodeGraphs:
             self._static[key] = StaticDecode(key, self.limits, self.pool, self.row_align, few_adapters)
         return self._static[key]
 
-    def _capture(self, key: GraphKey) -> None:
+    def pool_handle(self) -> Any:
+        """The memory pool every graph is captured in: graphs replay one at a time on one stream, so those of
+        steps with prompts (mixed_graphs.py) share it too."""
         if self._pool_handle is None:
             self._pool_handle = torch.cuda.graph_pool_handle()
-        static = self._buffers(key)
-        # Warm-up outside the graph compiles the kernels; the padding writes nothing to the pool (slots -1).
-        stream = torch.cuda.Stream(self.pool.storage.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.model.forward(static.batch, self.pool)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: captures also happen while serving (keys first seen then), when the adapter copier's
-        # thread may be allocating pinned buffers or waiting on its events; only this thread's calls are checked.
-        with torch.cuda.graph(graph, pool=self._pool_handle, capture_error_mode="thread_local"):
-            self._logits[key] = self.model.forward(static.batch, self.pool)
-        self._graphs[key] = graph
+        return self._pool_handle
+
+    def _capture(self, key: GraphKey) -> None:
+        self._graphs[key], self._logits[key] = capture_forward(
+            self.model, self.pool, self._buffers(key).batch, self.pool_handle()
+        )
+
+
+def capture_forward(
+    model: DecoderModel, pool: PagePool, batch: ForwardBatch, pool_handle: Any, out: torch.Tensor | None = None
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """The graph of one forward over a static batch, in the memory pool `pool_handle`, and the logits it writes:
+    into `out` when given (a buffer that outlives the graph's pool), else a tensor of the pool that the caller keeps.
+
+    A forward first runs eagerly on a side stream: it compiles the kernels and builds their launches, which the
+    capture then records. The batch's buffers must hold a real step or padding that writes nothing to the pool."""
+    stream = torch.cuda.Stream(pool.storage.device)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        model.forward(batch, pool)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: captures also happen while serving (keys first seen then), when the adapter copier's
+    # thread may be allocating pinned buffers or waiting on its events; only this thread's calls are checked.
+    with torch.cuda.graph(graph, pool=pool_handle, capture_error_mode="thread_local"):
+        logits = model.forward(batch, pool)
+        if out is not None:
+            out.copy_(logits)
+            logits = out
+    return graph, logits

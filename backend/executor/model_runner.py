@@ -14,6 +14,7 @@ from slora.backend.executor.batch import ForwardBatch, ScheduledSeq
 from slora.backend.executor.cuda_graphs import DecodeGraphs
 from slora.backend.executor.decode_batch import DecodeBatches
 from slora.backend.executor.lora_tables import LoraTablesCache
+from slora.backend.executor.mixed_graphs import MixedGraphs
 from slora.backend.executor.sampler import sample_on_device
 from slora.backend.memory.page_pool import PagePool
 from slora.backend.model.decoder import DecoderModel
@@ -23,7 +24,9 @@ PHASES = ("build", "wait", "launch", "sample")
 
 @dataclass(frozen=True)
 class StepShape:
-    kind: str  # "graph" (a replayed decode graph), "decode" (eager, one token per sequence) or "mixed"
+    # "graph" (a replayed decode graph), "mixed_graph" (a replayed graph of a step with prompts), "decode" (eager,
+    # one token per sequence) or "mixed" (eager, with prompts)
+    kind: str
     num_seqs: int
     num_tokens: int
     # Host seconds of each PHASE: building the batch, waiting for adapter copies, launching the forward and the
@@ -33,9 +36,10 @@ class StepShape:
 
 
 def step_kind(batch: ForwardBatch, graph: bool) -> str:
+    decode = batch.num_tokens == len(batch.seqs)
     if graph:
-        return "graph"
-    return "decode" if batch.num_tokens == len(batch.seqs) else "mixed"
+        return "graph" if decode else "mixed_graph"
+    return "decode" if decode else "mixed"
 
 
 def _device_clock(device: torch.device) -> torch.cuda.Event | None:
@@ -50,10 +54,17 @@ def _device_clock(device: torch.device) -> torch.cuda.Event | None:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, pool: PagePool, graphs: DecodeGraphs | None = None) -> None:
+    def __init__(
+        self,
+        model: DecoderModel,
+        pool: PagePool,
+        graphs: DecodeGraphs | None = None,
+        mixed_graphs: MixedGraphs | None = None,
+    ) -> None:
         self.model = model
         self.pool = pool
         self.graphs = graphs  # decode steps replay captured CUDA graphs when set
+        self.mixed_graphs = mixed_graphs  # and steps with prompts theirs
         self.device = pool.storage.device
         self.logits_hook: Callable[[torch.Tensor], None] | None = None  # tests read the logits of each step
         self.lora_tables = LoraTablesCache()  # the adapters' tables, kept while a step's adapters stay the same
@@ -77,11 +88,13 @@ class ModelRunner:
         self._wait_for_adapters(batch)
         waited = time.perf_counter()
         on_device = _device_clock(self.device)
-        graph = False
+        graph = True
         if self.graphs is not None and self.graphs.fits(batch):
-            graph = True
             logits = self.graphs.forward(batch)  # [num_sampled, vocab]: every decode sequence samples
+        elif self.mixed_graphs is not None and self.mixed_graphs.fits(batch):
+            logits = self.mixed_graphs.forward(batch)  # [num_sampled, vocab]
         else:
+            graph = False
             logits = self.model.forward(batch, self.pool)  # [num_sampled, vocab]
         if self.logits_hook is not None:
             self.logits_hook(logits)

@@ -14,7 +14,8 @@ import torch
 from slora.backend.config import EngineConfig
 from slora.backend.engine.llm_engine import LLMEngine
 from slora.backend.engine.sampling_params import SamplingParams
-from slora.backend.executor.cuda_graphs import DecodeGraphs, GraphLimits, bucket_sizes, rank_bound
+from slora.backend.executor.cuda_graphs import DecodeGraphs, GraphLimits, bucket_sizes
+from slora.backend.executor.graph_families import rank_bound
 from slora.kernels.settings import KernelSettings
 from slora.kernels.triton import lora_call
 from tests.model_fixtures import ModelWithAdapters
