@@ -64,9 +64,11 @@ class EngineConfig:
     # max_num_seqs; auto: on where the Triton kernels run on CUDA, without tensor parallelism.
     cuda_graphs: bool | None = None
     # Replay steps with prompts as captured CUDA graphs too (mixed_graphs.py), buckets of tokens up to
-    # max_batch_tokens and of sequences up to max_num_seqs, captured at start; needs cuda_graphs. auto: on with
-    # cuda_graphs.
+    # mixed_cuda_graph_tokens and of sequences up to max_num_seqs, captured at start; needs cuda_graphs. auto: on
+    # with cuda_graphs. Larger steps run eagerly: their GPU time hides their launches, and a graph's padding would
+    # cost GPU time. auto: defaults.AUTO_MIXED_GRAPH_TOKENS, at most max_batch_tokens.
     mixed_cuda_graphs: bool | None = None
+    mixed_cuda_graph_tokens: int | None = None
     # How the Triton kernels run a step (kernel_backend triton, or auto on CUDA; the torch references ignore these).
     # They reach the kernels as one kernels.settings.KernelSettings (kernel_settings()), built where the engine
     # builds its ops. Defaults: the rules that served the H200 benchmarks best (perf/RESULTS.md).
@@ -143,7 +145,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "max_waiting")
-        for name in ("page_size", "max_batch_tokens", "max_num_seqs", "host_budget_bytes"):
+        for name in ("page_size", "max_batch_tokens", "max_num_seqs", "host_budget_bytes", "mixed_cuda_graph_tokens"):
             if getattr(self, name) is not None:
                 _positive(self, name)
         _check_disk_tier(self)

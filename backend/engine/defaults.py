@@ -6,7 +6,8 @@ stages, because the pool's size is known only once the weights are on the device
 
     resolve_before_model   host_budget_bytes, preload_adapters, warmup, adapter_image_cache,  (device, machine)
                            max_bypass
-    resolve_with_pool      cuda_graphs, mixed_cuda_graphs, max_num_seqs, max_batch_tokens      (ops, pool, model)
+    resolve_with_pool      cuda_graphs, mixed_cuda_graphs, max_num_seqs, max_batch_tokens,     (ops, pool, model)
+                           mixed_cuda_graph_tokens
 
 `log_choices` logs one INFO line per option at start: its value and why (the rule, or "given").
 
@@ -42,6 +43,9 @@ AUTO_SEQS_STEP = 16
 # prompt tokens (so admission goes on while the batch is full), at least AUTO_MIN_BATCH_TOKENS, and at most a
 # quarter of the pool's tokens (one step never takes the pages its running requests need to grow).
 AUTO_MIN_BATCH_TOKENS = 2048
+# mixed_cuda_graph_tokens: steps with prompts of up to this many tokens replay graphs; larger ones run eagerly, their
+# GPU time hiding their launches (perf/RESULTS.md measures the split).
+AUTO_MIXED_GRAPH_TOKENS = 1024
 AUTO_BATCH_TOKENS_PER_SEQ = 4
 # host_budget_bytes on CUDA: this share of the memory available at start, less what the checkpoint takes (the
 # weights pass through host memory while they load), split among the tensor-parallel ranks, and at least
@@ -85,7 +89,7 @@ def resolve_with_pool(
     mixed = mixed_graphs_rule(config, cast(bool, graphs.value))
     seqs = max_num_seqs_rule(config, device, pool_tokens)
     tokens = max_batch_tokens_rule(config, device, cast(int, seqs.value), pool_tokens)
-    choices = [graphs, mixed, seqs, tokens]
+    choices = [graphs, mixed, seqs, tokens, mixed_graph_tokens_rule(config, cast(int, tokens.value))]
     return _apply(config, choices), choices
 
 
@@ -156,6 +160,17 @@ def mixed_graphs_rule(config: EngineConfig, cuda_graphs: bool) -> Choice:
                              "Triton kernels, without tensor parallelism)")  # fmt: skip
         return Choice(name, config.mixed_cuda_graphs, "given")
     return Choice(name, cuda_graphs, f"auto: {'on' if cuda_graphs else 'off'} with cuda_graphs")
+
+
+def mixed_graph_tokens_rule(config: EngineConfig, max_batch_tokens: int) -> Choice:
+    """AUTO_MIXED_GRAPH_TOKENS, and never above max_batch_tokens (no step has more)."""
+    name = "mixed_cuda_graph_tokens"
+    given = config.mixed_cuda_graph_tokens
+    if given is not None:
+        return Choice(name, min(given, max_batch_tokens), "given" if given <= max_batch_tokens else
+                      f"given, cut to max_batch_tokens ({max_batch_tokens})")  # fmt: skip
+    return Choice(name, min(AUTO_MIXED_GRAPH_TOKENS, max_batch_tokens),
+                  f"auto: {AUTO_MIXED_GRAPH_TOKENS}, at most max_batch_tokens")  # fmt: skip
 
 
 def max_num_seqs_rule(config: EngineConfig, device: torch.device, pool_tokens: int) -> Choice:

@@ -175,8 +175,8 @@ def _mixed_graphs(
     graphs' memory pool (the adapters' families follow once the host adapters are known)."""
     if not config.mixed_cuda_graphs or graphs is None:
         return None
-    assert config.max_batch_tokens is not None and config.max_num_seqs is not None  # resolved (defaults.py)
-    limits = MixedLimits(config.max_batch_tokens, config.max_num_seqs, max_model_len, config.max_lora_rank)
+    assert config.mixed_cuda_graph_tokens is not None and config.max_num_seqs is not None  # resolved (defaults.py)
+    limits = MixedLimits(config.mixed_cuda_graph_tokens, config.max_num_seqs, max_model_len, config.max_lora_rank)
     mixed = MixedGraphs(model, pool, limits, row_align=graphs.row_align, pool_handle=graphs.pool_handle())
     mixed.capture_all()
     return mixed

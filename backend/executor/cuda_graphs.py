@@ -108,7 +108,9 @@ class StaticDecode:
             block_tables_host=[[] for _ in range(size)],
         )
         tiling = decode_tiling(size, few_adapters if key.few else None)
-        self._lora = StaticLora(size, size, key.modules, key.max_rank, row_align, device, tiling) if key.modules else None
+        self._lora = (
+            StaticLora(size, size, key.modules, key.max_rank, row_align, device, tiling) if key.modules else None
+        )
         self.lora = self._lora.meta if self._lora is not None else None
         self.batch = ForwardBatch(
             input_ids=self.input_ids,

@@ -46,12 +46,12 @@ from slora.kernels.triton.launch import cdiv
 
 logger = logging.getLogger(__name__)
 
-TOKEN_STEP = 256  # token buckets above the powers of two: one graph's padding costs at most this many tokens
+TOKEN_STEP = 128  # token buckets above the powers of two: a step's padding is less than this many tokens
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """16, 32, 64, 128, then steps of TOKEN_STEP, ending at max_tokens."""
-    sizes = [s for s in (16, 32, 64, 128) if s < max_tokens]
+    """16, 32, 64, then steps of TOKEN_STEP, ending at max_tokens."""
+    sizes = [s for s in (16, 32, 64) if s < max_tokens]
     size = TOKEN_STEP
     while size < max_tokens:
         sizes.append(size)
@@ -78,7 +78,7 @@ class MixedKey(NamedTuple):
 
 @dataclass(frozen=True)
 class MixedLimits:
-    max_tokens: int  # EngineConfig.max_batch_tokens
+    max_tokens: int  # EngineConfig.mixed_cuda_graph_tokens: larger steps run eagerly
     max_seqs: int  # EngineConfig.max_num_seqs
     max_model_len: int
     max_lora_rank: int

@@ -57,6 +57,9 @@
 #               noisy: the noisy neighbour under TENANT_POLICIES; all: both. The servers' logs go to
 #               $WORK/tenant-servers, their last 300 lines each to server.log  [~5.5 min: fcfs and early-abort
 #               at 2x, 35 s of arrivals, CAPACITY given; the burst adds ~0.5 min, a server ~1.3, a run ~1-1.5]
+#   mixed-graphs  in process, S1 n=N_BIG: an engine with its defaults (steps with prompts as CUDA graphs), then one
+#               with mixed_cuda_graphs=false; each the saturating trace and the same settings at LOW_RATE (30)
+#               [~8 min for llama3-8b at DURATION=50]
 #   checks      kernel and engine tests on the GPU, then perf.bench_decode_step (CUDA graphs, batch 1/8/64),
 #               perf.bench_host_step (host time of a 256-sequence decode step) and perf.bench_host_forward
 #               (host time of eager steps, kernels stubbed: this host's Python against the CPU machine's) [~8 min]
@@ -111,6 +114,7 @@ OUT=${OUT:-$PWD/out/perf}
 WORK=${WORK:-/tmp/slora-perf}
 PY=${PY:-python3}
 RATE=${RATE:-40}
+LOW_RATE=${LOW_RATE:-30}  # the mixed-graphs suite's trace below capacity
 DURATION=${DURATION:-12}
 SEED=${SEED:-42}
 RUN_LIMIT=${RUN_LIMIT:-120}
@@ -248,7 +252,7 @@ engine() {  # engine BACKEND SETTING RUN...  (RUN = TRACE[@MODE]; one engine for
   [[ -n $PROFILE_REPLAY && -n $PROFILE_TRACE ]] && profile+=(--profile-trace-dir "$OUT")
   # shellcheck disable=SC2046
   step -m perf.bench_engine $(engine_args) --adapter-root "$root" --kernel-backend "$backend" \
-    --name-prefix "engine-$backend" --time-limit "$(run_limit)" "${profile[@]}" --out "$RESULTS" "$@"
+    --name-prefix "${ENGINE_PREFIX:-engine-$backend}" --time-limit "$(run_limit)" "${profile[@]}" --out "$RESULTS" "$@"
 }
 
 backend_available() {
@@ -429,6 +433,15 @@ suite() {
       engine "$KERNEL" S1 "$s1_5" "$s1_big" "$s1_big@base" ;;
     lora-vs-base)
       engine "$KERNEL" S1 "$s1_big" "$s1_big@base" ;;
+    mixed-graphs)  # steps with prompts replayed as CUDA graphs (mixed_cuda_graphs, the default) against eager ones,
+      # in process: one engine each, the saturating trace, then the same settings at LOW_RATE (first tokens below
+      # capacity: run names end in -low); results.json's step_kinds split the steps by kind
+      local low
+      low=$(RATE=$LOW_RATE trace s1 "$N_BIG")
+      cp "$low" "${low%.jsonl}-low.jsonl"
+      ENGINE_PREFIX=mixed-graphs engine "$KERNEL" S1 "$s1_big" "${low%.jsonl}-low.jsonl"
+      ENGINE_PREFIX=eager-mixed ENGINE_OPTS="$ENGINE_OPTS mixed_cuda_graphs=false" \
+        engine "$KERNEL" S1 "$s1_big" "${low%.jsonl}-low.jsonl" ;;
     engine-s1)
       s1_100=$(trace s1 100); s1_1000=$(trace s1 1000)
       engine "$KERNEL" S1 "$s1_5" "$s1_100" "$s1_1000" "$s1_big" "$s1_big@base" "$s1_big@single" ;;

@@ -46,7 +46,8 @@ def test_cpu_values_are_those_before_auto() -> None:
 
 def test_explicit_values_are_kept_on_cuda() -> None:
     given = EngineConfig(max_num_seqs=7, max_batch_tokens=99, host_budget_bytes=123, cuda_graphs=False,
-                         preload_adapters=False, warmup=False, adapter_image_cache="off", max_bypass=3)  # fmt: skip
+                         preload_adapters=False, warmup=False, adapter_image_cache="off", max_bypass=3,
+                         mixed_cuda_graphs=False, mixed_cuda_graph_tokens=50)  # fmt: skip
     early, choices = resolve_before_model(given, CUDA, 100 * GiB, 0, Path("/cache"))
     late, more = resolve_with_pool(early, CUDA, "triton", 10**6)
     assert late == given and all(c.why == "given" for c in choices + more)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from slora.backend.config import EngineConfig
-from slora.backend.engine.defaults import mixed_graphs_rule
+from slora.backend.engine.defaults import AUTO_MIXED_GRAPH_TOKENS, mixed_graph_tokens_rule, mixed_graphs_rule
 from slora.backend.engine.llm_engine import LLMEngine
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.executor.cuda_graphs import bucket_for
@@ -28,7 +28,7 @@ GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 
 
 def test_buckets() -> None:
-    assert token_buckets(2048) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert token_buckets(1024) == [16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024]
     assert token_buckets(40) == [16, 32, 40]
     assert token_buckets(16) == [16]
     assert seq_buckets(512) == [16, 32, 64, 128, 256, 512]
@@ -122,7 +122,7 @@ def test_static_mixed_batches_match_eager(llama: ModelWithAdapters, device: str)
     adapters of every kind: every step with prompts runs through the padded buffers, and tokens and logits equal
     the eager engine's; the pool's pages all come back."""
     engine = _engine(llama, device)
-    prompts, adapters, params = _jobs(seed=5, count=14)
+    prompts, adapters, params = _jobs(seed=5, count=10)
     eager_tokens, eager_logits = _run(engine, prompts, adapters, params)
     graphs = _graphs(engine, capture=device == "cuda")
     shapes: list[tuple[int, int]] = []
@@ -172,3 +172,8 @@ def test_mixed_graphs_option() -> None:
     with pytest.raises(ValueError, match="mixed_cuda_graphs needs cuda_graphs"):
         EngineConfig(mixed_cuda_graphs=True, cuda_graphs=False)
     assert EngineConfig.from_dict({"mixed_cuda_graphs": "auto"}).mixed_cuda_graphs is None
+    assert mixed_graph_tokens_rule(auto, 4096).value == AUTO_MIXED_GRAPH_TOKENS
+    assert mixed_graph_tokens_rule(auto, 40).value == 40
+    assert mixed_graph_tokens_rule(EngineConfig(mixed_cuda_graph_tokens=300), 2048).value == 300
+    with pytest.raises(ValueError, match="mixed_cuda_graph_tokens must be a positive integer"):
+        EngineConfig(mixed_cuda_graph_tokens=0)
