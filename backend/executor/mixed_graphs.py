@@ -41,7 +41,7 @@ from slora.backend.executor.graph_families import NO_MODULES, GraphFamilies, Mod
 from slora.backend.executor.static_lora import StaticLora, mixed_tiling
 from slora.backend.memory.page_pool import PagePool
 from slora.backend.model.decoder import DecoderModel
-from slora.kernels.metadata import SHORT_SEGMENT, TILE_COLUMNS, AttentionMeta, SegmentGroup, StaticBounds
+from slora.kernels.metadata import SHORT_SEGMENT, AttentionMeta, SegmentGroup, StaticBounds
 from slora.kernels.triton.launch import cdiv
 
 logger = logging.getLogger(__name__)
@@ -291,7 +291,8 @@ class MixedGraphs:
         for key in keys:
             self._capture(key)
         logger.info("captured %d CUDA graphs of steps with prompts (LoRA modules %s, ranks up to %d; tokens %s, "
-                    "sequences %s)", len(keys), sorted(modules), max_rank, self.token_sizes, self.seq_sizes)  # fmt: skip
+                    "sequences %s)", len(keys), sorted(modules), max_rank, self.token_sizes,
+                    self.seq_sizes)  # fmt: skip
 
     def key(self, batch: ForwardBatch) -> MixedKey:
         tokens = bucket_for(self.token_sizes, batch.num_tokens)

@@ -18,8 +18,15 @@ from slora.backend.engine.llm_engine import LLMEngine
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.executor.cuda_graphs import bucket_for
 from slora.backend.executor.graph_families import NO_MODULES
-from slora.backend.executor.mixed_graphs import MixedBuffers, MixedGraphs, MixedKey, MixedLimits, TileShapes
-from slora.backend.executor.mixed_graphs import seq_buckets, token_buckets
+from slora.backend.executor.mixed_graphs import (
+    MixedBuffers,
+    MixedGraphs,
+    MixedKey,
+    MixedLimits,
+    TileShapes,
+    seq_buckets,
+    token_buckets,
+)
 from slora.kernels.metadata import SHORT_SEGMENT
 from tests.model_fixtures import ModelWithAdapters
 
