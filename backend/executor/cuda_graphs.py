@@ -204,12 +204,13 @@ class DecodeGraphs:
         family = self.families.add(modules, max_rank)
         if family is None:
             return
+        modules, bound = family
         if self.capture:
             for size in reversed(self.sizes):
-                self._capture(GraphKey(size, *family))
+                self._capture(GraphKey(size, modules, bound))
                 if size >= self.settings.few_adapters_min_tokens:
-                    self._capture(GraphKey(size, *family, few=True))
-            logger.info("captured decode graphs for LoRA modules %s, ranks up to %d", sorted(family[0]), family[1])
+                    self._capture(GraphKey(size, modules, bound, few=True))
+            logger.info("captured decode graphs for LoRA modules %s, ranks up to %d", sorted(modules), bound)
 
     def key(self, batch: ForwardBatch) -> GraphKey:
         """The graph a decode step replays: its bucket, and the cheapest captured family (modules, rank bound)
@@ -217,7 +218,8 @@ class DecodeGraphs:
         size = bucket_for(self.sizes, batch.num_tokens)
         if batch.lora is None:
             return GraphKey(size, NO_MODULES, 0)
-        return GraphKey(size, *self.families.of_step(batch.lora), batch.lora.of_few_adapters(self.settings))
+        modules, bound = self.families.of_step(batch.lora)
+        return GraphKey(size, modules, bound, batch.lora.of_few_adapters(self.settings))
 
     def _buffers(self, key: GraphKey) -> StaticDecode:
         if key not in self._static:

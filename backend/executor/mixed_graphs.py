@@ -283,7 +283,7 @@ class MixedGraphs:
         """Capture every bucket for adapters of these modules and ranks up to max_rank (those in host memory)."""
         family = self.families.add(modules, max_rank)
         if family is not None and self.capture:
-            self._capture_family(*family)
+            self._capture_family(family[0], family[1])
 
     def _capture_family(self, modules: Modules, max_rank: int) -> None:
         self.buffers.clear()  # each capture first runs its graph's forward: over padding, which writes nothing
@@ -299,7 +299,8 @@ class MixedGraphs:
         seqs = bucket_for(self.seq_sizes, batch.attn.num_seqs)
         if batch.lora is None:
             return MixedKey(tokens, seqs, NO_MODULES, 0)
-        return MixedKey(tokens, seqs, *self.families.of_step(batch.lora))
+        modules, bound = self.families.of_step(batch.lora)
+        return MixedKey(tokens, seqs, modules, bound)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [num_sampled, vocab] of a step with prompts, from the smallest bucket that holds it."""
