@@ -278,22 +278,23 @@ def _ratio_of(lora: Run, base: Run, key: str | None) -> float | None:
 
 
 def steps_table(runs: list[Run]) -> list[str]:
-    """Engine runs' steps by kind (graph decode, eager decode, mixed), compiles inside the clock, the share of the
-    clock spent in steps (the rest: no request to step, e.g. waiting for arrivals or for adapter reads) and the
-    requests that waited for their adapter's read from disk."""
-    lines = ["| run | graph steps: n, mean ms (seqs) | eager decode steps | mixed steps: n, mean ms (seqs, tokens) "
-             "| Triton compiles in the run | clock in steps | requests read their adapter from disk |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    """Engine runs' steps by kind (graph decode, eager decode, graph and eager steps with prompts), compiles inside
+    the clock, the share of the clock spent in steps (the rest: no request to step, e.g. waiting for arrivals or for
+    adapter reads) and the requests that waited for their adapter's read from disk."""
+    lines = ["| run | graph steps: n, mean ms (seqs) | eager decode steps | graph steps with prompts: n, mean ms "
+             "(seqs, tokens) | mixed steps: n, mean ms (seqs, tokens) | Triton compiles in the run | clock in steps "
+             "| requests read their adapter from disk |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for run in runs:
         m = run["metrics"]
         kinds = m.get("step_kinds")
         if not kinds:
             continue
-        graph, decode, mixed = (_step_cell(kinds.get(k), k == "mixed") for k in ("graph", "decode", "mixed"))
+        cells = [_step_cell(kinds.get(k), "mixed" in k) for k in ("graph", "decode", "mixed_graph", "mixed")]
         share = m.get("step_time_share")
         extra = [_fmt(m.get("triton_compiles"), 0), "–" if share is None else f"{share:.0%}",
                  _fmt(m.get("cold_adapter_requests"), 0)]  # fmt: skip
-        lines.append(f"| {run['name']} | {graph} | {decode} | {mixed} | {' | '.join(extra)} |")
+        lines.append(f"| {run['name']} | {' | '.join(cells + extra)} |")
     return lines if len(lines) > 2 else []
 
 
