@@ -54,7 +54,7 @@ class StaticLora:
         """tiling: (tile_block, kind, max_tiles), from decode_tiling or mixed_tiling."""
         self.size = tokens
         self.adapters = adapters
-        self.meta = _static_meta(tokens, adapters, modules, max_rank, row_align, device, tiling)
+        self.meta = self._empty_meta(modules, max_rank, row_align, device, tiling)
         self._filled: tuple[LoraMeta, int] | None = None  # the step metadata the buffers hold now
 
     def fill(self, meta: LoraMeta, n: int) -> None:
@@ -85,6 +85,31 @@ class StaticLora:
         tiles[count:, 1:3].zero_()
         tiles[count:, 3].fill_(self.adapters)
 
+    def _empty_meta(self, modules: frozenset[int], max_rank: int, row_align: int, device: torch.device,
+                    tiling: tuple[int, str, int]) -> LoraMeta:  # fmt: skip
+        tile_block, kind, max_tiles = tiling
+        columns = len(LORA_MODULES)
+        tiles = torch.zeros((max_tiles, TILE_COLUMNS), dtype=torch.int32, device=device)
+        tiles[:, 3] = self.adapters
+        return LoraMeta(
+            token_adapter=torch.full((self.size,), -1, dtype=torch.int32, device=device),
+            seg_start=torch.zeros(self.adapters + 1, dtype=torch.int32, device=device),
+            seg_adapter=torch.zeros(self.adapters, dtype=torch.int32, device=device),
+            ranks=torch.zeros((self.adapters + 1, columns), dtype=torch.int32, device=device),
+            scales=torch.zeros((self.adapters + 1, columns), dtype=torch.float32, device=device),
+            row_start=torch.zeros((self.adapters + 1, columns), dtype=torch.int32, device=device),
+            a_rows=torch.zeros(self.adapters * columns * max_rank, dtype=torch.int64, device=device),
+            b_rows=torch.zeros(self.adapters * columns * max_rank, dtype=torch.int64, device=device),
+            max_rank=max_rank,
+            seg_start_host=[],
+            seg_adapter_host=[],
+            ranks_host=[],
+            scales_host=[],
+            row_start_host=[],
+            row_align=row_align,
+            static=StaticBounds(max_rank, tiles, tile_block, modules, kind),
+        )
+
 
 def decode_tiling(size: int, few_adapters: int | None) -> tuple[int, str, int]:
     """(tile_block, kind, max_tiles) of a decode graph of `size` sequences: one-token GEMV tiles, or with
@@ -101,36 +126,3 @@ def mixed_tiling(tokens: int, adapters: int) -> tuple[int, str, int]:
     eager step of decodes and prompts runs), a full tile per 16 tokens and a partial one per adapter at most."""
     _, few_block = tile_blocks()
     return few_block, "mixed", cdiv(tokens, few_block) + adapters
-
-
-def _static_meta(
-    tokens: int,
-    adapters: int,
-    modules: frozenset[int],
-    max_rank: int,
-    row_align: int,
-    device: torch.device,
-    tiling: tuple[int, str, int],
-) -> LoraMeta:
-    tile_block, kind, max_tiles = tiling
-    columns = len(LORA_MODULES)
-    tiles = torch.zeros((max_tiles, TILE_COLUMNS), dtype=torch.int32, device=device)
-    tiles[:, 3] = adapters
-    return LoraMeta(
-        token_adapter=torch.full((tokens,), -1, dtype=torch.int32, device=device),
-        seg_start=torch.zeros(adapters + 1, dtype=torch.int32, device=device),
-        seg_adapter=torch.zeros(adapters, dtype=torch.int32, device=device),
-        ranks=torch.zeros((adapters + 1, columns), dtype=torch.int32, device=device),
-        scales=torch.zeros((adapters + 1, columns), dtype=torch.float32, device=device),
-        row_start=torch.zeros((adapters + 1, columns), dtype=torch.int32, device=device),
-        a_rows=torch.zeros(adapters * columns * max_rank, dtype=torch.int64, device=device),
-        b_rows=torch.zeros(adapters * columns * max_rank, dtype=torch.int64, device=device),
-        max_rank=max_rank,
-        seg_start_host=[],
-        seg_adapter_host=[],
-        ranks_host=[],
-        scales_host=[],
-        row_start_host=[],
-        row_align=row_align,
-        static=StaticBounds(max_rank, tiles, tile_block, modules, kind),
-    )
