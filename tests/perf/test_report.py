@@ -85,6 +85,7 @@ def test_engine_steps_by_kind_and_compiles_are_tabled(tmp_path: Path) -> None:
     run = _run("e-n2000", "engine", 2000, "lora", 12.0, "s1-n2000", "engine")
     run["metrics"]["step_kinds"] = {
         "graph": {"steps": 626, "seconds": 13.2, "mean_ms": 21.14, "mean_seqs": 120.3, "mean_tokens": 120.3},
+        "mixed_graph": {"steps": 40, "seconds": 0.3, "mean_ms": 7.52, "mean_seqs": 76.3, "mean_tokens": 403.7},
         "mixed": {
             "steps": 189,
             "seconds": 25.8,
@@ -103,7 +104,7 @@ def test_engine_steps_by_kind_and_compiles_are_tabled(tmp_path: Path) -> None:
     append_runs(path, [run, served])
     text = report(path)
     assert "## Engine steps by kind" in text
-    assert "| e-n2000 | 626, 21.1 (120) | – | 189, 136.7 (231, 907) | 3 | 46% | 12 |" in text
+    assert "| e-n2000 | 626, 21.1 (120) | – | 40, 7.5 (76, 404) | 189, 136.7 (231, 907) | 3 | 46% | 12 |" in text
     assert "| s-n2000 |" not in text.split("## Engine steps by kind")[1]
     assert "| e-n2000 | mixed | 136.7 | 3.0 | 0.5 | 30.2 | 100.0 | 2.9 |" in text.split("## Host time")[1]
     assert "| e-n2000 | graph |" not in text, "a tally without phases (older results) gets no row"
