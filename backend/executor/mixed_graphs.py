@@ -119,8 +119,8 @@ class MixedBuffers:
         self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
-        # one start more than the sequences' ends: the null sequence's own, never written
-        self.q_start = torch.zeros(seqs + 2, dtype=torch.int32, device=device)
+        # the null sequence (row `seqs`) reads the last end of a full bucket: any value does, its context is empty
+        self.q_start = torch.zeros(seqs + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(seqs + 1, dtype=torch.int32, device=device)  # the null sequence's stays 0
         self.block_tables = torch.zeros((seqs + 1, max_blocks), dtype=torch.int32, device=device)
         self.sample_index = torch.zeros(seqs, dtype=torch.int64, device=device)

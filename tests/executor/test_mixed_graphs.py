@@ -127,8 +127,9 @@ def _jobs(seed: int, count: int) -> tuple[list[list[int]], list[str | None], lis
 def test_static_mixed_batches_match_eager(llama: ModelWithAdapters, device: str) -> None:
     """Prompts of 3-70 tokens in chunks of a 40-token budget beside decodes of other requests, with and without
     adapters of every kind: every step with prompts runs through the padded buffers, and tokens and logits equal
-    the eager engine's; the pool's pages all come back."""
-    engine = _engine(llama, device)
+    the eager engine's, also in steps of as many sequences as the buffers hold (the null sequence then reads the last
+    one's end); the pool's pages all come back."""
+    engine = _engine(llama, device, max_num_seqs=5)
     prompts, adapters, params = _jobs(seed=5, count=10)
     eager_tokens, eager_logits = _run(engine, prompts, adapters, params)
     graphs = _graphs(engine, capture=device == "cuda")
@@ -144,6 +145,7 @@ def test_static_mixed_batches_match_eager(llama: ModelWithAdapters, device: str)
     assert len(shapes) >= 6, shapes
     assert any(tokens not in graphs.token_sizes for tokens, _ in shapes), "padded token buckets were used"
     assert any(seqs > 1 for _, seqs in shapes), "steps with several sequences ran"
+    assert any(seqs == graphs.seq_sizes[-1] for _, seqs in shapes), "a step filled the largest sequence bucket"
     keys = set(graphs._static)  # noqa: SLF001 - which graphs the steps used
     assert any(key.modules for key in keys) and any(not key.modules for key in keys), keys
     engine.check_idle_integrity()
