@@ -159,7 +159,7 @@ def mixed_graphs_rule(config: EngineConfig, cuda_graphs: bool) -> Choice:
             raise ValueError("mixed_cuda_graphs=true needs cuda_graphs, which is off here (a CUDA device and the "
                              "Triton kernels, without tensor parallelism)")  # fmt: skip
         return Choice(name, config.mixed_cuda_graphs, "given")
-    return Choice(name, cuda_graphs, f"auto: {'on' if cuda_graphs else 'off'} with cuda_graphs")
+    return Choice(name, cuda_graphs, f"auto: {'on' if cuda_graphs else 'off'}, as cuda_graphs")
 
 
 def mixed_graph_tokens_rule(config: EngineConfig, max_batch_tokens: int) -> Choice:
