@@ -7,8 +7,10 @@ base_load × capacity, lengths U[8, 512), once without and once with one more te
 tenant's rate, served by the fair policy with the itl_slo_s cap (batch_limit.py) as the engine would, each step taking
 base + per_seq × batch + per_prompt_token × prompt tokens seconds. It prints each light tenant's first-token p90
 with over without the noisy tenant (the worst and the median) and how many light first tokens took longer than
-`late_s`. It shows what the scheduler does to the light tenants in seconds instead of a GPU session; the GPU
-figures (perf/bench_tenants_served.py) are the ones that count.
+`late_s`; with --trace-noise, also the worst ratio between two runs without the noisy tenant over traces of
+different seeds (how far a tenant's p90 of ~50 first tokens moves with its requests alone). It shows what the
+scheduler does to the light tenants in seconds instead of a GPU session; the GPU figures
+(perf/bench_tenants_served.py) are the ones that count.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from tests.engine.scheduler_sim import Sim, make_request, make_sim
 
 logger = logging.getLogger("perf.sim_noisy")
 VOCAB_SIZE = 32000  # the prompts' token ids only fill the trace: the scheduler counts them
+NOISE_SEED_OFFSET = 1000  # --trace-noise: the other trace's seed, clear of the seeds a run compares
 
 
 @dataclass(frozen=True)
@@ -44,15 +47,26 @@ class StepModel:
         return self.base_s + self.per_seq_s * len(plan.seqs) + self.per_prompt_token_s * prompt
 
 
-def replay(arrivals: Trace, model: StepModel, itl_slo_s: float, max_num_seqs: int,
-           start_cap: int | None = None) -> dict[str, list[float]]:  # fmt: skip
+@dataclass(frozen=True)
+class EngineShape:
+    """The engine options the scheduler sees."""
+
+    itl_slo_s: float = 0.018
+    max_num_seqs: int = 256
+    max_batch_tokens: int = 8192
+    admit_interval: int = 2
+
+
+def replay(
+    arrivals: Trace, model: StepModel, engine: EngineShape, start_cap: int | None = None
+) -> dict[str, list[float]]:
     """Each tenant's first-token latencies. `start_cap`: the cap as a cut before the trace left it (on the GPU,
     the benchmark's own warm-up requests cut it far down before its first run: perf/RESULTS.md, session 25)."""
-    limiter = BatchLimiter(itl_slo_s, max_num_seqs)
+    limiter = BatchLimiter(engine.itl_slo_s, engine.max_num_seqs)
     if start_cap is not None:
-        limiter.cap = min(start_cap, max_num_seqs)
-    sim = make_sim("fair", pages=200_000, max_batch_tokens=8192, max_num_seqs=max_num_seqs, limiter=limiter,
-                   admit_interval=2)  # fmt: skip
+        limiter.cap = min(start_cap, engine.max_num_seqs)
+    sim = make_sim("fair", pages=200_000, max_batch_tokens=engine.max_batch_tokens, max_num_seqs=engine.max_num_seqs,
+                   limiter=limiter, admit_interval=engine.admit_interval)  # fmt: skip
     start = sim.clock.now
     arrived: dict[str, float] = {}
     ttft: dict[str, list[float]] = {}
@@ -97,15 +111,21 @@ def compare(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     rate = args.base_load * args.capacity / args.tenants
     light = {f"t{k}": rate for k in range(args.tenants)}
     model = StepModel(args.base_s, args.per_seq_s, args.per_prompt_token_s)
+    engine = EngineShape(args.itl_slo, args.max_num_seqs, args.max_batch_tokens, args.admit_interval)
     options = BenchOptions(tenants=args.tenants, duration_s=args.duration, progress=False)
     runs = [light, {**light, "noisy": args.noisy_factor * rate}]
-    without, with_ = (replay(tenant_trace(rates, options, seed, VOCAB_SIZE), model, args.itl_slo, args.max_num_seqs,
-                             args.start_cap) for rates in runs)  # fmt: skip
+    without, with_ = (replay(tenant_trace(rates, options, seed, VOCAB_SIZE), model, engine, args.start_cap)
+                      for rates in runs)  # fmt: skip
     ratios = [_p90(with_[t]) / _p90(without[t]) for t in light]
-    return {"seed": seed, "max_ttft_p90_ratio": round(max(ratios), 3),
-            "median_ttft_p90_ratio": round(statistics.median(ratios), 3),
-            "late_light_first_tokens": _late(with_, light, args.late_s),
-            "late_without": _late(without, light, args.late_s)}  # fmt: skip
+    out = {"seed": seed, "max_ttft_p90_ratio": round(max(ratios), 3),
+           "median_ttft_p90_ratio": round(statistics.median(ratios), 3),
+           "late_light_first_tokens": _late(with_, light, args.late_s),
+           "late_without": _late(without, light, args.late_s)}  # fmt: skip
+    if args.trace_noise:
+        other_trace = tenant_trace(light, options, seed + NOISE_SEED_OFFSET, VOCAB_SIZE)
+        other = replay(other_trace, model, engine, args.start_cap)
+        out["trace_noise_max_ttft_p90_ratio"] = round(max(_p90(other[t]) / _p90(without[t]) for t in light), 3)
+    return out
 
 
 def _late(ttft: dict[str, list[float]], tenants: dict[str, float], late_s: float) -> int:
@@ -119,13 +139,17 @@ def _p90(values: list[float]) -> float:
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--capacity", type=float, default=35.0, help="req/s the light tenants' load is scaled by")
-    parser.add_argument("--itl-slo", type=float, default=0.018)
+    parser.add_argument("--itl-slo", type=float, default=EngineShape.itl_slo_s)
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--tenants", type=int, default=20)
     parser.add_argument("--base-load", type=float, default=0.8)
     parser.add_argument("--noisy-factor", type=float, default=10.0)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=EngineShape.max_num_seqs)
+    parser.add_argument("--max-batch-tokens", type=int, default=EngineShape.max_batch_tokens)
+    parser.add_argument("--admit-interval", type=int, default=EngineShape.admit_interval)
+    parser.add_argument("--trace-noise", action="store_true",
+                        help="also compare the run without the noisy tenant with another seed's")  # fmt: skip
     parser.add_argument("--late-s", type=float, default=0.15)
     parser.add_argument("--start-cap", type=int, help="the cap at the trace's start (default: max_num_seqs)")
     parser.add_argument("--base-s", type=float, default=StepModel.base_s)

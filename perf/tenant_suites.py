@@ -10,7 +10,10 @@ Each tenant is one adapter; requests have S-LoRA's uniform lengths and Poisson a
   one more tenant at noisy_factor times a tenant's rate and once without it. For each well-behaved tenant: its
   throughput (output tokens per second while requests arrive) with the noisy tenant over without, its first-token
   p90 with over without; and the largest service difference between two tenants backlogged over a whole window
-  (VTC's measure; perf/tenant_measures.py).
+  (VTC's measure; perf/tenant_measures.py). With `repeat_without`, the run without it is replayed once more
+  after the run with it, and compared with the first as the noisy run is (`vs_without` of the repeat, `repeat` in
+  the noisy run's comparison): how far a tenant's p90 moves between two runs of one trace with nothing changed,
+  the yardstick for the noisy run's ratios (a p90 of ~50 requests rests on its few slowest).
 - overload at each of `loads` × C, per mode: fcfs, fair, early abort (fcfs with ttft_slo_s = slo_s), priority:
   SLO attainment of all offered requests (a refused one misses), of the admitted ones, and goodput (requests that
   met the SLO per second of the run). At a load of 1 the modes' throughputs against fcfs's are what each policy
@@ -64,6 +67,7 @@ class BenchOptions:
     warmup_requests: tuple[int, ...] = (8, 64, 256)
     seed: int = 0
     progress: bool = True
+    repeat_without: bool = False  # noisy neighbour: the run without the noisy tenant once more, after the one with it
 
     def __post_init__(self) -> None:
         if self.tenants < 2:
@@ -226,8 +230,15 @@ def noisy_neighbour(bench: TenantBench, capacity: float, policy: str) -> list[di
     with_ = bench.replay(f"{bench.prefix}-noisy-{policy}-with", loud, changes, o.duration_s)
     comparison = compare_noisy(with_.run["metrics"], without.run["metrics"], list(quiet), noisy_name)
     with_.run["metrics"]["vs_without"] = comparison
+    runs = [without.run, with_.run]
+    if o.repeat_without:
+        again = bench.replay(f"{bench.prefix}-noisy-{policy}-without-again", quiet_trace, changes, o.duration_s)
+        repeat = compare_noisy(again.run["metrics"], without.run["metrics"], list(quiet), noisy_name)
+        again.run["metrics"]["vs_without"] = repeat
+        comparison["repeat"] = {k: repeat[k] for k in ("min_throughput_ratio", "max_ttft_p90_ratio")}
+        runs.append(again.run)
     logger.info("noisy neighbour, %s: %s", policy, {k: v for k, v in comparison.items() if k != "tenants"})
-    return [without.run, with_.run]
+    return runs
 
 
 def overload(bench: TenantBench, capacity: float, mode: str) -> list[dict[str, Any]]:
@@ -291,6 +302,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-load", type=float, help="the well-behaved tenants together, in units of capacity")
     parser.add_argument("--time-limit", type=float, help="seconds per run")
     parser.add_argument("--capacity-requests", type=int, help="requests of the capacity run, offered at once")
+    parser.add_argument("--repeat-without", action="store_true",
+                        help="noisy neighbour: replay the run without the noisy tenant again after the one with it, "
+                             "to show how far the ratios move with nothing changed")  # fmt: skip
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--out", type=Path, required=True, help="results JSON (runs are added to it)")
 
@@ -301,6 +315,6 @@ def plan_from_args(args: argparse.Namespace) -> tuple[BenchOptions, tuple[str, .
     changes = {"tenants": args.tenants, "duration_s": args.duration, "slo_s": args.slo, "base_load": args.base_load,
                "time_limit_s": args.time_limit, "loads": tuple(args.loads) if args.loads else None,
                "capacity_requests": args.capacity_requests, "policies": tuple(args.policies or ()) or None,
-               "modes": tuple(args.modes or ()) or None}  # fmt: skip
+               "modes": tuple(args.modes or ()) or None, "repeat_without": args.repeat_without or None}  # fmt: skip
     options = replace(options, progress=not args.no_progress, **{k: v for k, v in changes.items() if v is not None})
     return options, ("noisy", "overload") if args.suite == "all" else (args.suite,)

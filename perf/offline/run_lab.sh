@@ -87,7 +87,8 @@
 # into gpu_log.csv), PY (python3), OUT, WORK, PORT_BASE (8000), GPU_ENV (.whl/gpu-env.sh; "none" skips it);
 # of the tenants suite: TENANT_SUITE (overload | noisy | all), TENANT_MODES ("fcfs early-abort"; or fair, priority:
 # at TENANT_LOADS=1 the cost of each policy without overload),
-# TENANT_LOADS ("2": units of the capacity), TENANT_POLICIES ("fcfs fair"; or priority), TENANT_DURATION (30 s of
+# TENANT_LOADS ("2": units of the capacity), TENANT_POLICIES ("fcfs fair"; or priority), TENANT_REPEAT (empty; 1:
+# each noisy neighbour's run without the noisy tenant again after the one with it), TENANT_DURATION (30 s of
 # arrivals a run), TENANT_SLO (6 s: the SLO counted, and early abort's ttft_slo_s), CAPACITY (req/s, e.g. an earlier
 # tenants-served-capacity run's; empty: measured by a burst of TENANT_BURST requests, the benchmark's 512 if empty),
 # TENANT_SERVER_S (100 on CUDA, 30 on CPU: a server's start, warm-up and stop, for the plan that sets the per-run
@@ -150,6 +151,7 @@ TENANT_SUITE=${TENANT_SUITE:-overload}
 TENANT_MODES=${TENANT_MODES:-fcfs early-abort}
 TENANT_LOADS=${TENANT_LOADS:-2}
 TENANT_POLICIES=${TENANT_POLICIES:-fcfs fair}
+TENANT_REPEAT=${TENANT_REPEAT:-}
 TENANT_DURATION=${TENANT_DURATION:-30}
 TENANT_SLO=${TENANT_SLO:-6}
 TENANT_BURST=${TENANT_BURST:-}
@@ -368,7 +370,9 @@ tenant_plan() {  # tenant_plan: "RUNS SERVERS" of the tenants suite's knobs, as 
   loads=$(wc -w <<<"$TENANT_LOADS")
   [[ -z $CAPACITY ]] && { runs=1; servers[fcfs]=1; }  # the burst, on the fcfs server
   if [[ $TENANT_SUITE != overload ]]; then
-    for policy in $TENANT_POLICIES; do runs=$(( runs + 2 )); servers[$policy]=1; done  # without and with
+    for policy in $TENANT_POLICIES; do  # without and with, and without again
+      runs=$(( runs + (${TENANT_REPEAT:-0} == 1 ? 3 : 2) )); servers[$policy]=1
+    done
   fi
   if [[ $TENANT_SUITE != noisy ]]; then
     for mode in $TENANT_MODES; do runs=$(( runs + loads )); servers[$mode]=1; done
@@ -392,6 +396,7 @@ tenants() {  # the served tenant-isolation suites: bench_tenants_served starts e
   log "tenants: $TENANT_SUITE, $plan, ${limit}s a run"
   [[ -n $CAPACITY ]] && sizes+=(--capacity "$CAPACITY")
   [[ -n $TENANT_BURST ]] && sizes+=(--capacity-requests "$TENANT_BURST")
+  [[ $TENANT_REPEAT == 1 ]] && sizes+=(--repeat-without)
   rm -rf "$logs"  # this call's servers only
   # shellcheck disable=SC2086
   step -m perf.bench_tenants_served --suite "$TENANT_SUITE" --modes $TENANT_MODES --loads $TENANT_LOADS \

@@ -43,6 +43,23 @@ def test_smoke_runs_every_suite(tmp_path: Path) -> None:
     json.dumps(load_results(out))
 
 
+def test_repeat_without_compares_a_second_quiet_run_with_the_first(tmp_path: Path) -> None:
+    out = tmp_path / "tenants.json"
+    bench_tenants.main(["--smoke", "--suite", "noisy", "--policies", "fair", "--repeat-without", "--duration", "0.6",
+                        "--capacity-requests", "12", "--time-limit", "30", "--out", str(out)])  # fmt: skip
+    runs = {r["name"]: r for r in load_results(out)["runs"]}
+    assert set(runs) == {"tenants-capacity", *(f"tenants-noisy-fair-{w}" for w in ("without", "with", "without-again"))}
+    first, again = runs["tenants-noisy-fair-without"]["metrics"], runs["tenants-noisy-fair-without-again"]["metrics"]
+    assert again["num_requests"] == first["num_requests"]  # the same trace
+    repeat = again["vs_without"]
+    assert set(repeat["tenants"]) == set(first["tenants"]) and len(first["tenants"]) == bench_tenants.SMOKE.tenants
+    for tenant, ratios in repeat["tenants"].items():
+        p90s = (again["tenants"][tenant]["ttft_p90_s"], first["tenants"][tenant]["ttft_p90_s"])
+        assert ratios["ttft_p90_ratio"] == pytest.approx(p90s[0] / p90s[1])
+    summary = runs["tenants-noisy-fair-with"]["metrics"]["vs_without"]["repeat"]
+    assert summary == {k: repeat[k] for k in ("min_throughput_ratio", "max_ttft_p90_ratio")}
+
+
 def test_a_tenant_draws_the_same_requests_whoever_else_is_there() -> None:
     options = replace(bench_tenants.SMOKE, duration_s=5.0)
     quiet = bench_tenants.tenant_trace({"a": 3.0, "b": 3.0}, options, seed=1, vocab_size=100)

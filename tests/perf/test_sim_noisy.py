@@ -5,6 +5,8 @@ burst cut comes back while slot shares keep the batch above it (batch_limit.py).
 
 from __future__ import annotations
 
+import pytest
+
 from perf import sim_noisy
 
 
@@ -37,3 +39,11 @@ def test_where_the_light_tenants_alone_come_near_the_cap_their_peaks_still_get_i
     result = _compare(1, capacity=35.0)
     assert result["max_ttft_p90_ratio"] < 2.0, result
     assert result["late_light_first_tokens"] <= 10, result
+
+
+def test_trace_noise_compares_the_run_without_the_flood_with_another_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same trace replayed gives the same first tokens (ratio 1); another seed's trace moves the p90s."""
+    monkeypatch.setattr(sim_noisy, "NOISE_SEED_OFFSET", 0)
+    assert _compare(3, "--trace-noise", "--duration", "10")["trace_noise_max_ttft_p90_ratio"] == 1.0
+    monkeypatch.undo()
+    assert _compare(3, "--trace-noise", "--duration", "10")["trace_noise_max_ttft_p90_ratio"] > 1.0
