@@ -5,12 +5,14 @@ burst cut comes back while slot shares keep the batch above it (batch_limit.py).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from perf import sim_noisy
 
 
-def _compare(seed: int, *flags: str, capacity: float = 33.0) -> dict[str, object]:
+def _compare(seed: int, *flags: str, capacity: float = 33.0) -> dict[str, Any]:
     args = sim_noisy.make_parser().parse_args(["--capacity", str(capacity), "--duration", "30", "--late-s", "0.15",
                                                *flags])  # fmt: skip
     return sim_noisy.compare(args, seed)
