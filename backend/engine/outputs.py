@@ -72,6 +72,14 @@ class EngineStats:
     tenants: list[TenantStats] = field(default_factory=list)  # EngineConfig.tenant_stats_top, most queued first
     max_running: int = 0  # requests that may run at once now: max_num_seqs, or less while itl_slo_s caps it
     heavy_max_running: int = 0  # the batch a heavy tenant is admitted up to while others have work (fair, itl_slo_s)
+    # The steps since the engine started, by kind (step_totals.py): decode steps, and steps that computed prompts.
+    steps_decode: int = 0
+    steps_prompt: int = 0
+    step_seconds_decode: float = 0.0
+    step_seconds_prompt: float = 0.0
+    step_requests_decode: int = 0  # the steps' batch sizes, summed
+    step_requests_prompt: int = 0
+    step_prompt_tokens: int = 0
 
 
 def failed_output(request_id: str, exc: Exception, reason: str = "error") -> RequestOutput:
@@ -82,4 +90,5 @@ def failed_output(request_id: str, exc: Exception, reason: str = "error") -> Req
 # EngineStats fields that only grow over the life of a server (an engine process started again continues them).
 STATS_COUNTERS = ("adapter_loads", "adapter_evictions", "preemptions", "generated_tokens", "finished_requests",
                   "adapter_disk_reads", "adapter_host_evictions", "refused_ttft_slo", "refused_ttft_slo_early",
-                  "refused_queue_timeout")  # fmt: skip
+                  "refused_queue_timeout", "steps_decode", "steps_prompt", "step_seconds_decode", "step_seconds_prompt",
+                  "step_requests_decode", "step_requests_prompt", "step_prompt_tokens")  # fmt: skip

@@ -44,6 +44,7 @@ from slora.backend.engine.scheduling_policy import FairPolicy, FcfsPolicy, Sched
 from slora.backend.engine.slo import SWEEP_INTERVAL_S, SloGuard, SloSettings
 from slora.backend.engine.slot_shares import HEAVY_TARGET, DemandMeter, heavy, may_admit, shares
 from slora.backend.engine.step_clock import Step, StepClock
+from slora.backend.engine.step_totals import StepTotals
 from slora.backend.engine.tenants import TenantBook, served_tokens
 from slora.backend.errors import AdapterError, SloraError, SloRefusedError
 from slora.backend.executor.batch import ScheduledSeq
@@ -133,7 +134,8 @@ class Scheduler:
         self.guard = guard if guard is not None else SloGuard(SloSettings())
         self.clock = clock  # what request arrival times are measured with
         self.limiter = limiter
-        self.steps = StepClock()  # times steps for the guard's meter and the limiter
+        self.steps = StepClock()  # times steps for the totals, the guard's meter and the limiter
+        self.step_totals = StepTotals()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.refusals: Counter[str] = Counter()  # SLO refusals by reason (slo.RefusalReason)
@@ -169,10 +171,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        timed = self._deadlines or self.limiter is not None
-        now = self.clock() if timed else 0.0
-        if timed:
-            self._observe(self.steps.completed())
+        now = self.clock()
+        self._observe(self.steps.completed())
         if self._deadlines:
             self._refuse_late(out, now)
         budget = self._schedule_running(out, self.limits.max_batch_tokens)
@@ -185,8 +185,7 @@ class Scheduler:
                 admitted = self._admit_waiting(out, budget)
         self.policy.served(out.seqs)
         self._prefetch()
-        if timed:
-            self.steps.started(now, sum(s.num_tokens for s in out.seqs if s.num_tokens > 1), len(out.seqs))
+        self.steps.started(now, sum(s.num_tokens for s in out.seqs if s.num_tokens > 1), len(out.seqs))
         if self._deadlines and out.seqs:
             self.guard.meter.planned(now, admitted, admission, bool(self.policy))
         elif self._deadlines:
@@ -206,7 +205,9 @@ class Scheduler:
     def step_done(self, device_s: float | None = None) -> None:
         """The engine read the tokens of the oldest step launched; `device_s`: its time on the device, where
         timed there (step_clock.py)."""
-        self.steps.finished(self.clock(), device_s)
+        step = self.steps.finished(self.clock(), device_s)
+        if step is not None:
+            self.step_totals.add(step)
 
     def max_running(self) -> int:
         """Requests that may run at once now: max_num_seqs, or less while itl_slo_s caps the batch."""

@@ -11,8 +11,9 @@ launched) a step's time is the time between its tokens and the previous step's; 
 a plan with nothing in it) it is timed from its own plan.
 
 The scheduler tells the clock of each plan (`started`); the engine, when it has read a step's tokens
-(`finished`, in plan order); the scheduler takes the steps finished since its last plan (`completed`). One clock
-serves both readers (slo.RateMeter, batch_limit.BatchLimiter), so that they agree on what a step took.
+(`finished`, in plan order, which returns the step for the engine's totals, step_totals.py); the scheduler takes
+the steps finished since its last plan (`completed`). One clock serves every reader (slo.RateMeter,
+batch_limit.BatchLimiter, the totals), so that they agree on what a step took.
 """
 
 from __future__ import annotations
@@ -42,15 +43,17 @@ class StepClock:
         else:
             self._last_tokens = None
 
-    def finished(self, now: float, device_s: float | None = None) -> None:
-        """The oldest launched step's tokens were read at `now` (nothing if no step is open); `device_s`: its time
-        on the device, where it was timed there."""
+    def finished(self, now: float, device_s: float | None = None) -> Step | None:
+        """The oldest launched step's tokens were read at `now`: that step (None if no step is open); `device_s`:
+        its time on the device, where it was timed there."""
         if not self._launched:
-            return
+            return None
         start, prompt_tokens, seqs = self._launched.popleft()
         since = start if self._last_tokens is None else self._last_tokens
         self._last_tokens = now
-        self._done.append(Step(now - since if device_s is None else device_s, prompt_tokens, seqs))
+        step = Step(now - since if device_s is None else device_s, prompt_tokens, seqs)
+        self._done.append(step)
+        return step
 
     def completed(self) -> list[Step]:
         """The steps finished since the last call, oldest first."""

@@ -67,7 +67,9 @@ def test_metrics_are_present_and_move(server: Server) -> None:
                    "slora_adapter_evictions_total", "slora_adapter_disk_reads_total",
                    "slora_adapter_host_evictions_total", "slora_preemptions_total", "slora_generated_tokens_total",
                    'slora_requests_finished_total{reason="length"}', "slora_time_to_first_token_seconds_count",
-                   "slora_inter_token_latency_seconds_count"):  # fmt: skip
+                   "slora_inter_token_latency_seconds_count", 'slora_steps_total{kind="decode"}',
+                   'slora_steps_total{kind="prompt"}', 'slora_step_seconds_total{kind="prompt"}',
+                   'slora_step_requests_total{kind="decode"}', "slora_step_prompt_tokens_total"):  # fmt: skip
         assert family in before, family
     known = len(_rows(server))
     wait_for_metric(server.metrics_url, 'slora_adapters{tier="disk"}', lambda v: v == known)
@@ -82,9 +84,17 @@ def test_metrics_are_present_and_move(server: Server) -> None:
         "slora_time_to_first_token_seconds_count": 1,
         "slora_inter_token_latency_seconds_count": 4,
         'slora_requests_finished_total{reason="length"}': 1,
+        "slora_step_prompt_tokens_total": len(IDS),  # the prompt, computed in steps with prompts
+        'slora_steps_total{kind="prompt"}': 1,
+        'slora_steps_total{kind="decode"}': 1,
     }
     for series, increase in moved.items():
         wait_for_metric(server.metrics_url, series, lambda v, s=series, n=increase: v >= before[s] + n)
+    after = scrape(server.metrics_url)
+    ran = sum(after[f'slora_step_requests_total{{kind="{k}"}}'] - before[f'slora_step_requests_total{{kind="{k}"}}']
+              for k in ("decode", "prompt"))  # fmt: skip
+    assert ran >= len(tokens)  # one step per token sampled
+    assert after['slora_step_seconds_total{kind="prompt"}'] > before['slora_step_seconds_total{kind="prompt"}']
 
 
 def test_the_alias_requests_count_in_the_engine_models_metrics(server: Server) -> None:

@@ -29,6 +29,11 @@
     slora_tenant_tokens{tenant, kind}               gauge      prompt / output tokens served to each of them
     slora_time_to_first_token_seconds               histogram  arrival at the model → first token
     slora_inter_token_latency_seconds               histogram  between two tokens of one request
+    slora_steps_total{kind="decode|prompt"}          counter    engine steps: decode only, or computing prompt
+                                                               tokens too (step_totals.py)
+    slora_step_seconds_total{kind}                  counter    their time (on CUDA, on the device's stream)
+    slora_step_requests_total{kind}                 counter    the requests they ran (batch sizes summed)
+    slora_step_prompt_tokens_total                  counter    prompt tokens they computed
     vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}   gauge (opt-in)
         value: the Unix time of the update; read by the Gateway API Inference Extension's endpoint picker for
         LoRA affinity (its newest series by value). One series at a time: the current adapter sets. A Python-
@@ -52,6 +57,7 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from slora.backend.engine.outputs import EngineStats
+from slora.backend.engine.step_totals import KINDS as STEP_KINDS
 
 logger = logging.getLogger(__name__)
 
@@ -123,12 +129,11 @@ class TritonMetrics(NullMetrics):
                 "slora_engine_restarts_total", "Engine processes started again after one exited unexpectedly", counter
             ),
         }
+        labelled: dict[str, tuple[Any, dict[str, str]]] = {key: (family, {}) for key, family in self.counters.items()}
         refused = self._family("slora_requests_refused_total", "Requests refused by admission, by reason", counter)
-        self.counters.update({f"refused_{reason}": refused for reason in REFUSAL_REASONS})
-        self.counters = {
-            key: family.Metric(labels={"reason": key.removeprefix("refused_")} if key.startswith("refused_") else {})
-            for key, family in self.counters.items()
-        }
+        labelled.update({f"refused_{reason}": (refused, {"reason": reason}) for reason in REFUSAL_REASONS})
+        labelled.update(self._step_families(counter))
+        self.counters = {key: family.Metric(labels=labels) for key, (family, labels) in labelled.items()}
         finished = self._family("slora_requests_finished_total", "Requests finished, by reason", counter)
         self.finished = {reason: finished.Metric(labels={"reason": reason}) for reason in FINISH_REASONS}
         self.ttft = self._family("slora_time_to_first_token_seconds", "Arrival to first token", histogram).Metric(
@@ -149,13 +154,31 @@ class TritonMetrics(NullMetrics):
         self._lora_family: Any = None
         self._lora_labels: tuple[str, str] | None = None
         self._lora_metric: Any = None
-        self._counted: dict[str, int] = {key: 0 for key in self.counters}
+        self._counted: dict[str, float] = {key: 0 for key in self.counters}
         self._stats: EngineStats | None = None
         self._published: EngineStats | None = None
         self._events: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
         self._interval_s = interval_s
         self._thread = threading.Thread(target=self._run, name="slora-metrics", daemon=True)
         self._thread.start()
+
+    def _step_families(self, counter: Any) -> dict[str, tuple[Any, dict[str, str]]]:
+        """The step totals' counters (step_totals.py), by EngineStats field."""
+        steps = self._family("slora_steps_total", "Engine steps by kind: decode, or with prompt tokens", counter)
+        seconds = self._family(
+            "slora_step_seconds_total", "Time of the engine's steps by kind (on CUDA, on the device's stream)", counter
+        )
+        requests = self._family("slora_step_requests_total", "Requests the steps ran (batch sizes summed)", counter)
+        out = {}
+        for kind in STEP_KINDS:
+            out[f"steps_{kind}"] = (steps, {"kind": kind})
+            out[f"step_seconds_{kind}"] = (seconds, {"kind": kind})
+            out[f"step_requests_{kind}"] = (requests, {"kind": kind})
+        out["step_prompt_tokens"] = (
+            self._family("slora_step_prompt_tokens_total", "Prompt tokens the steps computed", counter),
+            {},
+        )
+        return out
 
     def _family(self, name: str, description: str, kind: Any) -> Any:
         family = pb_utils.MetricFamily(name=name, description=description, kind=kind)

@@ -1,0 +1,38 @@
+"""What the engine's steps did since it started, by kind: a decode step computes one token of each running request;
+a prompt step also computes prompt tokens (whole prompts or chunks). Exported as counters
+(`slora_steps_total`, `slora_step_seconds_total`, ... on Triton's metrics port), so that a scraper can take any window's
+mean step time, batch and prompt tokens per step by the difference of two scrapes: where a first token's time goes
+under load (a step that computes prompts takes as long as its prompt tokens make it, and every request in it waits
+for it) without a profiler on the server.
+
+A step's time is the step clock's (step_clock.py): on CUDA its own time on the device's stream, elsewhere the time
+between its tokens and the previous step's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from slora.backend.engine.step_clock import Step
+
+KINDS = ("decode", "prompt")
+
+
+@dataclass
+class KindTotals:
+    steps: int = 0
+    seconds: float = 0.0
+    requests: int = 0  # the steps' batch sizes, summed
+
+
+@dataclass
+class StepTotals:
+    kinds: dict[str, KindTotals] = field(default_factory=lambda: {kind: KindTotals() for kind in KINDS})
+    prompt_tokens: int = 0
+
+    def add(self, step: Step) -> None:
+        totals = self.kinds["prompt" if step.prompt_tokens else "decode"]
+        totals.steps += 1
+        totals.seconds += step.seconds
+        totals.requests += step.seqs
+        self.prompt_tokens += step.prompt_tokens
