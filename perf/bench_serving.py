@@ -52,6 +52,7 @@ from perf import roofline, serving_admin
 from perf.make_adapters import SETTINGS
 from perf.metrics import RequestRecord, per_request, summarize
 from perf.results import append_runs, headline, make_run, trace_info
+from perf.server_steps import scrape_settled, step_summary
 from perf.triton_protocol import ModelIO, StreamState, Target, decode, encode
 from perf.workload import MODES, RunSpec, Trace, TraceConfig, TraceRequest, generate_trace, load_trace, save_trace
 
@@ -74,6 +75,7 @@ class ServingOptions:
     progress_interval_s: float = 5.0  # a log line this often
     progress_bar: bool = False  # a bar of finished requests, on a terminal
     window_fraction: float = 0.25
+    metrics_url: str | None = None  # the server's metrics port (host:port): each run's engine steps (server_steps.py)
 
     def __post_init__(self) -> None:
         if self.streams < 1 or self.preload_concurrency < 1:
@@ -358,9 +360,12 @@ async def run_one(
     cpu0 = time.process_time()
     replay = StreamReplay(client, target, io, list(trace.requests), options, text_of, count_tokens)
     replay.desc = name
+    steps_before = scrape_settled(options.metrics_url)  # the warm-up's last steps are published a moment late
     duration = await replay.run()
+    steps = step_summary(steps_before, scrape_settled(options.metrics_url))
     metrics = summarize(list(replay.records.values()), duration, options.window_fraction)
     metrics.update(
+        steps=steps,
         preload_s=preload_s,
         preload_via=preload_via,
         adapters_on_gpu_at_start=on_gpu,
@@ -576,7 +581,7 @@ async def amain(args: argparse.Namespace) -> None:
     target = Target(args.model_name or args.target, *_routing(args))
     options = ServingOptions(streams=args.streams, time_limit_s=args.time_limit, warmup_requests=args.warmup_requests,
                              preload=not args.no_preload, server_kernel_backend=args.server_kernel_backend,
-                             progress_bar=not args.no_progress)  # fmt: skip
+                             progress_bar=not args.no_progress, metrics_url=args.metrics_url)  # fmt: skip
     text_of, count_tokens = load_tokenizer(args.tokenizer)
     client = Client(args.url)
     try:
@@ -633,6 +638,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ready-timeout", type=float, default=300.0)
     parser.add_argument("--server-kernel-backend", help="the server's kernel_backend, recorded so that the report "
                         "pairs this run with in-process runs of the same kernels")  # fmt: skip
+    parser.add_argument("--metrics-url", help="the server's metrics port (host:port): each run's engine steps by "
+                        "kind in its metrics (`steps`)")  # fmt: skip
     parser.add_argument("--name-prefix", default="serving")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (default: on a terminal)")
     parser.add_argument("--out", type=Path, required=True)

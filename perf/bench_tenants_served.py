@@ -21,8 +21,9 @@ the adapter's name, as the in-process runs count it). A request the server refus
 message naming ttft_slo_s or queue_timeout_s) is recorded as refused (finish reason "rejected"), attributed by the
 request id the message names; other errors are errors. Every replay is a run of kind "served", group "tenants",
 with the in-process runs' metrics (`tenants`, `service_gap`, `slo`, `refusals` by reason, `vs_without`, `load`,
-`goodput_over_capacity`), `stream_errors`, and in its options the server's engine configuration as its parameters
-give it.
+`goodput_over_capacity`), `stream_errors`, `steps` (the server's engine steps during the run by kind, from its
+metrics port: perf/server_steps.py), and in its options the server's engine configuration as its parameters give
+it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from perf.bench_serving import Client, ServingOptions, StreamReplay
 from perf.metrics import RequestRecord
 from perf.results import append_runs, headline, make_run, trace_info
 from perf.serve_process import ServeProcess
+from perf.server_steps import scrape_settled, step_summary
 from perf.tenant_measures import tenant_of
 from perf.tenant_suites import (
     MODES,
@@ -192,6 +194,7 @@ class ServedSetup:
     streams: int = 1
     ready_timeout_s: float = 900.0
     env: tuple[tuple[str, str], ...] = ()  # added to the servers' environment
+    metrics_url: str | None = None  # the --url server's metrics port (host:port), for each run's steps
 
 
 @dataclass
@@ -314,18 +317,24 @@ class ServedBench:
                               _words)  # fmt: skip
         replay.desc = name
         cpu0 = time.process_time()
+        steps_before = scrape_settled(self._metrics_url())
         duration = self._run(replay.run())
         settled = replay.settle()
+        steps = step_summary(steps_before, scrape_settled(self._metrics_url()))
         records = list(replay.records.values())
         costs = (served.engine.fair_prompt_cost, served.engine.fair_output_cost)
         metrics = tenant_metrics(records, duration, window_s or duration, self.options, costs)
         metrics.update(refusals=replay.refusals, refusals_unattributed=settled,
                        stream_errors=len(replay.stream_errors), first_errors=replay.stream_errors[:3],
-                       client_cpu_share=(time.process_time() - cpu0) / duration if duration > 0 else None)  # fmt: skip
+                       client_cpu_share=(time.process_time() - cpu0) / duration if duration > 0 else None,
+                       steps=steps)  # fmt: skip
         run = make_run(name, "served", trace_info(trace), self._run_options(served, changes), metrics,
                        group="tenants")  # fmt: skip
         logger.info("%s | service gap %.0f | slo %s", headline(run), metrics["service_gap"], metrics["slo"])
         return Replayed(name, trace, records, duration, run)
+
+    def _metrics_url(self) -> str | None:
+        return self._process.metrics_url if self._process is not None else self.setup.metrics_url
 
     def _run_options(self, served: _Served, changes: dict[str, Any]) -> dict[str, Any]:
         server = {"url": served.url, "started_here": self.setup.url is None, "serve_args": list(self.setup.serve_args),
@@ -395,6 +404,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="short runs (SMOKE) on the default model on CPU, or "
                         "on the --url server")  # fmt: skip
     parser.add_argument("--url", help="a running server's gRPC endpoint: its configuration's runs only")
+    parser.add_argument("--metrics-url", help="with --url: that server's metrics port (host:port), for each run's "
+                        "engine steps (servers started here are scraped anyway)")  # fmt: skip
     parser.add_argument("--capacity", type=float, help="req/s, instead of measuring it (e.g. with --url)")
     parser.add_argument("--adapter-prefix", default="s1-", help="adapters <prefix><index:04d>, tenants + 1 of them")
     parser.add_argument("--vocab-size", type=int, help="default: the served model's config.json")
@@ -418,7 +429,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke and args.time_limit is None:
         options = replace(options, time_limit_s=SMOKE_TIME_LIMIT_S)
     log_dir = args.server_log_dir or args.out.parent / f"{args.out.stem}-servers"
-    setup = ServedSetup(tuple(args.serve_args), args.url, log_dir, args.vocab_size, args.streams, args.ready_timeout)
+    setup = ServedSetup(tuple(args.serve_args), args.url, log_dir, args.vocab_size, args.streams, args.ready_timeout,
+                        metrics_url=args.metrics_url)  # fmt: skip
     adapters = [f"{args.adapter_prefix}{i:04d}" for i in range(options.tenants + 1)]
     if args.smoke and args.url is None:
         with tempfile.TemporaryDirectory(prefix="slora-tenants-served-") as tmp:

@@ -298,6 +298,29 @@ def steps_table(runs: list[Run]) -> list[str]:
     return lines if len(lines) > 2 else []
 
 
+def served_steps_table(runs: list[Run]) -> list[str]:
+    """Served runs' engine steps by kind, from the server's step counters around each run (perf/server_steps.py):
+    decode steps and steps with prompts, each with its count, mean time and mean batch, and the prompt tokens of a
+    step with prompts."""
+    lines = ["| run | decode steps: n, mean ms (requests) | steps with prompts: n, mean ms (requests, prompt tokens) |",
+             "|---|---|---|"]  # fmt: skip
+    for run in runs:
+        steps = run["metrics"].get("steps")
+        if not steps:
+            continue
+        decode, prompt = steps["decode"], steps["prompt"]
+        cells = [_served_step_cell(decode, None), _served_step_cell(prompt, prompt.get("prompt_tokens_per_step"))]
+        lines.append(f"| {run['name']} | {' | '.join(cells)} |")
+    return lines if len(lines) > 2 else []
+
+
+def _served_step_cell(kind: dict[str, Any], tokens: float | None) -> str:
+    if not kind["steps"]:
+        return "0"
+    extra = f", {tokens:.0f}" if tokens is not None else ""
+    return f"{kind['steps']}, {kind['mean_ms']:.1f} ({kind['mean_requests']:.0f}{extra})"
+
+
 PHASE_COLUMNS = ("build", "wait", "launch", "sample", "other")
 
 
@@ -347,6 +370,7 @@ def report(*results: Path) -> str:
         ("Roofline of each run", roofline_table(runs)),
         ("LoRA runs against their base run and the bytes floor", floor_table(checks, runs)),
         ("Engine steps by kind", steps_table(runs)),
+        ("Served runs' engine steps by kind", served_steps_table(runs)),
         ("Host time of a step, by phase", phases_table(runs)),
     )
     for title, table in optional:

@@ -335,7 +335,7 @@ serving() {  # serving TARGET RUN...  (against the running server)
   local extra=()
   [[ $target == ensemble ]] && extra=(--tokenizer "$MODEL")
   step -m perf.bench_serving --url "localhost:$((PORT_BASE + 1))" --target "$target" "${extra[@]}" \
-    --server-kernel-backend "$KERNEL" \
+    --server-kernel-backend "$KERNEL" --metrics-url "localhost:$((PORT_BASE + 2))" \
     --ready-timeout "$(ready_timeout)" --time-limit "$(run_limit)" --out "$RESULTS" "$@"
 }
 

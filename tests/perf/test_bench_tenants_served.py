@@ -51,9 +51,21 @@ def _accounted(run: dict[str, Any]) -> None:
         assert not slowest or slowest[0] >= figures["ttft_p90_s"]  # the latest first token of all
 
 
+def _steps_cover_the_run(run: dict[str, Any]) -> None:
+    """The server's steps during the run computed every prompt of its requests and ran each request once per token
+    it sampled (more with a preemption's recomputation; the server ran nothing else meanwhile)."""
+    steps, trace = run["metrics"]["steps"], run["trace"]
+    prompt, decode = steps["prompt"], steps["decode"]
+    assert prompt["steps"] >= 1 and prompt["mean_ms"] > 0, run["name"]
+    prompt_tokens = prompt["prompt_tokens_per_step"] * prompt["steps"]
+    assert prompt_tokens >= round(trace["mean_input_len"] * trace["num_requests"]) - 1e-6, run["name"]
+    ran = prompt["mean_requests"] * prompt["steps"] + (decode["mean_requests"] or 0) * decode["steps"]
+    assert ran >= trace["total_output_tokens"] - 1e-6, run["name"]
+
+
 def test_a_fair_server_accounts_for_every_request_of_every_tenant(fair_server: ServeProcess, tmp_path: Path) -> None:
     out = tmp_path / "fair.json"
-    served.main(["--url", fair_server.grpc_url, *SIZES, "--out", str(out)])
+    served.main(["--url", fair_server.grpc_url, "--metrics-url", fair_server.metrics_url, *SIZES, "--out", str(out)])
     runs = {r["name"]: r for r in load_results(out)["runs"]}
     assert set(runs) == {"tenants-served-capacity", "tenants-served-noisy-fair-without",
                          "tenants-served-noisy-fair-with", "tenants-served-overload-4x-fair"}  # fmt: skip
@@ -62,6 +74,7 @@ def test_a_fair_server_accounts_for_every_request_of_every_tenant(fair_server: S
         assert run["options"]["engine"]["scheduling_policy"] == "fair" and run["options"]["server"]["url"]
         assert run["metrics"]["slo"]["refused"] == 0  # no SLO on this server
         _accounted(run)
+        _steps_cover_the_run(run)
     capacity = runs["tenants-served-capacity"]["metrics"]
     assert capacity["num_finished"] == 8 and capacity["capacity_rps"] > 0
     assert set(capacity["tenants"]) == set(ADAPTERS)  # the burst goes round every tenant's adapter

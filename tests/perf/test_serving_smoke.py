@@ -41,7 +41,10 @@ def _server_available() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model: Path, tiny_adapters: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+def server(
+    tiny_model: Path, tiny_adapters: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[int, int]]:
+    """The server's gRPC and metrics ports."""
     reason = _server_available()
     if reason:
         pytest.skip(reason)
@@ -54,7 +57,7 @@ def server(tiny_model: Path, tiny_adapters: Path, tmp_path_factory: pytest.TempP
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     try:
-        yield grpc
+        yield grpc, metrics
     finally:
         process.terminate()
         try:
@@ -65,13 +68,14 @@ def server(tiny_model: Path, tiny_adapters: Path, tmp_path_factory: pytest.TempP
 
 
 @pytest.mark.parametrize("target", ["slora", "ensemble"])
-def test_replay_through_triton(server: int, target: str, tiny_model: Path, tmp_path: Path) -> None:
+def test_replay_through_triton(server: tuple[int, int], target: str, tiny_model: Path, tmp_path: Path) -> None:
     config = TraceConfig(num_adapters=4, req_rate=40, duration=0.25, input_range=(8, 24), output_range=(4, 16),
                          vocab_size=1024, adapter_prefix="s1-", seed=11)  # fmt: skip
     trace = save_trace(generate_trace(config), tmp_path / "trace.jsonl")
     out = tmp_path / "r.json"
-    args = ["--url", f"localhost:{server}", "--target", target, "--ready-timeout", "120", "--warmup-requests", "2",
-            "--time-limit", "60", "--out", str(out), str(trace), f"{trace}@base"]  # fmt: skip
+    args = ["--url", f"localhost:{server[0]}", "--target", target, "--ready-timeout", "120", "--warmup-requests", "2",
+            "--metrics-url", f"localhost:{server[1]}", "--time-limit", "60", "--out", str(out), str(trace),
+            f"{trace}@base"]  # fmt: skip
     if target == "ensemble":
         args += ["--tokenizer", str(tiny_model)]
     bench_serving.main(args)
@@ -84,6 +88,10 @@ def test_replay_through_triton(server: int, target: str, tiny_model: Path, tmp_p
         assert m["ttft_s"]["p50"] > 0 and m["throughput_rps"] > 0
         # the roofline from the served model's parameters: its folder, its adapters, float32 on CPU
         assert m["roofline"]["dtype_bytes"] == 4 and 0 < m["roofline_fraction"] < 1
+        # the server's steps during the run (its metrics port): each request ran once per token it sampled
+        steps = m["steps"]
+        ran = sum(steps[k]["mean_requests"] * steps[k]["steps"] for k in ("decode", "prompt") if steps[k]["steps"])
+        assert ran == pytest.approx(run["trace"]["total_output_tokens"]) and steps["prompt"]["mean_ms"] > 0
     adapter_bytes = [run["metrics"]["roofline"]["bytes"]["adapters"] for run in runs]
     assert adapter_bytes[0] > 0 and adapter_bytes[1] == 0, "the base run reads no adapter"
     lora = runs[0]["metrics"]
@@ -92,10 +100,10 @@ def test_replay_through_triton(server: int, target: str, tiny_model: Path, tmp_p
     assert isinstance(lora["adapters_on_gpu_at_start"], int)
 
 
-def test_headline_and_sweep_through_triton(server: int, tmp_path: Path) -> None:
+def test_headline_and_sweep_through_triton(server: tuple[int, int], tmp_path: Path) -> None:
     """S-LoRA's method in one call, shortened: the n = 4 trace (its capacity), then 50% and 80% of it."""
     out = tmp_path / "r.json"
-    bench_serving.main(["--url", f"localhost:{server}", "--headline", "--allow-short-traces", "--duration", "0.25",
+    bench_serving.main(["--url", f"localhost:{server[0]}", "--headline", "--allow-short-traces", "--duration", "0.25",
                         "--rate", "40", "--num-adapters", "4", "--no-base", "--sweep", "--warmup-requests", "2",
                         "--output-range", "4", "16", "--input-range", "8", "24", "--time-limit", "60",
                         "--out", str(out)])  # fmt: skip

@@ -1,0 +1,92 @@
+"""A served run's engine steps, from the step counters on the server's metrics port (backend/engine/step_totals.py):
+scraped before and after the run, their difference gives each kind's steps, mean time and mean batch, and the
+prompt tokens of a step that computed prompts. It tells where a run's time went (decode steps against steps with
+prompts, and how large those were) without a profiler on the server.
+
+    before = scrape_settled("localhost:8002")
+    ...  # the run
+    summary = step_summary(before, scrape_settled("localhost:8002"))
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("decode", "prompt")
+_SERIES = re.compile(
+    r'^(slora_steps_total|slora_step_seconds_total|slora_step_requests_total)\{kind="(\w+)"\}\s+(\S+)$'
+)
+_TOKENS = re.compile(r"^slora_step_prompt_tokens_total(?:\{\})?\s+(\S+)$")
+
+
+def parse_steps(text: str) -> dict[str, float]:
+    """The step counters of a Prometheus text page: '<family>:<kind>' and 'prompt_tokens' → value."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if m := _SERIES.match(line):
+            out[f"{m[1]}:{m[2]}"] = float(m[3])
+        elif m := _TOKENS.match(line):
+            out["prompt_tokens"] = float(m[1])
+    return out
+
+
+def scrape_steps(metrics_url: str | None, timeout_s: float = 10.0) -> dict[str, float] | None:
+    """The step counters of the server at `metrics_url` (host:port); None without a url, or when the page cannot be
+    read or has none (a server from before the counters): the run goes on without them."""
+    if metrics_url is None:
+        return None
+    try:
+        with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=timeout_s) as response:
+            counters = parse_steps(response.read().decode())
+    except (urllib.error.URLError, OSError) as exc:
+        logger.warning("step counters not read from %s: %s", metrics_url, exc)
+        return None
+    if not counters:
+        logger.warning("%s has no slora_steps_total: the run's steps are not reported", metrics_url)
+        return None
+    return counters
+
+
+def scrape_settled(metrics_url: str | None, interval_s: float = 0.25, tries: int = 12) -> dict[str, float] | None:
+    """scrape_steps once two reads `interval_s` apart agree: the server publishes its engine's statistics every
+    0.1 s or so, so the last steps' counters come a moment after the last response (of the run, or of the warm-up
+    before it)."""
+    last = scrape_steps(metrics_url)
+    for _ in range(tries):
+        if last is None:
+            return None
+        time.sleep(interval_s)
+        now = scrape_steps(metrics_url)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def step_summary(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
+    """Per kind: steps, mean_ms and mean_requests over the window between the two scrapes; with
+    prompt_tokens_per_step for steps with prompts."""
+    if before is None or after is None:
+        return None
+
+    def grew(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    out: dict[str, Any] = {}
+    for kind in KINDS:
+        steps = grew(f"slora_steps_total:{kind}")
+        out[kind] = {
+            "steps": int(steps),
+            "mean_ms": 1000.0 * grew(f"slora_step_seconds_total:{kind}") / steps if steps else None,
+            "mean_requests": grew(f"slora_step_requests_total:{kind}") / steps if steps else None,
+        }
+    prompt_steps = out["prompt"]["steps"]
+    out["prompt"]["prompt_tokens_per_step"] = grew("prompt_tokens") / prompt_steps if prompt_steps else None
+    return out

@@ -1,0 +1,49 @@
+"""perf/server_steps.py: a run's engine steps from two scrapes of the step counters."""
+
+from __future__ import annotations
+
+import pytest
+
+from perf.server_steps import parse_steps, step_summary
+
+PAGE = """# HELP slora_steps_total Engine steps by kind
+# TYPE slora_steps_total counter
+slora_steps_total{kind="decode"} 10
+slora_steps_total{kind="prompt"} 4
+slora_step_seconds_total{kind="decode"} 0.1
+slora_step_seconds_total{kind="prompt"} 0.12
+slora_step_requests_total{kind="decode"} 50
+slora_step_requests_total{kind="prompt"} 12
+slora_step_prompt_tokens_total 400
+slora_generated_tokens_total 62
+"""
+
+
+def test_parse_reads_the_step_counters_only() -> None:
+    counters = parse_steps(PAGE)
+    assert counters == {"slora_steps_total:decode": 10, "slora_steps_total:prompt": 4,
+                        "slora_step_seconds_total:decode": 0.1, "slora_step_seconds_total:prompt": 0.12,
+                        "slora_step_requests_total:decode": 50, "slora_step_requests_total:prompt": 12,
+                        "prompt_tokens": 400}  # fmt: skip
+
+
+def test_the_summary_is_of_the_window_between_the_scrapes() -> None:
+    before = parse_steps(PAGE)
+    after = dict(before)
+    after.update({"slora_steps_total:decode": 30, "slora_step_seconds_total:decode": 0.3,
+                  "slora_step_requests_total:decode": 250, "slora_steps_total:prompt": 8,
+                  "slora_step_seconds_total:prompt": 0.24, "slora_step_requests_total:prompt": 32,
+                  "prompt_tokens": 1200})  # fmt: skip
+    summary = step_summary(before, after)
+    assert summary is not None
+    assert summary["decode"] == {"steps": 20, "mean_ms": pytest.approx(10.0), "mean_requests": 10.0}
+    assert summary["prompt"] == {"steps": 4, "mean_ms": pytest.approx(30.0), "mean_requests": 5.0,
+                                 "prompt_tokens_per_step": 200.0}  # fmt: skip
+
+
+def test_no_steps_or_no_scrape_gives_no_means() -> None:
+    page = parse_steps(PAGE)
+    summary = step_summary(page, page)
+    assert summary is not None and summary["decode"] == {"steps": 0, "mean_ms": None, "mean_requests": None}
+    assert summary["prompt"]["prompt_tokens_per_step"] is None
+    assert step_summary(None, page) is None and step_summary(page, None) is None
