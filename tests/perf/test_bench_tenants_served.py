@@ -104,6 +104,7 @@ def test_early_abort_refuses_requests_past_their_slo(tmp_path: Path, default_mod
     assert sum(m["refusals"].values()) == m["slo"]["refused"] and m["refusals_unattributed"] == 0
     assert m["slo"]["attainment_admitted"] is None or m["slo"]["attainment_admitted"] >= m["slo"]["attainment_all"]
     assert (tmp_path / "logs").is_dir() and list((tmp_path / "logs").glob("*.log"))
+    assert m["steps"]["prompt"]["steps"] >= 1  # a server started here is scraped on its own metrics port
 
 
 class _Input:
