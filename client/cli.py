@@ -6,6 +6,7 @@ slora-client adapters list | adapters load NAME [--path DIR] [--replace] | adapt
 slora-client tenants set TENANT=WEIGHT ... [--replace]   # the `fair` policy's weights
 slora-client health
 slora-client metrics [--all]
+slora-client steps [--window 10]                         # the engine's steps by kind over the next 10 s
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from slora.client.admin import adapter_command, health, metrics, set_tenant_weights
 from slora.client.generate import Chunk, GenerateRequest, ServerError, grpc_generate, http_generate
+from slora.client.steps import format_summary, scrape_settled, scrape_steps, step_summary
 
 logger = logging.getLogger("slora.client")
 
@@ -64,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("health", help="server liveness/readiness and each model's readiness")
     metrics_parser = commands.add_parser("metrics", help="the slora_ metrics of the server")
     metrics_parser.add_argument("--all", action="store_true", help="every metric, not just slora_")
+    steps_parser = commands.add_parser("steps", help="the engine's steps by kind over a window: count, mean ms, "
+                                       "batch, prompt tokens")  # fmt: skip
+    steps_parser.add_argument("--window", type=float, default=10.0, help="seconds to watch (default 10)")
     return parser
 
 
@@ -144,11 +150,21 @@ def run_metrics(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_steps(args: argparse.Namespace) -> int:
+    if not args.window > 0:
+        raise ServerError(f"--window must be > 0 seconds, got {args.window}")
+    before = scrape_settled(args.metrics_url)
+    time.sleep(args.window)
+    summary = step_summary(before, scrape_steps(args.metrics_url))
+    sys.stdout.write(format_summary(summary, args.window))
+    return 0 if summary is not None else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     args = build_parser().parse_args(argv)
     handlers = {"generate": run_generate, "adapters": run_adapters, "tenants": run_tenants, "health": run_health,
-                "metrics": run_metrics}  # fmt: skip
+                "metrics": run_metrics, "steps": run_steps}  # fmt: skip
     try:
         return handlers[args.command](args)
     except ServerError as exc:

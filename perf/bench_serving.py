@@ -52,9 +52,9 @@ from perf import roofline, serving_admin
 from perf.make_adapters import SETTINGS
 from perf.metrics import RequestRecord, per_request, summarize
 from perf.results import append_runs, headline, make_run, trace_info
-from perf.server_steps import scrape_settled, step_summary
 from perf.triton_protocol import ModelIO, StreamState, Target, decode, encode
 from perf.workload import MODES, RunSpec, Trace, TraceConfig, TraceRequest, generate_trace, load_trace, save_trace
+from slora.client.steps import scrape_settled, step_summary
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class ServingOptions:
     progress_interval_s: float = 5.0  # a log line this often
     progress_bar: bool = False  # a bar of finished requests, on a terminal
     window_fraction: float = 0.25
-    metrics_url: str | None = None  # the server's metrics port (host:port): each run's engine steps (server_steps.py)
+    metrics_url: str | None = None  # the server's metrics port (host:port): each run's engine steps (client/steps.py)
 
     def __post_init__(self) -> None:
         if self.streams < 1 or self.preload_concurrency < 1:

@@ -22,7 +22,7 @@ message naming ttft_slo_s or queue_timeout_s) is recorded as refused (finish rea
 request id the message names; other errors are errors. Every replay is a run of kind "served", group "tenants",
 with the in-process runs' metrics (`tenants`, `service_gap`, `slo`, `refusals` by reason, `vs_without`, `load`,
 `goodput_over_capacity`), `stream_errors`, `steps` (the server's engine steps during the run by kind, from its
-metrics port: perf/server_steps.py), and in its options the server's engine configuration as its parameters give
+metrics port: client/steps.py), and in its options the server's engine configuration as its parameters give
 it.
 """
 
@@ -46,7 +46,6 @@ from perf.bench_serving import Client, ServingOptions, StreamReplay
 from perf.metrics import RequestRecord
 from perf.results import append_runs, headline, make_run, trace_info
 from perf.serve_process import ServeProcess
-from perf.server_steps import scrape_settled, step_summary
 from perf.tenant_measures import tenant_of
 from perf.tenant_suites import (
     MODES,
@@ -64,6 +63,7 @@ from perf.tenant_suites import (
 from perf.triton_protocol import ModelIO, Target
 from perf.workload import Trace, TraceRequest
 from slora.backend.config import EngineConfig
+from slora.client.steps import scrape_settled, step_summary
 
 logger = logging.getLogger(__name__)
 

@@ -299,7 +299,7 @@ def steps_table(runs: list[Run]) -> list[str]:
 
 
 def served_steps_table(runs: list[Run]) -> list[str]:
-    """Served runs' engine steps by kind, from the server's step counters around each run (perf/server_steps.py):
+    """Served runs' engine steps by kind, from the server's step counters around each run (client/steps.py):
     decode steps and steps with prompts, each with its count, mean time and mean batch, and the prompt tokens of a
     step with prompts."""
     lines = ["| run | decode steps: n, mean ms (requests) | steps with prompts: n, mean ms (requests, prompt tokens) |",

@@ -157,6 +157,10 @@ def test_client_cli(server: Server, reference: Any, capsys: pytest.CaptureFixtur
     assert "model ensemble: ready" in capsys.readouterr().out
     assert cli.main([*urls, "metrics"]) == 0
     assert 'slora_pool_pages{kind="kv"}' in capsys.readouterr().out
+    assert cli.main([*urls, "steps", "--window", "0.2"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split() == ["kind", "steps", "mean", "ms", "requests", "prompt",
+                                                               "tokens"]  # fmt: skip
+    assert cli.main([*urls, "steps", "--window", "0"]) == 1
     assert cli.main([*urls, "generate", "Hi", "--adapter", "nope"]) == 1
 
 

@@ -1,10 +1,10 @@
-"""perf/server_steps.py: a run's engine steps from two scrapes of the step counters."""
+"""client/steps.py: the engine's steps over a window, from two scrapes of the step counters."""
 
 from __future__ import annotations
 
 import pytest
 
-from perf.server_steps import parse_steps, step_summary
+from slora.client.steps import format_summary, parse_steps, step_summary
 
 PAGE = """# HELP slora_steps_total Engine steps by kind
 # TYPE slora_steps_total counter
@@ -47,3 +47,15 @@ def test_no_steps_or_no_scrape_gives_no_means() -> None:
     assert summary is not None and summary["decode"] == {"steps": 0, "mean_ms": None, "mean_requests": None}
     assert summary["prompt"]["prompt_tokens_per_step"] is None
     assert step_summary(None, page) is None and step_summary(page, None) is None
+
+
+def test_the_table_shows_each_kind_and_dashes_where_nothing_ran() -> None:
+    page = parse_steps(PAGE)
+    after = {**page, "slora_steps_total:prompt": 6, "slora_step_seconds_total:prompt": 0.18,
+             "slora_step_requests_total:prompt": 16, "prompt_tokens": 700}  # fmt: skip
+    text = format_summary(step_summary(page, after), 2.0)
+    lines = text.splitlines()
+    assert lines[0] == "steps in 2 s"
+    assert lines[2].split() == ["decode", "0", "-", "-", "-"]
+    assert lines[3].split() == ["prompt", "2", "30.0", "2.0", "150"]
+    assert "no step counters" in format_summary(None, 2.0)

@@ -1,7 +1,9 @@
-"""A served run's engine steps, from the step counters on the server's metrics port (backend/engine/step_totals.py):
-scraped before and after the run, their difference gives each kind's steps, mean time and mean batch, and the
-prompt tokens of a step that computed prompts. It tells where a run's time went (decode steps against steps with
-prompts, and how large those were) without a profiler on the server.
+"""The engine's steps over a window, from the step counters on a server's metrics port
+(backend/engine/step_totals.py): scraped at both ends of the window, their difference gives each kind's steps,
+mean time and mean batch, and the prompt tokens of a step that computed prompts. It tells where the time goes
+(decode steps against steps with prompts, and how large those were) without a profiler on the server:
+`slora-client steps --window 10`, and every served benchmark run's `steps` (perf/bench_serving.py,
+perf/bench_tenants_served.py).
 
     before = scrape_settled("localhost:8002")
     ...  # the run
@@ -90,3 +92,21 @@ def step_summary(before: dict[str, float] | None, after: dict[str, float] | None
     prompt_steps = out["prompt"]["steps"]
     out["prompt"]["prompt_tokens_per_step"] = grew("prompt_tokens") / prompt_steps if prompt_steps else None
     return out
+
+
+def format_summary(summary: dict[str, Any] | None, window_s: float) -> str:
+    """The summary as a small table (slora-client steps)."""
+    if summary is None:
+        return "no step counters on this metrics port (a server from before them?)\n"
+    lines = [f"steps in {window_s:g} s", f"{'kind':<8}{'steps':>8}{'mean ms':>10}{'requests':>10}{'prompt tokens':>15}"]
+    for kind in KINDS:
+        row = summary[kind]
+        tokens = row.get("prompt_tokens_per_step")
+        cells = [f"{row['steps']:>8}", _cell(row["mean_ms"], 10, ".1f"), _cell(row["mean_requests"], 10, ".1f"),
+                 _cell(tokens, 15, ".0f")]  # fmt: skip
+        lines.append(f"{kind:<8}" + "".join(cells))
+    return "\n".join(lines) + "\n"
+
+
+def _cell(value: float | None, width: int, spec: str) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
