@@ -27,6 +27,10 @@
 #   ensemble-alias  served S1 n=N_BIG through `slora` with the ensemble's text I/O, then through the `ensemble` [~4 min]
 #   defaults    served S1 n=N_BIG and base with every engine option at its default, then n=N_BIG with ALT_OPTS
 #               (issue 27's "no option within 3% of the best"; SHAPE=llama3-8b or qwen2.5-7b for today's shapes) [~8 min]
+#   disk-tier   served S2 over N_BIG adapters, then the same trace over DISK_FIT (700), on one server with the
+#               default host budget (DISK_BUDGET, auto): adapters beyond host memory against ones that fit  [~5 min]
+#   unified-paging  in process, S2 n=N_BIG, long sequences (ABL_LENGTHS "256 1024", ABL_RATE 20 req/s), pool cut to
+#               ABL_POOL (12GiB): the unified pool, then ABL_REGION (0.25) of it reserved for adapters  [~2 x RUN_LIMIT]
 #   latency     served S1 n=N_BIG with bench_serving --sweep: the saturating run measures the capacity C (its finish
 #               rate while requests arrive), then the same trace settings at 0.5 x C and 0.8 x C, TTFT p50/p99 of
 #               each (issue 27's "TTFT at 50% and 80% of capacity"; DURATION=60: S-LoRA's trace length; RATE above
@@ -156,6 +160,12 @@ TENANT_DURATION=${TENANT_DURATION:-30}
 TENANT_SLO=${TENANT_SLO:-6}
 TENANT_BURST=${TENANT_BURST:-}
 CAPACITY=${CAPACITY:-}
+DISK_FIT=${DISK_FIT:-700}
+DISK_BUDGET=${DISK_BUDGET:-auto}
+ABL_LENGTHS=${ABL_LENGTHS:-256 1024}
+ABL_RATE=${ABL_RATE:-20}
+ABL_POOL=${ABL_POOL:-12GiB}
+ABL_REGION=${ABL_REGION:-0.25}
 GPU_LOG_PID=""
 export SLORA_COMMIT=${SLORA_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1
@@ -525,6 +535,25 @@ suite() {
         fi
         stop_server
       fi ;;
+    disk-tier)  # issue 27's adapters beyond host memory, served: one server with HOST_BUDGET (the machine's
+      # default unless DISK_BUDGET says otherwise), S2 over N_BIG adapters, then the same arrivals and lengths over
+      # DISK_FIT adapters, which fit in that budget (the goal: >= 0.9 of the second's throughput). make_adapters
+      # hard-links the adapters to a few weight files (the GPU host's disk holds 64 GiB): what is beyond host memory
+      # is read back from the page cache, the tier below host memory that the disk tier counts on
+      local s2_big s2_fit
+      s2_big=$(trace s2 "$N_BIG"); s2_fit=$(trace s2 "$DISK_FIT")
+      if HOST_BUDGET=$DISK_BUDGET start_server S2; then
+        serving slora "$s2_big" "$s2_fit"
+      fi
+      stop_server ;;
+    unified-paging)  # issue 27's ablation (S-LoRA's Fig. 5), in process: S2 over N_BIG adapters, long sequences
+      # (ABL_LENGTHS) at ABL_RATE, the pool cut to ABL_POOL so that KV and adapters compete; the unified pool, then
+      # the same engine with ABL_REGION of the pool's pages reserved for adapters (adapter_region_fraction)
+      local long pool="pool_bytes=$ABL_POOL"
+      long=$(LENGTHS=$ABL_LENGTHS RATE=$ABL_RATE trace s2 "$N_BIG")
+      ENGINE_PREFIX=unified ENGINE_OPTS="$ENGINE_OPTS $pool" engine "$KERNEL" S2 "$long"
+      ENGINE_PREFIX=region-$ABL_REGION ENGINE_OPTS="$ENGINE_OPTS $pool adapter_region_fraction=$ABL_REGION" \
+        engine "$KERNEL" S2 "$long" ;;
     latency)  # issue 27's TTFT at fractions of capacity: one call, the capacity run then its 0.5x and 0.8x runs,
       # whose traces (s1-nN-at50.jsonl, -at80) go beside the one they come from
       (( DURATION < 60 )) && log "latency: ${DURATION}s traces are short of S-LoRA's 60 s (the report flags them)"
