@@ -151,8 +151,24 @@ def check_base_roofline(runs: list[Run]) -> Iterator[Check]:
             yield Check("base-roofline", run["name"], "roofline", float(share), 0.70, "x")
 
 
-CHECKS = (check_s1_2000, check_scaling, check_lora_vs_base, check_vs_peft, check_served, check_base_roofline)
-TARGETS = ("s1-2000", "n2000-vs-n5", "lora-vs-base", "vs-peft", "served", "base-roofline")
+def check_disk_tier(runs: list[Run]) -> Iterator[Check]:
+    """Issue 27: served S2 over 2000 adapters, beyond the host budget, against the same trace over 700 that fit, on
+    one server (run_lab.sh disk-tier)."""
+
+    def s2(r: Run, n: int) -> bool:
+        return r["kind"] == "serving" and _setting(r) == "s2" and _n(r) == n and _mode(r) == "lora"
+
+    def fits(s: Run, r: Run) -> bool:
+        return s2(r, 700) and _group(r) == _group(s)
+
+    for s, r in _pairs(runs, lambda r: s2(r, 2000), fits):
+        if (check := _ratio("disk-tier", s, r, 0.90)) is not None:
+            yield check
+
+
+CHECKS = (check_s1_2000, check_scaling, check_lora_vs_base, check_vs_peft, check_served, check_base_roofline,
+          check_disk_tier)  # fmt: skip
+TARGETS = ("s1-2000", "n2000-vs-n5", "lora-vs-base", "vs-peft", "served", "base-roofline", "disk-tier")
 
 
 def _fmt(value: Any, digits: int = 2) -> str:

@@ -110,6 +110,18 @@ def test_engine_steps_by_kind_and_compiles_are_tabled(tmp_path: Path) -> None:
     assert "| e-n2000 | graph |" not in text, "a tally without phases (older results) gets no row"
 
 
+def test_the_disk_tier_pairs_2000_adapters_with_700_on_one_server(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    runs = [_run("s2-n2000", "serving", 2000, "lora", 27.0, "s2-n2000", "serving-slora"),
+            _run("s2-n700", "serving", 700, "lora", 30.0, "s2-n700", "serving-slora"),
+            _run("s1-n700", "serving", 700, "lora", 10.0, "s1-n700", "serving-slora")]  # fmt: skip
+    for run in runs:
+        run["trace"]["config"]["adapter_prefix"] = run["name"][:3]
+    append_runs(path, runs)
+    rows = [line for line in report(path).splitlines() if line.startswith("| disk-tier |")]
+    assert rows == ["| disk-tier | s2-n2000 | s2-n700 | 0.900 x | >= 0.9 x | yes |"]  # not the S1 run
+
+
 def test_no_steps_section_without_step_kinds(results: Path) -> None:
     text = report(results)
     assert "## Engine steps by kind" not in text and "## Served runs' engine steps" not in text
