@@ -317,15 +317,17 @@ def steps_table(runs: list[Run]) -> list[str]:
 def served_steps_table(runs: list[Run]) -> list[str]:
     """Served runs' engine steps by kind, from the server's step counters around each run (client/steps.py):
     decode steps and steps with prompts, each with its count, mean time and mean batch, and the prompt tokens of a
-    step with prompts."""
-    lines = ["| run | decode steps: n, mean ms (requests) | steps with prompts: n, mean ms (requests, prompt tokens) |",
-             "|---|---|---|"]  # fmt: skip
+    step with prompts; and the share of each kind replayed as CUDA graphs."""
+    lines = ["| run | decode steps: n, mean ms (requests) | steps with prompts: n, mean ms (requests, prompt tokens) "
+             "| as CUDA graphs: decode, with prompts |",
+             "|---|---|---|---|"]  # fmt: skip
     for run in runs:
         steps = run["metrics"].get("steps")
         if not steps:
             continue
         decode, prompt = steps["decode"], steps["prompt"]
         cells = [_served_step_cell(decode, None), _served_step_cell(prompt, prompt.get("prompt_tokens_per_step"))]
+        cells.append(", ".join(_share(kind.get("graph_share")) for kind in (decode, prompt)))
         lines.append(f"| {run['name']} | {' | '.join(cells)} |")
     return lines if len(lines) > 2 else []
 
@@ -335,6 +337,10 @@ def _served_step_cell(kind: dict[str, Any], tokens: float | None) -> str:
         return "0"
     extra = f", {tokens:.0f}" if tokens is not None else ""
     return f"{kind['steps']}, {kind['mean_ms']:.1f} ({kind['mean_requests']:.0f}{extra})"
+
+
+def _share(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0%}"
 
 
 PHASE_COLUMNS = ("build", "wait", "launch", "sample", "other")

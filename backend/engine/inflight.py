@@ -27,6 +27,7 @@ class InflightStep:
     host_tokens: torch.Tensor | None = None  # CUDA: page-locked copy of `tokens`, complete once `copied` is
     copied: torch.cuda.Event | None = None
     device_s: float | None = None  # after read(), with `began`: the step's own time on the device's stream
+    graph: bool = False  # replayed as a CUDA graph (decode or with prompts), not launched kernel by kernel
 
     def __post_init__(self) -> None:
         # Reading `tokens` itself would queue its copy behind everything launched since (the next step): the copy

@@ -243,7 +243,7 @@ class LLMEngine:
         abort, or a stop found in the step before) are dropped."""
         outputs = []
         tokens = self.runner.collect(step)
-        self.scheduler.step_done(step.device_s)
+        self.scheduler.step_done(step.device_s, step.graph)
         now = time.monotonic()
         for request, token in tokens:
             if not request.finished:
@@ -413,6 +413,8 @@ class LLMEngine:
             step_seconds_prompt=prompt.seconds,
             step_requests_decode=decode.requests,
             step_requests_prompt=prompt.requests,
+            step_graphs_decode=decode.graphs,
+            step_graphs_prompt=prompt.graphs,
             step_prompt_tokens=steps.prompt_tokens,
         )
 

@@ -202,12 +202,12 @@ class Scheduler:
             if self.heavy_limiter is not None:
                 self.heavy_limiter.observe(step, len(self.running) >= self.heavy_limiter.cap and bool(self.policy))
 
-    def step_done(self, device_s: float | None = None) -> None:
+    def step_done(self, device_s: float | None = None, graph: bool = False) -> None:
         """The engine read the tokens of the oldest step launched; `device_s`: its time on the device, where
-        timed there (step_clock.py)."""
+        timed there (step_clock.py); `graph`: whether it replayed a CUDA graph."""
         step = self.steps.finished(self.clock(), device_s)
         if step is not None:
-            self.step_totals.add(step)
+            self.step_totals.add(step, graph)
 
     def max_running(self) -> int:
         """Requests that may run at once now: max_num_seqs, or less while itl_slo_s caps the batch."""

@@ -6,7 +6,9 @@ under load (a step that computes prompts takes as long as its prompt tokens make
 for it) without a profiler on the server.
 
 A step's time is the step clock's (step_clock.py): on CUDA its own time on the device's stream, elsewhere the time
-between its tokens and the previous step's.
+between its tokens and the previous step's. Steps replayed as CUDA graphs are counted apart as well: a step with
+prompts beyond the graphs' tokens (mixed_cuda_graph_tokens) is launched kernel by kernel, which on a fast GPU takes
+longer than running it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class KindTotals:
     steps: int = 0
     seconds: float = 0.0
     requests: int = 0  # the steps' batch sizes, summed
+    graphs: int = 0  # of the steps, those replayed as CUDA graphs
 
 
 @dataclass
@@ -30,9 +33,10 @@ class StepTotals:
     kinds: dict[str, KindTotals] = field(default_factory=lambda: {kind: KindTotals() for kind in KINDS})
     prompt_tokens: int = 0
 
-    def add(self, step: Step) -> None:
+    def add(self, step: Step, graph: bool = False) -> None:
         totals = self.kinds["prompt" if step.prompt_tokens else "decode"]
         totals.steps += 1
+        totals.graphs += graph
         totals.seconds += step.seconds
         totals.requests += step.seqs
         self.prompt_tokens += step.prompt_tokens

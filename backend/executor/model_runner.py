@@ -106,7 +106,7 @@ class ModelRunner:
         launched = time.perf_counter()
         phases = (built - began, waited - built, launched - waited, 0.0)
         self.last_step = StepShape(step_kind(batch, graph), len(batch.seqs), batch.num_tokens, phases)
-        return InflightStep(batch, tokens, requests, began=on_device)
+        return InflightStep(batch, tokens, requests, began=on_device, graph=graph)
 
     def collect(self, step: InflightStep) -> list[tuple[Request, int]]:
         """Wait for a launched step's tokens: (request, token) for each sequence that sampled. The time spent

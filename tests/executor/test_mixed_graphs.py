@@ -132,6 +132,7 @@ def test_static_mixed_batches_match_eager(llama: ModelWithAdapters, device: str)
     engine = _engine(llama, device, max_num_seqs=5)
     prompts, adapters, params = _jobs(seed=5, count=10)
     eager_tokens, eager_logits = _run(engine, prompts, adapters, params)
+    eager = engine.stats()
     graphs = _graphs(engine, capture=device == "cuda")
     shapes: list[tuple[int, int]] = []
     forward = graphs.forward
@@ -139,6 +140,9 @@ def test_static_mixed_batches_match_eager(llama: ModelWithAdapters, device: str)
     engine.runner.mixed_graphs = graphs
     graph_tokens, graph_logits = _run(engine, prompts, adapters, params)
     assert graph_tokens == eager_tokens
+    stats = engine.stats()  # every forward through the buffers counts as a graph step (slora_step_graphs_total)
+    assert eager.step_graphs_decode == eager.step_graphs_prompt == 0
+    assert stats.step_graphs_decode + stats.step_graphs_prompt == len(shapes) and stats.step_graphs_prompt > 0
     assert len(graph_logits) == len(eager_logits)
     for got, want in zip(graph_logits, eager_logits, strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

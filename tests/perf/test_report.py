@@ -131,18 +131,24 @@ def test_served_runs_steps_are_tabled(tmp_path: Path) -> None:
     path = tmp_path / "r.json"
     served = _run("s-n2000", "serving", 2000, "lora", 9.0, "s1-n2000", "serving-slora")
     served["metrics"]["steps"] = {
-        "decode": {"steps": 900, "mean_ms": 11.26, "mean_requests": 247.4},
-        "prompt": {"steps": 450, "mean_ms": 31.04, "mean_requests": 251.0, "prompt_tokens_per_step": 612.5},
+        "decode": {"steps": 900, "mean_ms": 11.26, "mean_requests": 247.4, "graph_share": 1.0},
+        "prompt": {
+            "steps": 450,
+            "mean_ms": 31.04,
+            "mean_requests": 251.0,
+            "prompt_tokens_per_step": 612.5,
+            "graph_share": 0.6,
+        },
     }
     idle = _run("s-base", "serving", 0, "base", 9.0, "s1-n0", "serving-slora")
     idle["metrics"]["steps"] = {
-        "decode": {"steps": 0, "mean_ms": None, "mean_requests": None},
+        "decode": {"steps": 0, "mean_ms": None, "mean_requests": None},  # results from before graph shares
         "prompt": {"steps": 3, "mean_ms": 5.0, "mean_requests": 1.0, "prompt_tokens_per_step": 20.0},
     }
     append_runs(path, [served, idle])
     table = report(path).split("## Served runs' engine steps by kind")[1]
-    assert "| s-n2000 | 900, 11.3 (247) | 450, 31.0 (251, 612) |" in table
-    assert "| s-base | 0 | 3, 5.0 (1, 20) |" in table
+    assert "| s-n2000 | 900, 11.3 (247) | 450, 31.0 (251, 612) | 100%, 60% |" in table
+    assert "| s-base | 0 | 3, 5.0 (1, 20) | –, – |" in table
 
 
 def _with_roofline(run: dict, seconds: float, burst_rps: float, adapter_gb: float, duration: float) -> dict:

@@ -69,7 +69,8 @@ def test_metrics_are_present_and_move(server: Server) -> None:
                    'slora_requests_finished_total{reason="length"}', "slora_time_to_first_token_seconds_count",
                    "slora_inter_token_latency_seconds_count", 'slora_steps_total{kind="decode"}',
                    'slora_steps_total{kind="prompt"}', 'slora_step_seconds_total{kind="prompt"}',
-                   'slora_step_requests_total{kind="decode"}', "slora_step_prompt_tokens_total"):  # fmt: skip
+                   'slora_step_requests_total{kind="decode"}', 'slora_step_graphs_total{kind="prompt"}',
+                   "slora_step_prompt_tokens_total"):  # fmt: skip
         assert family in before, family
     known = len(_rows(server))
     wait_for_metric(server.metrics_url, 'slora_adapters{tier="disk"}', lambda v: v == known)
@@ -159,7 +160,7 @@ def test_client_cli(server: Server, reference: Any, capsys: pytest.CaptureFixtur
     assert 'slora_pool_pages{kind="kv"}' in capsys.readouterr().out
     assert cli.main([*urls, "steps", "--window", "0.2"]) == 0
     assert capsys.readouterr().out.splitlines()[1].split() == ["kind", "steps", "mean", "ms", "requests", "prompt",
-                                                               "tokens"]  # fmt: skip
+                                                               "tokens", "graphs", "%"]  # fmt: skip
     assert cli.main([*urls, "steps", "--window", "0"]) == 1
     assert cli.main([*urls, "generate", "Hi", "--adapter", "nope"]) == 1
 

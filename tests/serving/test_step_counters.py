@@ -14,6 +14,8 @@ slora_step_seconds_total{kind="decode"} 0.1
 slora_step_seconds_total{kind="prompt"} 0.12
 slora_step_requests_total{kind="decode"} 50
 slora_step_requests_total{kind="prompt"} 12
+slora_step_graphs_total{kind="decode"} 10
+slora_step_graphs_total{kind="prompt"} 1
 slora_step_prompt_tokens_total 400
 slora_generated_tokens_total 62
 """
@@ -24,6 +26,7 @@ def test_parse_reads_the_step_counters_only() -> None:
     assert counters == {"slora_steps_total:decode": 10, "slora_steps_total:prompt": 4,
                         "slora_step_seconds_total:decode": 0.1, "slora_step_seconds_total:prompt": 0.12,
                         "slora_step_requests_total:decode": 50, "slora_step_requests_total:prompt": 12,
+                        "slora_step_graphs_total:decode": 10, "slora_step_graphs_total:prompt": 1,
                         "prompt_tokens": 400}  # fmt: skip
 
 
@@ -33,18 +36,21 @@ def test_the_summary_is_of_the_window_between_the_scrapes() -> None:
     after.update({"slora_steps_total:decode": 30, "slora_step_seconds_total:decode": 0.3,
                   "slora_step_requests_total:decode": 250, "slora_steps_total:prompt": 8,
                   "slora_step_seconds_total:prompt": 0.24, "slora_step_requests_total:prompt": 32,
+                  "slora_step_graphs_total:decode": 25, "slora_step_graphs_total:prompt": 2,
                   "prompt_tokens": 1200})  # fmt: skip
     summary = step_summary(before, after)
     assert summary is not None
-    assert summary["decode"] == {"steps": 20, "mean_ms": pytest.approx(10.0), "mean_requests": 10.0}
+    assert summary["decode"] == {"steps": 20, "mean_ms": pytest.approx(10.0), "mean_requests": 10.0,
+                                 "graph_share": 0.75}  # fmt: skip
     assert summary["prompt"] == {"steps": 4, "mean_ms": pytest.approx(30.0), "mean_requests": 5.0,
-                                 "prompt_tokens_per_step": 200.0}  # fmt: skip
+                                 "graph_share": 0.25, "prompt_tokens_per_step": 200.0}  # fmt: skip
 
 
 def test_no_steps_or_no_scrape_gives_no_means() -> None:
     page = parse_steps(PAGE)
     summary = step_summary(page, page)
-    assert summary is not None and summary["decode"] == {"steps": 0, "mean_ms": None, "mean_requests": None}
+    assert summary is not None
+    assert summary["decode"] == {"steps": 0, "mean_ms": None, "mean_requests": None, "graph_share": None}
     assert summary["prompt"]["prompt_tokens_per_step"] is None
     assert step_summary(None, page) is None and step_summary(page, None) is None
 
@@ -52,10 +58,11 @@ def test_no_steps_or_no_scrape_gives_no_means() -> None:
 def test_the_table_shows_each_kind_and_dashes_where_nothing_ran() -> None:
     page = parse_steps(PAGE)
     after = {**page, "slora_steps_total:prompt": 6, "slora_step_seconds_total:prompt": 0.18,
-             "slora_step_requests_total:prompt": 16, "prompt_tokens": 700}  # fmt: skip
+             "slora_step_requests_total:prompt": 16, "slora_step_graphs_total:prompt": 3,
+             "prompt_tokens": 700}  # fmt: skip
     text = format_summary(step_summary(page, after), 2.0)
     lines = text.splitlines()
     assert lines[0] == "steps in 2 s"
-    assert lines[2].split() == ["decode", "0", "-", "-", "-"]
-    assert lines[3].split() == ["prompt", "2", "30.0", "2.0", "150"]
+    assert lines[2].split() == ["decode", "0", "-", "-", "-", "-"]
+    assert lines[3].split() == ["prompt", "2", "30.0", "2.0", "150", "100"]
     assert "no step counters" in format_summary(None, 2.0)

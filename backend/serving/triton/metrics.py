@@ -33,6 +33,7 @@
                                                                tokens too (step_totals.py)
     slora_step_seconds_total{kind}                  counter    their time (on CUDA, on the device's stream)
     slora_step_requests_total{kind}                 counter    the requests they ran (batch sizes summed)
+    slora_step_graphs_total{kind}                   counter    those of them replayed as CUDA graphs
     slora_step_prompt_tokens_total                  counter    prompt tokens they computed
     vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}   gauge (opt-in)
         value: the Unix time of the update; read by the Gateway API Inference Extension's endpoint picker for
@@ -169,9 +170,11 @@ class TritonMetrics(NullMetrics):
             "slora_step_seconds_total", "Time of the engine's steps by kind (on CUDA, on the device's stream)", counter
         )
         requests = self._family("slora_step_requests_total", "Requests the steps ran (batch sizes summed)", counter)
+        graphs = self._family("slora_step_graphs_total", "Engine steps replayed as CUDA graphs, by kind", counter)
         out = {}
         for kind in STEP_KINDS:
             out[f"steps_{kind}"] = (steps, {"kind": kind})
+            out[f"step_graphs_{kind}"] = (graphs, {"kind": kind})
             out[f"step_seconds_{kind}"] = (seconds, {"kind": kind})
             out[f"step_requests_{kind}"] = (requests, {"kind": kind})
         out["step_prompt_tokens"] = (
