@@ -104,7 +104,10 @@ class EngineConfig:
     # Which waiting request is admitted next (backend/engine/scheduling_policy.py): fcfs (arrival order), fair
     # (VTC: the tenant served least, by weighted tokens), priority (the request's `priority`, higher first, aged).
     # A request's tenant is its `tenant` argument, else its adapter, else "<base>" (backend/engine/tenants.py).
-    # fcfs stays the default until the GPU runs of perf/bench_tenants.py say what the others cost.
+    # fcfs is the default. Cost does not decide it: without overload, each policy's throughput is within 3% of fcfs's
+    # (perf/RESULTS.md). What decides it is that fair isolates tenants only with itl_slo_s, a per-model value. Without
+    # itl_slo_s, a flood that fits the batch slows everyone under either policy. So fair is opted into together with
+    # itl_slo_s (docs/serving.md).
     scheduling_policy: str = "fcfs"
     tenant_weights_file: str | None = None  # JSON {"tenant": weight > 0}; 1.0 for tenants not in it (fair)
     fair_prompt_cost: float = 1.0  # fair: service counted per prompt token (the paper's w_p) ...
