@@ -452,4 +452,8 @@ def _scheduler(
                          config.priority_aging_rate)  # fmt: skip
     guard = SloGuard(SloSettings(config.ttft_slo_s, config.queue_timeout_s, config.early_abort))
     limiter = BatchLimiter(config.itl_slo_s, limits.max_num_seqs) if config.itl_slo_s is not None else None
+    if config.scheduling_policy == "fair" and limiter is None:
+        logger.warning("scheduling_policy=fair without itl_slo_s: the queue is ordered by tenant, but a flood that "
+                       "fits the batch still slows every tenant's tokens; set itl_slo_s (about 1.25 x the time per "
+                       "output token at the usual load) to cap the batch (docs/serving.md)")  # fmt: skip
     return Scheduler(limits, pool, cache, policy, book, guard, hosts=store, limiter=limiter)

@@ -8,6 +8,7 @@ schedule against the one recorded before policies existed, SLO refusals end to e
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 import random
 import re
@@ -590,6 +591,17 @@ def test_bad_config_values_name_the_field() -> None:
             EngineConfig.from_dict(values)
     config = EngineConfig.from_dict({"scheduling_policy": "fair", "ttft_slo_s": "6", "early_abort": "false"})
     assert (config.scheduling_policy, config.ttft_slo_s, config.early_abort) == ("fair", 6.0, False)
+
+
+def test_fair_without_itl_slo_s_warns_that_the_batch_is_not_capped(
+    llama: ModelWithAdapters, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="slora.backend.engine.llm_engine"):
+        _engine(llama, scheduling_policy="fair")
+        _engine(llama, scheduling_policy="fair", itl_slo_s=0.05)
+        _engine(llama, scheduling_policy="fcfs")
+    warnings = [r.getMessage() for r in caplog.records if "without itl_slo_s" in r.getMessage()]
+    assert len(warnings) == 1 and "scheduling_policy=fair" in warnings[0]
 
 
 def test_stats_list_the_busiest_tenants_bounded(llama: ModelWithAdapters) -> None:
