@@ -20,7 +20,7 @@ from typing import Any
 
 from slora.client.admin import adapter_command, health, metrics, set_tenant_weights
 from slora.client.generate import Chunk, GenerateRequest, ServerError, grpc_generate, http_generate
-from slora.client.steps import format_summary, scrape_settled, scrape_steps, step_summary
+from slora.client.steps import format_summary, read_steps, step_summary
 
 logger = logging.getLogger("slora.client")
 
@@ -153,11 +153,12 @@ def run_metrics(args: argparse.Namespace) -> int:
 def run_steps(args: argparse.Namespace) -> int:
     if not args.window > 0:
         raise ServerError(f"--window must be > 0 seconds, got {args.window}")
-    before = scrape_settled(args.metrics_url)
+    before = read_steps(args.metrics_url)  # OSError: main says the server cannot be reached
+    if not before:
+        raise ServerError(f"{args.metrics_url} has no slora_steps_total: a server from before the step counters?")
     time.sleep(args.window)
-    summary = step_summary(before, scrape_steps(args.metrics_url))
-    sys.stdout.write(format_summary(summary, args.window))
-    return 0 if summary is not None else 1
+    sys.stdout.write(format_summary(step_summary(before, read_steps(args.metrics_url)), args.window))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

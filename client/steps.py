@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import re
 import time
-import urllib.error
 import urllib.request
 from typing import Any
 
@@ -37,15 +36,21 @@ def parse_steps(text: str) -> dict[str, float]:
     return out
 
 
+def read_steps(metrics_url: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """The step counters of the server at `metrics_url` (host:port); empty on a server from before them. Raises
+    OSError (urllib's URLError is one) when the page cannot be read."""
+    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=timeout_s) as response:
+        return parse_steps(response.read().decode())
+
+
 def scrape_steps(metrics_url: str | None, timeout_s: float = 10.0) -> dict[str, float] | None:
-    """The step counters of the server at `metrics_url` (host:port); None without a url, or when the page cannot be
-    read or has none (a server from before the counters): the run goes on without them."""
+    """read_steps for a benchmark run: None without a url, or when the page cannot be read or has no counters (the
+    run goes on without them)."""
     if metrics_url is None:
         return None
     try:
-        with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=timeout_s) as response:
-            counters = parse_steps(response.read().decode())
-    except (urllib.error.URLError, OSError) as exc:
+        counters = read_steps(metrics_url, timeout_s)
+    except OSError as exc:
         logger.warning("step counters not read from %s: %s", metrics_url, exc)
         return None
     if not counters:

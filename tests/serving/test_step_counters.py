@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import http.server
+import threading
+
 import pytest
 
+from slora.client import cli
 from slora.client.steps import format_summary, parse_steps, step_summary
 
 PAGE = """# HELP slora_steps_total Engine steps by kind
@@ -66,3 +70,28 @@ def test_the_table_shows_each_kind_and_dashes_where_nothing_ran() -> None:
     assert lines[2].split() == ["decode", "0", "-", "-", "-", "-"]
     assert lines[3].split() == ["prompt", "2", "30.0", "2.0", "150", "100"]
     assert "no step counters" in format_summary(None, 2.0)
+
+
+def test_the_cli_says_when_the_port_has_no_counters_or_no_server(caplog: pytest.LogCaptureFixture) -> None:
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the handler's name)
+            body = b"nv_inference_count 3\n"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        assert cli.main(["--metrics-url", url, "steps", "--window", "0.1"]) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "has no slora_steps_total" in caplog.text
+    assert cli.main(["--metrics-url", url, "steps", "--window", "0.1"]) == 1  # nobody listens there now
+    assert "cannot reach the server" in caplog.text
