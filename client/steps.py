@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 import re
 import time
-import urllib.request
 from typing import Any
+
+from slora.client.admin import metrics
 
 logger = logging.getLogger(__name__)
 
@@ -36,20 +37,19 @@ def parse_steps(text: str) -> dict[str, float]:
     return out
 
 
-def read_steps(metrics_url: str, timeout_s: float = 10.0) -> dict[str, float]:
+def read_steps(metrics_url: str) -> dict[str, float]:
     """The step counters of the server at `metrics_url` (host:port); empty on a server from before them. Raises
     OSError (urllib's URLError is one) when the page cannot be read."""
-    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=timeout_s) as response:
-        return parse_steps(response.read().decode())
+    return parse_steps("\n".join(metrics(metrics_url)))
 
 
-def scrape_steps(metrics_url: str | None, timeout_s: float = 10.0) -> dict[str, float] | None:
+def scrape_steps(metrics_url: str | None) -> dict[str, float] | None:
     """read_steps for a benchmark run: None without a url, or when the page cannot be read or has no counters (the
     run goes on without them)."""
     if metrics_url is None:
         return None
     try:
-        counters = read_steps(metrics_url, timeout_s)
+        counters = read_steps(metrics_url)
     except OSError as exc:
         logger.warning("step counters not read from %s: %s", metrics_url, exc)
         return None

@@ -379,8 +379,6 @@ class LLMEngine:
         waiting = self.scheduler.waiting
         refusals = self.scheduler.refusals
         adapters_host, adapters_known = self.store.counts()
-        steps = self.scheduler.step_totals
-        decode, prompt = steps.kinds["decode"], steps.kinds["prompt"]
         return EngineStats(
             pages_free=self.pool.count(PageKind.FREE),
             pages_kv=self.pool.count(PageKind.KV),
@@ -407,15 +405,7 @@ class LLMEngine:
             tenants=self.scheduler.tenant_stats(self.config.tenant_stats_top),
             max_running=self.scheduler.max_running(),
             heavy_max_running=self.scheduler.heavy_max_running(),
-            steps_decode=decode.steps,
-            steps_prompt=prompt.steps,
-            step_seconds_decode=decode.seconds,
-            step_seconds_prompt=prompt.seconds,
-            step_requests_decode=decode.requests,
-            step_requests_prompt=prompt.requests,
-            step_graphs_decode=decode.graphs,
-            step_graphs_prompt=prompt.graphs,
-            step_prompt_tokens=steps.prompt_tokens,
+            **self.scheduler.step_totals.as_stats(),
         )
 
     def list_adapters(self) -> list[AdapterInfo]:

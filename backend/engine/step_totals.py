@@ -40,3 +40,12 @@ class StepTotals:
         totals.seconds += step.seconds
         totals.requests += step.seqs
         self.prompt_tokens += step.prompt_tokens
+
+    def as_stats(self) -> dict[str, int | float]:
+        """The totals as EngineStats fields: steps_<kind>, step_seconds_<kind>, step_requests_<kind>,
+        step_graphs_<kind>, step_prompt_tokens."""
+        out: dict[str, int | float] = {"step_prompt_tokens": self.prompt_tokens}
+        for kind, totals in self.kinds.items():
+            out.update({f"steps_{kind}": totals.steps, f"step_seconds_{kind}": totals.seconds,
+                        f"step_requests_{kind}": totals.requests, f"step_graphs_{kind}": totals.graphs})  # fmt: skip
+        return out

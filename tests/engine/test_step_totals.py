@@ -9,6 +9,7 @@ import pytest
 
 from slora.backend.config import EngineConfig
 from slora.backend.engine.llm_engine import LLMEngine
+from slora.backend.engine.outputs import STATS_COUNTERS
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.engine.step_clock import Step
 from slora.backend.engine.step_totals import StepTotals
@@ -50,3 +51,5 @@ def test_a_step_counts_under_its_kind() -> None:
     decode, prompt = totals.kinds["decode"], totals.kinds["prompt"]
     assert (decode.steps, decode.requests, prompt.steps, prompt.requests) == (2, 10, 1, 5)
     assert (decode.seconds, prompt.seconds, totals.prompt_tokens) == (pytest.approx(0.03), 0.03, 120)
+    # every total is an EngineStats counter, continued when an engine process is started again
+    assert set(totals.as_stats()) <= set(STATS_COUNTERS) and totals.as_stats()["step_requests_decode"] == 10
