@@ -36,6 +36,9 @@ def tenant_figures(records: list[RequestRecord], window: float) -> dict[str, dic
 
 
 SLOWEST = 3  # a tenant's requests with the latest first tokens, kept to tell a tail's cause (arrival, prompt)
+# Thirds of the arrival window: a noisy tenant's ratio that comes from the flood's start (before the scheduler sees
+# it as heavy) shows in the first, one from its steady state in all three.
+PHASES = 3
 
 
 def _figures(rs: list[RequestRecord], window: float, total: int) -> dict[str, Any]:
@@ -52,7 +55,17 @@ def _figures(rs: list[RequestRecord], window: float, total: int) -> dict[str, An
         "ttft_p50_s": float(np.percentile(ttfts, 50)) if ttfts else None,
         "ttft_p90_s": float(np.percentile(ttfts, 90)) if ttfts else None,
         "ttft_slowest": [{"arrival_s": r.arrival, "ttft_s": r.ttft, "input_len": r.input_len} for r in slowest],
+        "ttft_p90_by_phase_s": _p90_by_phase(served, window),
     }
+
+
+def _p90_by_phase(served: list[tuple[float, RequestRecord]], window: float) -> list[float | None]:
+    """First-token p90 of the requests arriving in each PHASES-th of [0, window) (later arrivals in the last)."""
+    phases: list[list[float]] = [[] for _ in range(PHASES)]
+    for ttft, r in served:
+        k = int(r.arrival * PHASES / window) if window > 0 else 0
+        phases[min(max(k, 0), PHASES - 1)].append(ttft)
+    return [float(np.percentile(p, 90)) if p else None for p in phases]
 
 
 def service_gap(records: list[RequestRecord], duration: float, window: float, costs: tuple[float, float]) -> float:
@@ -147,11 +160,29 @@ def compare_noisy(with_: dict[str, Any], without: dict[str, Any], quiet: list[st
     return {
         "min_throughput_ratio": min(ratios) if ratios else None,  # the issue's goal under fair: >= 0.9
         "max_ttft_p90_ratio": max(ttfts) if ttfts else None,  # goal: <= 1.5
+        "ttft_p90_ratio_by_phase": _phase_ratios(a, b, quiet),
         "noisy_share": a.get(noisy, {}).get("share"),
         "service_gap_with": with_["service_gap"],
         "service_gap_without": without["service_gap"],
         "tenants": per,
     }
+
+
+def _phase_ratios(with_: dict[str, Any], without: dict[str, Any], quiet: list[str]) -> list[dict[str, float | None]]:
+    """Per phase of the arrival window: the largest and the median of the quiet tenants' first-token p90 ratios
+    over that phase's arrivals (each p90 of a third of a tenant's requests: a coarse view of when the ratio
+    arises, not the goal's figure)."""
+    out = []
+    for k in range(PHASES):
+        ratios = []
+        for t in quiet:
+            a = with_.get(t, {}).get("ttft_p90_by_phase_s", [None] * PHASES)[k]
+            b = without.get(t, {}).get("ttft_p90_by_phase_s", [None] * PHASES)[k]
+            if a is not None and b:
+                ratios.append(a / b)
+        out.append({"max": max(ratios) if ratios else None,
+                    "median": float(np.median(ratios)) if ratios else None})  # fmt: skip
+    return out
 
 
 def _ratios(with_: dict[str, Any], without: dict[str, Any]) -> dict[str, float | None]:
