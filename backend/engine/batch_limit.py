@@ -59,6 +59,9 @@ FAST_LEAST = 4  # far under the target, at least this many a step: a cap cut to 
 
 
 class BatchLimiter:
+    STEPS = "decode steps"  # what the window holds, in the log lines
+    STATISTIC = "median"
+
     def __init__(self, itl_slo_s: float, max_num_seqs: int, name: str = "running requests") -> None:
         """`name`: what the cap is of, in its log lines."""
         self.itl_slo_s = itl_slo_s
@@ -116,8 +119,8 @@ class BatchLimiter:
     def _cut(self, batch: int, median: float) -> None:
         if batch <= 1:
             if not self._warned:
-                logger.warning("itl_slo_s=%g s cannot be met: decode steps of one request take %.3g s",
-                               self.itl_slo_s, median)  # fmt: skip
+                logger.warning("itl_slo_s=%g s cannot be met: %s of one request take %.3g s",
+                               self.itl_slo_s, self.STEPS, median)  # fmt: skip
                 self._warned = True
             return
         cut = min(DECREASE, max(FLOOR, self.itl_slo_s / median))
@@ -125,7 +128,7 @@ class BatchLimiter:
         self._window.clear()  # one verdict per window of steps
         if cap >= self.cap:
             return  # a batch above the cap, no slower than its own cut allows
-        logger.info("target %g s: decode steps of %d requests take %.3g s (median): %s capped at %d (was %d)",
-                    self.itl_slo_s, batch, median, self.name, cap, self.cap)  # fmt: skip
+        logger.info("target %g s: %s of %d requests take %.3g s (%s): %s capped at %d (was %d)",
+                    self.itl_slo_s, self.STEPS, batch, median, self.STATISTIC, self.name, cap, self.cap)  # fmt: skip
         self.cap = cap
         self._drain = (batch, 0)

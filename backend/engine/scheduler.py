@@ -39,10 +39,11 @@ from slora.backend.adapters.host_adapter import AdapterRef, HostAdapter
 from slora.backend.adapters.read_ahead import HostSource, ReadAhead
 from slora.backend.engine.batch_limit import BatchLimiter
 from slora.backend.engine.outputs import TenantStats
+from slora.backend.engine.pace_limit import PaceLimiter
 from slora.backend.engine.request import FinishReason, Request, RequestStatus
 from slora.backend.engine.scheduling_policy import FairPolicy, FcfsPolicy, SchedulingPolicy
 from slora.backend.engine.slo import SWEEP_INTERVAL_S, SloGuard, SloSettings
-from slora.backend.engine.slot_shares import HEAVY_TARGET, DemandMeter, heavy, may_admit, shares
+from slora.backend.engine.slot_shares import HEAVY_TARGET, DemandMeter, flooding, heavy, may_admit, shares
 from slora.backend.engine.step_clock import Step, StepClock
 from slora.backend.engine.step_totals import StepTotals
 from slora.backend.engine.tenants import TenantBook, served_tokens
@@ -149,7 +150,7 @@ class Scheduler:
         self.heavy_limiter = None
         if limiter is not None and self.demand is not None:
             target = HEAVY_TARGET * limiter.itl_slo_s
-            self.heavy_limiter = BatchLimiter(target, limiter.max_num_seqs, "heavy tenants' running requests")
+            self.heavy_limiter = PaceLimiter(target, limiter.max_num_seqs, "heavy tenants' running requests")
         settings = self.guard.settings
         self._deadlines = settings.ttft_slo_s is not None or settings.queue_timeout_s is not None
 
@@ -375,14 +376,26 @@ class Scheduler:
         running = Counter(r.tenant for r in self.running)
         demands = running + Counter(self.policy.waiting_by_tenant())
         averages = self.demand.observe(self.clock(), demands)
+        floods = flooding(demands, self.book.weight)
         if len(self.running) + len(self.policy) <= most:  # every request with work fits
-            return None
+            return self._flood_bound(demands, running, floods, most)
         split = shares(most, demands, averages, self.book.weight)
-        over = heavy(split, averages)
+        over = heavy(split, averages) | floods
         bound = most
         if self.heavy_limiter is not None and any(t not in over for t in demands):
             bound = min(most, self.heavy_limiter.cap)
         return _Shares(split, running, over, bound)
+
+    def _flood_bound(
+        self, demands: Counter[str], running: Counter[str], floods: frozenset[str], most: int
+    ) -> _Shares | None:
+        """While every request with work fits the cap but not the heavy tenants' cap: the floods of the moment
+        bounded by the heavy cap, every other tenant free up to the cap (slot_shares.py; `flooding` never names
+        every tenant); None when there is no flood."""
+        if self.heavy_limiter is None or not floods or sum(demands.values()) <= self.heavy_limiter.cap:
+            return None
+        free = {tenant: float(most) for tenant in demands}
+        return _Shares(free, running, floods, min(most, self.heavy_limiter.cap))
 
     def _try_admit(self, request: Request, may_pass: bool, head: bool, out: SchedulerOutput) -> Admission | None:
         """_admit, with a failed adapter read refusing the request (None)."""

@@ -20,13 +20,21 @@ split as they stand. The share is the level, not the demand under it: a tenant u
 asks for, and its next request, should it come, is admitted at once.
 
 A heavy tenant, one whose averaged demand is over its share (a flood, not a light tenant's peak), is admitted,
-while any other tenant has work, only up to a second cap: the batch at which decode steps take HEAVY_TARGET of
-itl_slo_s, kept by a BatchLimiter of its own (Scheduler.heavy_limiter). Left to fill the cap, a flood keeps every
-step at the target: the light tenants' requests then live longer, more of them run at once, and at a high load
-they alone come near the cap, where their random peaks wait for slots. Under the second cap the steps stay
-shorter, and the slots above it are there for those peaks. It is a cap on step time, not a part of the first
-cap, so that a bound below the first cap cannot keep the batch where neither grows: each grows while the batch is
-at it and steps are under its target.
+while any other tenant has work, only up to a second cap: the batch at which steps take HEAVY_TARGET of
+itl_slo_s on average, prompts included, kept by a PaceLimiter of its own (pace_limit.py, Scheduler.heavy_limiter).
+Left to fill the cap, a flood keeps every step at the target: the light tenants' requests then live longer, more
+of them run at once, and at a high load they alone come near the cap, where their random peaks wait for slots.
+Under the second cap the steps stay shorter, and the slots above it are there for those peaks. It is a cap on
+step time, not a part of the first cap, so that a bound below the first cap cannot keep the batch where neither
+grows: each grows while the batch is at it and steps are under its target.
+
+A flood that starts while the first cap has room (every request with work fits under it, as after a quiet spell)
+would be let in whole before its average rose over its share: on the scheduler stepped without a model, that start
+made the light tenants' steps slow for the seconds the flood took to drain (perf/RESULTS.md, session 30). So a
+tenant is also heavy at once when its demand of the moment, per weight, is over FLOOD_FACTOR times the median
+tenant's (`flooding`), and the second cap bounds it whenever more requests have work than that cap allows, under
+the first cap or over it. The median is of the tenants with work, so tenants of equal rates never count as a
+flood for their random peaks, and one tenant alone is never held back.
 """
 
 from __future__ import annotations
@@ -91,12 +99,25 @@ def shares(
     return {tenant: level * weight(tenant) for tenant in demands}
 
 
-HEAVY_TARGET = 0.85  # of itl_slo_s: the step time up to which heavy tenants are admitted while light ones have work
+HEAVY_TARGET = 0.85  # of itl_slo_s: the mean step time up to which heavy tenants are admitted while others have work
 
 
 def heavy(shares: Mapping[str, float], averages: Mapping[str, float]) -> frozenset[str]:
     """The tenants whose averaged demand is over their share."""
     return frozenset(t for t, share in shares.items() if averages.get(t, 0.0) > share)
+
+
+FLOOD_FACTOR = 5.0  # times the median tenant's demand of the moment (per weight): a flood, seen as it starts
+
+
+def flooding(demands: Mapping[str, int], weight: Callable[[str], float]) -> frozenset[str]:
+    """The tenants whose demand per weight is over FLOOD_FACTOR times the (lower) median tenant's, and over
+    FLOOD_FACTOR requests; none while fewer than two tenants have work."""
+    if len(demands) < 2:
+        return frozenset()
+    per = sorted(d / weight(t) for t, d in demands.items())
+    bar = FLOOD_FACTOR * max(per[(len(per) - 1) // 2], 1.0)
+    return frozenset(t for t, d in demands.items() if d / weight(t) > bar)
 
 
 def may_admit(share: float, running: int, batch_full: bool) -> bool:

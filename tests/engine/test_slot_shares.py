@@ -16,7 +16,16 @@ import pytest
 
 from slora.backend.engine.batch_limit import BatchLimiter
 from slora.backend.engine.scheduling_policy import FairPolicy
-from slora.backend.engine.slot_shares import HEAVY_TARGET, DemandMeter, heavy, may_admit, shares, water_level
+from slora.backend.engine.slot_shares import (
+    FLOOD_FACTOR,
+    HEAVY_TARGET,
+    DemandMeter,
+    flooding,
+    heavy,
+    may_admit,
+    shares,
+    water_level,
+)
 from slora.backend.engine.tenants import TenantBook
 from tests.engine.scheduler_sim import Sim, make_request, make_sim
 
@@ -225,3 +234,44 @@ def test_a_cap_cut_low_grows_back_while_backlogged_tenants_count_as_heavy() -> N
     for _ in range(400):
         sim.step()
     assert sim.scheduler.limiter.cap > 120 and max(len(p.seqs) for p in sim.plans[-50:]) > 120  # not 26
+
+
+def test_a_flood_is_a_demand_far_over_the_median_tenants() -> None:
+    def weight(tenant: str) -> float:
+        return 1.0
+
+    lights = {f"t{k}": 4 + k % 3 for k in range(20)}  # 4-6 each: the median tenant has 5
+    assert flooding(lights, weight) == frozenset(), "tenants of equal rates are never a flood for their peaks"
+    assert flooding({**lights, "peak": 25}, weight) == frozenset(), "5 x the median is not over it"
+    assert flooding({**lights, "flood": 26}, weight) == {"flood"}
+    assert flooding({"flood": 500}, weight) == frozenset(), "one tenant alone is never held back"
+    assert flooding({"light": 1, "flood": 30}, weight) == {"flood"}, "of two, the lower one is the median"
+    assert flooding({"a": 0, "b": 0, "c": int(FLOOD_FACTOR) + 1}, weight) == {"c"}, "over FLOOD_FACTOR requests"
+    assert flooding({"a": 0, "b": 0, "c": int(FLOOD_FACTOR)}, weight) == frozenset()
+    weights = {"big": 10.0}
+    assert flooding({**lights, "big": 200}, lambda t: weights.get(t, 1.0)) == frozenset(), "demand per weight"
+
+
+def test_a_flood_that_starts_while_the_cap_has_room_is_held_at_the_heavy_cap() -> None:
+    """Every request with work fits the cap of all running requests (256), but not the heavy tenants' (40): the
+    flood is admitted only up to the heavy cap, and light tenants' new requests still go in at once. Before the
+    flood's average rises over its share, nothing else holds it (slot_shares.py)."""
+    sim = _paced_sim(256)
+    sim.scheduler.heavy_limiter.cap = 40
+    for k in range(10):
+        for i in range(3):
+            sim.add(make_request(f"light-{k}-{i}", f"light-{k}", 8, 2000, arrival=sim.clock.now))
+    sim.step()
+    for i in range(200):
+        sim.add(make_request(f"flood-{i}", "flood", 8, 2000, arrival=sim.clock.now))
+    for _ in range(4):
+        sim.step()
+    running = Counter(r.tenant for r in sim.scheduler.running)
+    assert running["flood"] == 40 - 30, running
+    for k in range(10):
+        sim.add(make_request(f"light-{k}-late", f"light-{k}", 8, 2000, arrival=sim.clock.now))
+    sim.step()
+    sim.step()  # admission every other step
+    running = Counter(r.tenant for r in sim.scheduler.running)
+    assert sum(v for t, v in running.items() if t != "flood") == 40, "the light tenants' new requests went in"
+    assert running["flood"] == 10

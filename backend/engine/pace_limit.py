@@ -1,0 +1,44 @@
+"""The heavy tenants' cap under `fair` with `itl_slo_s` (slot_shares.py): a BatchLimiter that follows the pace of
+every step, prompts included.
+
+The cap of all running requests (batch_limit.py) leaves out the steps that compute prompts: one long prompt's
+step says nothing about the batch, and a cut for it would only keep requests waiting. A flood is different. Its
+admissions bring its prompts, so at a steady rate of arrivals the prompt tokens a second follow the batch it is
+let into, and the steps that compute them are the ones a light tenant's tokens wait behind: on the GPU, decode
+steps stayed at the heavy target while the light tenants' time per output token grew by two thirds
+(perf/RESULTS.md, session 28). A running request gets one token a step, of whatever kind, so its time per output
+token is the mean of all steps. This limiter holds that mean at its target: it counts every step and judges the
+window by its mean (a median would pass over steps with prompts that come less than every other step). The cap
+it keeps only bounds the heavy tenants' admissions while other tenants have work, so a cut never keeps a light
+tenant's request waiting.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from slora.backend.engine.batch_limit import WINDOW, BatchLimiter
+from slora.backend.engine.step_clock import Step
+
+
+class PaceLimiter(BatchLimiter):
+    STEPS = "steps (prompts included)"
+    STATISTIC = "mean"
+
+    @property
+    def step_s(self) -> float | None:
+        """The mean of the window's steps; None until it holds WINDOW of them."""
+        return statistics.fmean(s.seconds for s in self._window) if len(self._window) == WINDOW else None
+
+    def observe(self, step: Step, held: bool) -> None:
+        """As BatchLimiter.observe, with every step in the window."""
+        if self._draining(step.seqs):
+            return
+        self._window.append(step)
+        mean = self.step_s
+        if mean is None:
+            return
+        if mean > self.itl_slo_s:
+            self._cut(step.seqs, mean)
+        elif held:
+            self.cap = min(self.max_num_seqs, self._grown(mean))
