@@ -7,9 +7,12 @@ admissions bring its prompts, so at a steady rate of arrivals the prompt tokens 
 let into, and the steps that compute them are the ones a light tenant's tokens wait behind: on the GPU, decode
 steps stayed at the heavy target while the light tenants' time per output token grew by two thirds
 (perf/RESULTS.md, session 28). A running request gets one token a step, of whatever kind, so its time per output
-token is the mean of all steps. This limiter holds that mean at its target: it counts every step and judges the
-window by its mean (a median would pass over steps with prompts that come less than every other step). The cap
-it keeps only bounds the heavy tenants' admissions while other tenants have work, so a cut never keeps a light
+token is the mean time between consecutive steps' tokens. This limiter holds that mean at its target: it counts
+every step and judges the window by its mean (a median would pass over steps with prompts that come less than
+every other step). It takes each step's interval on the host (Step.wall_s), not its time on the device: a step's
+own device time is what the cap of all running requests needs, but the mean of the intervals is the time that
+passed, and it also holds what the device does not see, as an eager step's launches that the GPU waits for. The
+cap it keeps only bounds the heavy tenants' admissions while other tenants have work, so a cut never keeps a light
 tenant's request waiting.
 """
 
@@ -27,8 +30,8 @@ class PaceLimiter(BatchLimiter):
 
     @property
     def step_s(self) -> float | None:
-        """The mean of the window's steps; None until it holds WINDOW of them."""
-        return statistics.fmean(s.seconds for s in self._window) if len(self._window) == WINDOW else None
+        """The mean interval of the window's steps; None until it holds WINDOW of them."""
+        return statistics.fmean(s.interval_s for s in self._window) if len(self._window) == WINDOW else None
 
     def observe(self, step: Step, held: bool) -> None:
         """As BatchLimiter.observe, with every step in the window."""

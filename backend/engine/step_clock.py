@@ -27,6 +27,14 @@ class Step:
     seconds: float
     prompt_tokens: int  # prompt tokens it computed (prefills and prefill chunks); 0: a decode-only step
     seqs: int  # requests it ran
+    # From the previous step's tokens (or its own plan, after a pause) to its own, on the host: with overlapped
+    # steps not this step's own work, but over consecutive steps they add up to the time that passed, launches
+    # the GPU waited for included, so their mean is a running request's time per output token. None: `seconds`.
+    wall_s: float | None = None
+
+    @property
+    def interval_s(self) -> float:
+        return self.seconds if self.wall_s is None else self.wall_s
 
 
 class StepClock:
@@ -51,7 +59,8 @@ class StepClock:
         start, prompt_tokens, seqs = self._launched.popleft()
         since = start if self._last_tokens is None else self._last_tokens
         self._last_tokens = now
-        step = Step(now - since if device_s is None else device_s, prompt_tokens, seqs)
+        wall = now - since
+        step = Step(wall, prompt_tokens, seqs) if device_s is None else Step(device_s, prompt_tokens, seqs, wall)
         self._done.append(step)
         return step
 

@@ -61,3 +61,14 @@ def test_a_pace_under_the_target_grows_the_cap_only_while_it_holds_requests_back
     assert pace.cap == 60, "nothing waits at the cap: no reason to grow"
     _window(pace, _mixed(0.009, 0.02, 60))  # mean 0.01175, under the target but over GROW_FAST_BELOW of it
     assert pace.cap == 60 + WINDOW
+
+
+def test_the_pace_counts_what_the_device_does_not_see() -> None:
+    """Steps of 8 ms on the device, 14 ms apart on the host (an eager step's launches that the GPU waited for):
+    the heavy cap follows the 14 ms that a running request waits for each token."""
+    steps = [Step(0.008, 0, 100, wall_s=0.014) for _ in range(WINDOW)]
+    pace, decodes = PaceLimiter(TARGET_S, 256), BatchLimiter(TARGET_S, 256)
+    _window(pace, steps)
+    _window(decodes, steps)
+    assert pace.cap == int(100 * TARGET_S / 0.014) == 85, "cut by the mean interval (the window then starts again)"
+    assert decodes.cap == 256, "each step's own device time is under the target"

@@ -319,7 +319,11 @@ def test_a_step_timed_on_the_device_keeps_that_time() -> None:
     clock.started(1.1, 0, 4)  # overlapped: the next step is planned before the first one's tokens are read
     clock.finished(1.4, 0.05)
     clock.finished(1.5, 0.01)
-    assert clock.completed() == [Step(0.05, 256, 4), Step(0.01, 0, 4)]
+    first, second = clock.completed()
+    assert (first.seconds, first.prompt_tokens, first.seqs, second.seconds) == (0.05, 256, 4, 0.01)
+    # the host's intervals: from the first plan to its tokens, then between the two steps' tokens
+    assert (first.wall_s, second.wall_s) == (pytest.approx(0.4), pytest.approx(0.1))
+    assert first.interval_s == first.wall_s and Step(0.02, 0, 1).interval_s == 0.02
 
 
 def test_overlapped_steps_keep_each_steps_time_with_the_step_that_spent_it() -> None:
