@@ -87,13 +87,17 @@ class BatchLimiter:
         if 0 < self._prefill_run < WINDOW:
             return
         self._window.append(step)
-        median = self.step_s
-        if median is None:
+        self._judge(step.seqs, held)
+
+    def _judge(self, batch: int, held: bool) -> None:
+        """A verdict on the window (step_s) after a step of `batch` requests, once the window is full."""
+        seconds = self.step_s
+        if seconds is None:
             return
-        if median > self.itl_slo_s:
-            self._cut(step.seqs, median)
+        if seconds > self.itl_slo_s:
+            self._cut(batch, seconds)
         elif held:
-            self.cap = min(self.max_num_seqs, self._grown(median))
+            self.cap = min(self.max_num_seqs, self._grown(seconds))
 
     def _draining(self, batch: int) -> bool:
         """Whether a step of `batch` requests is one of the batch draining down to a cut: above the cap and still

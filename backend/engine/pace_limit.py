@@ -38,10 +38,4 @@ class PaceLimiter(BatchLimiter):
         if self._draining(step.seqs):
             return
         self._window.append(step)
-        mean = self.step_s
-        if mean is None:
-            return
-        if mean > self.itl_slo_s:
-            self._cut(step.seqs, mean)
-        elif held:
-            self.cap = min(self.max_num_seqs, self._grown(mean))
+        self._judge(step.seqs, held)
