@@ -376,23 +376,24 @@ class Scheduler:
         running = Counter(r.tenant for r in self.running)
         demands = running + Counter(self.policy.waiting_by_tenant())
         averages = self.demand.observe(self.clock(), demands)
-        floods = flooding(demands, self.book.weight)
-        if len(self.running) + len(self.policy) <= most:  # every request with work fits
-            return self._flood_bound(demands, running, floods, most)
+        total = len(self.running) + len(self.policy)
+        if total <= most:  # every request with work fits
+            return self._flood_bound(demands, running, total, most)
         split = shares(most, demands, averages, self.book.weight)
-        over = heavy(split, averages) | floods
+        over = heavy(split, averages) | flooding(demands, self.book.weight)
         bound = most
         if self.heavy_limiter is not None and any(t not in over for t in demands):
             bound = min(most, self.heavy_limiter.cap)
         return _Shares(split, running, over, bound)
 
-    def _flood_bound(
-        self, demands: Counter[str], running: Counter[str], floods: frozenset[str], most: int
-    ) -> _Shares | None:
-        """While every request with work fits the cap but not the heavy tenants' cap: the floods of the moment
-        bounded by the heavy cap, every other tenant free up to the cap (slot_shares.py; `flooding` never names
-        every tenant); None when there is no flood."""
-        if self.heavy_limiter is None or not floods or sum(demands.values()) <= self.heavy_limiter.cap:
+    def _flood_bound(self, demands: Counter[str], running: Counter[str], total: int, most: int) -> _Shares | None:
+        """While every request with work (`total`) fits the cap but not the heavy tenants' cap: the floods of the
+        moment bounded by the heavy cap, every other tenant free up to the cap (slot_shares.py; `flooding` never
+        names every tenant); None when there is no flood."""
+        if self.heavy_limiter is None or total <= self.heavy_limiter.cap:
+            return None
+        floods = flooding(demands, self.book.weight)
+        if not floods:
             return None
         free = {tenant: float(most) for tenant in demands}
         return _Shares(free, running, floods, min(most, self.heavy_limiter.cap))
