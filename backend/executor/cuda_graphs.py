@@ -21,8 +21,11 @@ captured without LoRA and with all seven modules at max_lora_rank, and for the a
 (`add_family`: their modules and largest rank, both tile kinds where a bucket can hold a step of few adapters); a
 step replays the cheapest of these that covers it, and a step that only the first covers gets a graph of its own
 keys, captured on first use (a one-time stall of that step). All graphs share one memory pool and are captured
-largest first, so smaller ones reuse its blocks. Only the Triton kernel backend can be captured (the torch
-reference reads host-side lists).
+largest first, so smaller ones reuse its blocks, and all write their logits into one buffer of max_num_seqs rows
+(`logits_buffer`, the graphs of steps with prompts' too): logits kept per graph would add up to a float32 row of the
+vocabulary per bucket row of every family, gigabytes with a vocabulary of 128k or more. One buffer is enough because
+graphs replay one at a time on one stream and a step's sampling reads its logits, on that stream, before the next
+replay. Only the Triton kernel backend can be captured (the torch reference reads host-side lists).
 """
 
 from __future__ import annotations
@@ -166,7 +169,7 @@ class DecodeGraphs:
         self.sizes = bucket_sizes(limits.max_num_seqs)
         self._static: dict[GraphKey, StaticDecode] = {}
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[GraphKey, torch.Tensor] = {}
+        self._logits: torch.Tensor | None = None  # logits_buffer()
         self._pool_handle: Any = None  # one memory pool for every graph (mixed_graphs.py's too)
         self.families = GraphFamilies(limits.max_lora_rank)  # the generic family is captured at start
 
@@ -193,10 +196,9 @@ class DecodeGraphs:
                             sorted(key.modules), key.max_rank)  # fmt: skip
                 self._capture(key)
             self._graphs[key].replay()
-            logits = self._logits[key]
         else:
-            logits = self.model.forward(static.batch, self.pool)
-        return logits[: batch.num_tokens]
+            self.model.forward(static.batch, self.pool, self.logits_buffer()[: key.size])
+        return self.logits_buffer()[: batch.num_tokens]
 
     def add_family(self, modules: Modules, max_rank: int) -> None:
         """Capture every bucket for adapters of these modules and ranks up to max_rank (e.g. those in host
@@ -234,31 +236,36 @@ class DecodeGraphs:
             self._pool_handle = torch.cuda.graph_pool_handle()
         return self._pool_handle
 
+    def logits_buffer(self) -> torch.Tensor:
+        """The float32 [max_num_seqs, vocab] buffer every graph writes its logits into (the module's docstring says
+        why one is enough)."""
+        if self._logits is None:
+            vocab = self.model.weights.lm_head.shape[0]
+            device = self.pool.storage.device
+            self._logits = torch.empty((self.limits.max_num_seqs, vocab), dtype=torch.float32, device=device)
+        return self._logits
+
     def _capture(self, key: GraphKey) -> None:
-        self._graphs[key], self._logits[key] = capture_forward(
-            self.model, self.pool, self._buffers(key).batch, self.pool_handle()
-        )
+        out = self.logits_buffer()[: key.size]
+        self._graphs[key], _ = capture_forward(self.model, self.pool, self._buffers(key).batch, self.pool_handle(), out)
 
 
 def capture_forward(
-    model: DecoderModel, pool: PagePool, batch: ForwardBatch, pool_handle: Any, out: torch.Tensor | None = None
+    model: DecoderModel, pool: PagePool, batch: ForwardBatch, pool_handle: Any, out: torch.Tensor
 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """The graph of one forward over a static batch, in the memory pool `pool_handle`, and the logits it writes:
-    into `out` when given (a buffer that outlives the graph's pool), else a tensor of the pool that the caller keeps.
+    """The graph of one forward over a static batch, in the memory pool `pool_handle`, and the logits it writes
+    into `out` (a buffer outside the graphs' pool, which every graph shares).
 
     A forward first runs eagerly on a side stream: it compiles the kernels and builds their launches, which the
     capture then records. The batch's buffers must hold a real step or padding that writes nothing to the pool."""
     stream = torch.cuda.Stream(pool.storage.device)
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        model.forward(batch, pool)
+        model.forward(batch, pool, out)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     # thread_local: captures also happen while serving (keys first seen then), when the adapter copier's
     # thread may be allocating pinned buffers or waiting on its events; only this thread's calls are checked.
     with torch.cuda.graph(graph, pool=pool_handle, capture_error_mode="thread_local"):
-        logits = model.forward(batch, pool)
-        if out is not None:
-            out.copy_(logits)
-            logits = out
+        logits = model.forward(batch, pool, out)
     return graph, logits

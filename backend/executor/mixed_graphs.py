@@ -244,10 +244,12 @@ class MixedGraphs:
         *,
         row_align: int,
         pool_handle: Any = None,
+        logits: torch.Tensor | None = None,
         capture: bool = True,
     ) -> None:
         """row_align: the decode graphs' (every LoRA row offset is a multiple of it); pool_handle: the decode
-        graphs' memory pool (DecodeGraphs.pool_handle), or None for one of their own."""
+        graphs' memory pool (DecodeGraphs.pool_handle), or None for one of their own; logits: the decode graphs'
+        logits buffer (DecodeGraphs.logits_buffer, at least limits.max_seqs rows), or None for one of their own."""
         self.model = model
         self.pool = pool
         self.limits = limits
@@ -260,7 +262,7 @@ class MixedGraphs:
         self._static: dict[MixedKey, MixedStatic] = {}
         self._graphs: dict[MixedKey, torch.cuda.CUDAGraph] = {}
         self._pool_handle = pool_handle
-        self._logits: torch.Tensor | None = None  # [max seqs, vocab]: every graph's logits, copied out
+        self._logits = logits  # [max seqs, vocab] at least: every graph writes its logits there
 
     def fits(self, batch: ForwardBatch) -> bool:
         attn = batch.attn
@@ -311,14 +313,23 @@ class MixedGraphs:
         static.fill(batch)
         sampled = int(batch.sample_index.shape[0])
         if not self.capture:
-            return self.model.forward(static.batch, self.pool)[:sampled]
-        if key not in self._graphs:
+            self.model.forward(static.batch, self.pool, self.logits_buffer()[: key.seqs])
+        elif key in self._graphs:
+            self._graphs[key].replay()
+        else:
             logger.info("capturing the graph of steps with prompts of %d tokens, %d sequences, LoRA modules %s, "
                         "ranks up to %d", key.tokens, key.seqs, sorted(key.modules), key.max_rank)  # fmt: skip
             self._capture(key)
-        self._graphs[key].replay()
-        assert self._logits is not None
-        return self._logits[:sampled]
+            self._graphs[key].replay()
+        return self.logits_buffer()[:sampled]
+
+    def logits_buffer(self) -> torch.Tensor:
+        """The float32 [max seqs, vocab] buffer (at least) every graph writes its logits into: the decode graphs'
+        when given (cuda_graphs.py says why one is enough)."""
+        if self._logits is None:
+            vocab = self.model.weights.lm_head.shape[0]
+            self._logits = torch.empty((self.limits.max_seqs, vocab), dtype=torch.float32, device=self.buffers.device)
+        return self._logits
 
     def _buffers(self, key: MixedKey) -> MixedStatic:
         if key not in self._static:
@@ -328,8 +339,5 @@ class MixedGraphs:
     def _capture(self, key: MixedKey) -> None:
         if self._pool_handle is None:
             self._pool_handle = torch.cuda.graph_pool_handle()
-        if self._logits is None:
-            vocab = self.model.weights.lm_head.shape[0]
-            self._logits = torch.empty((self.limits.max_seqs, vocab), dtype=torch.float32, device=self.buffers.device)
-        out = self._logits[: key.seqs]
+        out = self.logits_buffer()[: key.seqs]
         self._graphs[key], _ = capture_forward(self.model, self.pool, self._buffers(key).batch, self._pool_handle, out)

@@ -30,8 +30,9 @@ class DecoderModel:
         self._widths: dict[tuple[int, ...], tuple[int, ...]] = {}  # output widths of each LoRA call's modules
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, pool: PagePool) -> torch.Tensor:
-        """Run every token of the batch; return float32 logits [num_sampled, vocab] of the sampled rows.
+    def forward(self, batch: ForwardBatch, pool: PagePool, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Run every token of the batch; return float32 logits [num_sampled, vocab] of the sampled rows, written into
+        `into` when given (the one buffer every captured graph writes, cuda_graphs.py).
 
         Each sublayer's output is added to the residual stream by the next norm (ops.rms_norm fuses the add), so
         the stream after the last layer is out + residual.
@@ -42,7 +43,7 @@ class DecoderModel:
             out, residual = self._layer(i, layer, out, residual, batch, pool)
         rows = batch.sample_index
         last, _ = self.ops.rms_norm(out[rows], self.weights.final_norm, self.spec.rms_norm_eps, _rows(residual, rows))
-        return self._logits(last)
+        return self._logits(last, into)
 
     def _layer(
         self,
@@ -89,8 +90,9 @@ class DecoderModel:
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weights.embed)
 
-    def _logits(self, last: torch.Tensor) -> torch.Tensor:
-        return F.linear(last, self.weights.lm_head).float()
+    def _logits(self, last: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        logits = F.linear(last, self.weights.lm_head)
+        return logits.float() if into is None else into.copy_(logits)
 
     def _reduce(self, out: torch.Tensor) -> torch.Tensor:
         return out

@@ -66,10 +66,11 @@ class ShardedDecoder(DecoderModel):
         self._rows: dict[AdapterKey, tuple[ResidentAdapter, ShardRows]] = {}  # rank 0's adapters' ShardRows
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, pool: PagePool) -> torch.Tensor:
-        """Rank 0: tell the followers, then run the step; float32 logits [num_sampled, vocab]. Any failure (a
-        collective failed: a follower died) gives the group up and raises workers.TensorParallelError, naming the
-        dead rank when one died (WorkerDiedError): the ranks are out of step once one leaves a forward."""
+    def forward(self, batch: ForwardBatch, pool: PagePool, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Rank 0: tell the followers, then run the step; float32 logits [num_sampled, vocab], written into `into`
+        when given. Any failure (a collective failed: a follower died) gives the group up and raises
+        workers.TensorParallelError, naming the dead rank when one died (WorkerDiedError): the ranks are out of step
+        once one leaves a forward."""
         if self.workers is None:
             raise RuntimeError("rank 0's decoder has no workers attached")
         began = time.perf_counter()
@@ -79,7 +80,7 @@ class ShardedDecoder(DecoderModel):
             if self.comm.timer is not None:
                 self.comm.timer.add("step plan (host)", time.perf_counter() - began)
             self.comm.broadcast(batch.input_ids, label="input tokens")
-            return self.run(batch, plan, self._adapter_rows(batch), pool)
+            return self.run(batch, plan, self._adapter_rows(batch), pool, into)
         except Exception as exc:
             raise self.workers.error_for(exc) from exc
 
@@ -89,12 +90,19 @@ class ShardedDecoder(DecoderModel):
         self.comm.broadcast(batch.input_ids, label="input tokens")
         self.run(batch, plan, adapters, pool)
 
-    def run(self, batch: ForwardBatch, plan: StepPlan, adapters: list[ShardRows], pool: PagePool) -> torch.Tensor:
+    def run(
+        self,
+        batch: ForwardBatch,
+        plan: StepPlan,
+        adapters: list[ShardRows],
+        pool: PagePool,
+        into: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The forward of every rank, its LoRA metadata built from the plan's segments and the rank's rows."""
         device = pool.storage.device
         self._step_lora = build_sharded_meta(plan.seg_start, plan.seg_adapter, adapters, device, self.tables)
         try:
-            return super().forward(batch, pool)
+            return super().forward(batch, pool, into)
         finally:
             self._step_lora = None
 
@@ -127,15 +135,15 @@ class ShardedDecoder(DecoderModel):
         self.comm.all_reduce(out, label="embedding all-reduce")
         return out
 
-    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+    def _logits(self, last: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
         local = F.linear(last, self.weights.lm_head)  # [num_sampled, vocab / n]
         if local.shape[0] == 0:  # no sequence samples this step (prompt chunks): nothing to gather
-            return local.new_zeros((0, self.plan.spec.vocab_size), dtype=torch.float32)
+            return local.new_zeros((0, self.plan.spec.vocab_size), dtype=torch.float32) if into is None else into
         gathered = self.comm.gather(local, label="logits gather")  # rank 0: [n, num_sampled, vocab / n]
         if gathered is None:
             return local  # a follower's, never read
-        logits = gathered.permute(1, 0, 2).reshape(local.shape[0], -1)
-        return logits[:, : self.plan.spec.vocab_size].float()
+        logits = gathered.permute(1, 0, 2).reshape(local.shape[0], -1)[:, : self.plan.spec.vocab_size]
+        return logits.float() if into is None else into.copy_(logits)
 
     def _reduce(self, out: torch.Tensor) -> torch.Tensor:
         # the row-parallel partial sums (the LoRA's slices already added: lora.py)

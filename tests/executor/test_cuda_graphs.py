@@ -158,6 +158,44 @@ def test_steps_replay_the_family_of_the_host_adapters(llama: ModelWithAdapters, 
     assert lora_keys and all(key.modules == frozenset({0, 1, 2, 3}) and key.max_rank == 16 for key in lora_keys)
 
 
+@pytest.mark.parametrize("device", ["cuda" if torch.cuda.is_available() else "cpu"])
+def test_every_bucket_writes_its_logits_into_one_buffer(llama: ModelWithAdapters, device: str) -> None:
+    """Graphs keep no logits of their own (a float32 row of the vocabulary per bucket row of every family: gigabytes
+    with Llama-3's): every decode step's logits are rows of one [max_num_seqs, vocab] buffer, whichever bucket and
+    family it replays, and tokens stay the eager engine's."""
+    engine = _engine(llama, device)
+    rng = random.Random(23)
+    names: list[str | None] = [None, "r1-qv", "r16-all", None, "r12-qkv"]
+    prompts = [[rng.randrange(150) for _ in range(rng.randint(3, 9))] for _ in range(11)]
+    adapters = [names[i % len(names)] for i in range(11)]
+    params = [SamplingParams(max_tokens=2 + i % 5, temperature=0.0, ignore_eos=True) for i in range(11)]
+    eager = [c.token_ids for c in engine.generate(prompts, adapters, params)]
+    limits = GraphLimits(engine.config.max_num_seqs, engine.max_model_len, engine.config.max_lora_rank)
+    graphs = DecodeGraphs(engine.model, engine.pool, limits, settings=SETTINGS, capture=device == "cuda")
+    graphs.capture_all()
+    outputs: list[torch.Tensor] = []
+    forward = graphs.forward
+    graphs.forward = lambda batch: outputs.append(forward(batch)) or outputs[-1]  # type: ignore[method-assign]
+    engine.runner.graphs = graphs
+    assert [c.token_ids for c in engine.generate(prompts, adapters, params)] == eager
+    buffer = graphs.logits_buffer()
+    assert buffer.shape == (engine.config.max_num_seqs, engine.spec.vocab_size) and buffer.dtype == torch.float32
+    assert len({t.shape[0] for t in outputs}) > 1, "steps of several sizes"
+    assert all(t.data_ptr() == buffer.data_ptr() for t in outputs)
+    assert len({k.modules for k in graphs._static}) > 1, "several families"  # noqa: SLF001
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine captures graphs on CUDA only")
+def test_the_engines_graphs_of_steps_with_prompts_share_the_decode_graphs_logits(llama: ModelWithAdapters) -> None:
+    config = EngineConfig(model=str(llama.base), adapter_root=str(llama.adapter_root), device="cuda",
+                          kernel_backend="triton", dtype="float32", page_size=8, pool_bytes=8 << 20,
+                          max_num_seqs=12, max_model_len=64, max_lora_rank=16, cuda_graphs=True,
+                          mixed_cuda_graphs=True, warmup=False)  # fmt: skip
+    runner = LLMEngine(config).runner
+    assert runner.graphs is not None and runner.mixed_graphs is not None
+    assert runner.mixed_graphs.logits_buffer() is runner.graphs.logits_buffer()
+
+
 def test_cuda_graphs_need_cuda_and_triton(llama: ModelWithAdapters) -> None:
     with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device and the triton kernel backend"):
         LLMEngine(EngineConfig(model=str(llama.base), device="cpu", cuda_graphs=True, pool_bytes=1 << 20))
