@@ -32,6 +32,7 @@ from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.engine.scheduler import Scheduler, SchedulerLimits
 from slora.backend.engine.scheduling_policy import check_priority, make_policy
 from slora.backend.engine.slo import RefusalReason, SloGuard, SloSettings, check_ttft_slo, set_deadlines
+from slora.backend.engine.start_memory import explained
 from slora.backend.engine.startup import build_components
 from slora.backend.engine.tenants import TenantBook, load_weights_file, tenant_of
 from slora.backend.engine.warmup import warm_up
@@ -48,7 +49,14 @@ READ_AHEAD_SHARE = 4  # adapter reads ahead of admission hold at most 1/4 of the
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
-        parts = build_components(config or EngineConfig())
+        config = config or EngineConfig()
+        try:
+            self._start(config)
+        except torch.OutOfMemoryError as exc:
+            raise explained(exc, config, getattr(self, "pool", None)) from exc
+
+    def _start(self, config: EngineConfig) -> None:
+        parts = build_components(config)
         self.config = parts.config  # its "auto" options resolved (defaults.py)
         self.spec = parts.spec
         self.device = parts.device
