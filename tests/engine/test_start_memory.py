@@ -17,7 +17,7 @@ TORCH_SAID = "CUDA out of memory. Tried to allocate 158.00 MiB"
 
 def _config(model: ModelWithAdapters, **options: object) -> EngineConfig:
     return EngineConfig(model=str(model.base), adapter_root=str(model.adapter_root), device="cpu", dtype="float32",
-                        page_size=8, max_num_seqs=12, warmup=True, **options)  # type: ignore[arg-type]  # fmt: skip
+                        page_size=8, max_num_seqs=12, warmup=True, **options)  # fmt: skip
 
 
 def _out_of_memory(*_: object) -> None:
@@ -41,8 +41,8 @@ def test_running_out_before_the_pool_suggests_a_smaller_fraction(
     llama: ModelWithAdapters, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(llm_engine, "build_components", _out_of_memory)
-    with pytest.raises(StartupMemoryError, match=r"while the engine started \(pool_fraction=0.85 \(auto\) of the "
-                       r"memory free after the weights\): give a smaller pool_fraction \(e.g. 0.75\) or pool_bytes"):
+    auto = r"while the engine started \(pool_fraction=0.85 \(auto\) of the memory free after the weights\): give a "
+    with pytest.raises(StartupMemoryError, match=auto + r"smaller pool_fraction \(e.g. 0.75\) or pool_bytes"):
         LLMEngine(_config(llama))
     with pytest.raises(StartupMemoryError, match=r"\(pool_fraction=0.5 of the memory free after the weights\): give "
                        r"a smaller pool_fraction \(e.g. 0.4\)"):  # fmt: skip
