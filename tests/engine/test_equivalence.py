@@ -155,7 +155,7 @@ def _check_half_precision_logits(llama: ModelWithAdapters, config: EngineConfig,
     device = config.torch_device()
     engine = LLMEngine(config)
     captured: list[torch.Tensor] = []
-    engine.runner.logits_hook = captured.append
+    engine.runner.logits_hook = lambda x: captured.append(x.clone())  # graphs reuse one logits buffer
     prompt = _prompts(engine.spec.vocab_size, [13], seed=3)[0]
     for adapter in (None, "r3-all", "r8-mlp"):
         captured.clear()
