@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from slora.client.admin import metrics
+from slora.client.server_ttft import parse_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -27,13 +28,16 @@ _TOKENS = re.compile(r"^slora_step_prompt_tokens_total(?:\{\})?\s+(\S+)$")
 
 
 def parse_steps(text: str) -> dict[str, float]:
-    """The step counters of a Prometheus text page: '<family>:<kind>' and 'prompt_tokens' → value."""
+    """The step counters of a Prometheus text page: '<family>:<kind>' and 'prompt_tokens' → value; with the
+    buckets of the server's first-token histogram (client/server_ttft.py), read from the same page."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if m := _SERIES.match(line):
             out[f"{m[1]}:{m[2]}"] = float(m[3])
         elif m := _TOKENS.match(line):
             out["prompt_tokens"] = float(m[1])
+        elif bucket := parse_buckets(line):
+            out[bucket[0]] = bucket[1]
     return out
 
 

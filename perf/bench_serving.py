@@ -54,6 +54,7 @@ from perf.metrics import RequestRecord, per_request, summarize
 from perf.results import append_runs, headline, make_run, trace_info
 from perf.triton_protocol import ModelIO, StreamState, Target, decode, encode
 from perf.workload import MODES, RunSpec, Trace, TraceConfig, TraceRequest, generate_trace, load_trace, save_trace
+from slora.client.server_ttft import server_ttft
 from slora.client.steps import scrape_settled, step_summary
 
 logger = logging.getLogger(__name__)
@@ -362,10 +363,12 @@ async def run_one(
     replay.desc = name
     steps_before = scrape_settled(options.metrics_url)  # the warm-up's last steps are published a moment late
     duration = await replay.run()
-    steps = step_summary(steps_before, scrape_settled(options.metrics_url))
+    steps_after = scrape_settled(options.metrics_url)
+    steps = step_summary(steps_before, steps_after)
     metrics = summarize(list(replay.records.values()), duration, options.window_fraction)
     metrics.update(
         steps=steps,
+        server_ttft=server_ttft(steps_before, steps_after),
         preload_s=preload_s,
         preload_via=preload_via,
         adapters_on_gpu_at_start=on_gpu,

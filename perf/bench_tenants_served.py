@@ -63,6 +63,7 @@ from perf.tenant_suites import (
 from perf.triton_protocol import ModelIO, Target
 from perf.workload import Trace, TraceRequest
 from slora.backend.config import EngineConfig
+from slora.client.server_ttft import server_ttft
 from slora.client.steps import scrape_settled, step_summary
 
 logger = logging.getLogger(__name__)
@@ -320,14 +321,15 @@ class ServedBench:
         steps_before = scrape_settled(self._metrics_url())
         duration = self._run(replay.run())
         settled = replay.settle()
-        steps = step_summary(steps_before, scrape_settled(self._metrics_url()))
+        steps_after = scrape_settled(self._metrics_url())
+        steps = step_summary(steps_before, steps_after)
         records = list(replay.records.values())
         costs = (served.engine.fair_prompt_cost, served.engine.fair_output_cost)
         metrics = tenant_metrics(records, duration, window_s or duration, self.options, costs)
         metrics.update(refusals=replay.refusals, refusals_unattributed=settled,
                        stream_errors=len(replay.stream_errors), first_errors=replay.stream_errors[:3],
                        client_cpu_share=(time.process_time() - cpu0) / duration if duration > 0 else None,
-                       steps=steps)  # fmt: skip
+                       steps=steps, server_ttft=server_ttft(steps_before, steps_after))  # fmt: skip
         run = make_run(name, "served", trace_info(trace), self._run_options(served, changes), metrics,
                        group="tenants")  # fmt: skip
         logger.info("%s | service gap %.0f | slo %s", headline(run), metrics["service_gap"], metrics["slo"])

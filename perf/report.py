@@ -332,6 +332,30 @@ def served_steps_table(runs: list[Run]) -> list[str]:
     return lines if len(lines) > 2 else []
 
 
+def first_token_path_table(runs: list[dict[str, Any]]) -> list[str]:
+    """Served runs' first tokens as the client saw them and as the server did (client/server_ttft.py: arrival at the
+    Triton model to the engine's first token, interpolated in its histogram's buckets); the difference is the
+    path outside the engine."""
+    lines = ["| run | client TTFT p50 / p90 (s) | server TTFT p50 / p90 (s) | server's first tokens |",
+             "|---|---|---|---|"]  # fmt: skip
+    for run in runs:
+        server = run["metrics"].get("server_ttft")
+        if not server:
+            continue
+        client = run["metrics"].get("ttft_s") or {}
+        cells = [
+            f"{_seconds(client.get('p50'))} / {_seconds(client.get('p90'))}",
+            f"{_seconds(server.get('p50_s'))} / {_seconds(server.get('p90_s'))}",
+            f"{server['requests']:.0f}",
+        ]
+        lines.append(f"| {run['name']} | {' | '.join(cells)} |")
+    return lines if len(lines) > 2 else []
+
+
+def _seconds(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
+
+
 def _served_step_cell(kind: dict[str, Any], tokens: float | None) -> str:
     if not kind["steps"]:
         return "0"
@@ -393,6 +417,7 @@ def report(*results: Path) -> str:
         ("LoRA runs against their base run and the bytes floor", floor_table(checks, runs)),
         ("Engine steps by kind", steps_table(runs)),
         ("Served runs' engine steps by kind", served_steps_table(runs)),
+        ("Served runs' first tokens: client and server", first_token_path_table(runs)),
         ("Host time of a step, by phase", phases_table(runs)),
     )
     for title, table in optional:

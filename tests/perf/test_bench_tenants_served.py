@@ -63,6 +63,14 @@ def _steps_cover_the_run(run: dict[str, Any]) -> None:
     assert ran >= trace["total_output_tokens"] - 1e-6, run["name"]
 
 
+def _server_saw_every_first_token(run: dict[str, Any]) -> None:
+    """The server's first-token histogram grew by one observation per request that got a token in the run, and its
+    quantiles fall inside the histogram's range."""
+    server = run["metrics"]["server_ttft"]
+    assert server["requests"] == run["metrics"]["num_finished"], run["name"]
+    assert 0 < server["p50_s"] <= server["p90_s"] <= 60.0, run["name"]
+
+
 def test_a_fair_server_accounts_for_every_request_of_every_tenant(fair_server: ServeProcess, tmp_path: Path) -> None:
     out = tmp_path / "fair.json"
     served.main(["--url", fair_server.grpc_url, "--metrics-url", fair_server.metrics_url, *SIZES, "--out", str(out)])
@@ -75,6 +83,7 @@ def test_a_fair_server_accounts_for_every_request_of_every_tenant(fair_server: S
         assert run["metrics"]["slo"]["refused"] == 0  # no SLO on this server
         _accounted(run)
         _steps_cover_the_run(run)
+        _server_saw_every_first_token(run)
     capacity = runs["tenants-served-capacity"]["metrics"]
     assert capacity["num_finished"] == 8 and capacity["capacity_rps"] > 0
     assert set(capacity["tenants"]) == set(ADAPTERS)  # the burst goes round every tenant's adapter

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from slora.client import cli
+from slora.client.server_ttft import server_ttft
 from slora.client.steps import format_summary, parse_steps, step_summary
 
 PAGE = """# HELP slora_steps_total Engine steps by kind
@@ -48,6 +49,33 @@ def test_the_summary_is_of_the_window_between_the_scrapes() -> None:
                                  "graph_share": 0.75}  # fmt: skip
     assert summary["prompt"] == {"steps": 4, "mean_ms": pytest.approx(30.0), "mean_requests": 5.0,
                                  "graph_share": 0.25, "prompt_tokens_per_step": 200.0}  # fmt: skip
+
+
+def _histogram(counts: dict[str, int]) -> str:
+    """A page with the server's first-token buckets (cumulative counts by bound, as Triton writes them)."""
+    rows = [f'slora_time_to_first_token_seconds_bucket{{le="{le}"}} {n}' for le, n in counts.items()]
+    return PAGE + "\n".join([*rows, f"slora_time_to_first_token_seconds_count {counts['+Inf']}"]) + "\n"
+
+
+def test_the_servers_first_tokens_are_the_windows_bucket_growth_interpolated() -> None:
+    """Five first tokens before the window (all under 0.05 s); in it 20 under 0.05 s, 20 in (0.05, 0.1], 10 in
+    (0.1, 0.2]: the 25th of 50 lies a quarter into (0.05, 0.1], the 45th half-way into (0.1, 0.2]."""
+    before = parse_steps(_histogram({"0.05": 5, "0.1": 5, "0.2": 5, "+Inf": 5}))
+    after = parse_steps(_histogram({"0.05": 25, "0.1": 45, "0.2": 55, "+Inf": 55}))
+    assert after["slora_steps_total:decode"] == 10  # the step counters are read from the same page
+    assert server_ttft(before, after) == {"requests": 50, "p50_s": pytest.approx(0.0625), "p90_s": pytest.approx(0.15)}
+
+
+def test_the_servers_first_tokens_without_a_bound_or_a_histogram_or_a_token() -> None:
+    before = parse_steps(_histogram({"0.05": 0, "0.1": 0, "+Inf": 0}))
+    slow = parse_steps(_histogram({"0.05": 9, "0.1": 9, "+Inf": 10}))  # the 90th percentile: 9 of 10, the bound
+    assert server_ttft(before, slow) == {"requests": 10, "p50_s": pytest.approx(0.05 * 5 / 9),
+                                         "p90_s": pytest.approx(0.05)}  # fmt: skip
+    slower = parse_steps(_histogram({"0.05": 5, "0.1": 5, "+Inf": 10}))
+    assert server_ttft(before, slower) == {"requests": 10, "p50_s": pytest.approx(0.05), "p90_s": None}
+    assert server_ttft(before, before) == {"requests": 0, "p50_s": None, "p90_s": None}
+    assert server_ttft(parse_steps(PAGE), parse_steps(PAGE)) is None  # a server without the histogram
+    assert server_ttft(None, before) is None and server_ttft(before, None) is None
 
 
 def test_no_steps_or_no_scrape_gives_no_means() -> None:
