@@ -332,7 +332,7 @@ def served_steps_table(runs: list[Run]) -> list[str]:
     return lines if len(lines) > 2 else []
 
 
-def first_token_path_table(runs: list[dict[str, Any]]) -> list[str]:
+def first_token_path_table(runs: list[Run]) -> list[str]:
     """Served runs' first tokens as the client saw them and as the server did (client/server_ttft.py: arrival at the
     Triton model to the engine's first token, interpolated in its histogram's buckets); the difference is the
     path outside the engine."""
@@ -344,16 +344,12 @@ def first_token_path_table(runs: list[dict[str, Any]]) -> list[str]:
             continue
         client = run["metrics"].get("ttft_s") or {}
         cells = [
-            f"{_seconds(client.get('p50'))} / {_seconds(client.get('p90'))}",
-            f"{_seconds(server.get('p50_s'))} / {_seconds(server.get('p90_s'))}",
+            f"{_fmt(client.get('p50'), 3)} / {_fmt(client.get('p90'), 3)}",
+            f"{_fmt(server.get('p50_s'), 3)} / {_fmt(server.get('p90_s'), 3)}",
             f"{server['requests']:.0f}",
         ]
         lines.append(f"| {run['name']} | {' | '.join(cells)} |")
     return lines if len(lines) > 2 else []
-
-
-def _seconds(value: float | None) -> str:
-    return "–" if value is None else f"{value:.3f}"
 
 
 def _served_step_cell(kind: dict[str, Any], tokens: float | None) -> str:

@@ -240,14 +240,17 @@ class DecodeGraphs:
         """The float32 [max_num_seqs, vocab] buffer every graph writes its logits into (the module's docstring says
         why one is enough)."""
         if self._logits is None:
-            vocab = self.model.weights.lm_head.shape[0]
-            device = self.pool.storage.device
-            self._logits = torch.empty((self.limits.max_num_seqs, vocab), dtype=torch.float32, device=device)
+            self._logits = empty_logits(self.model, self.limits.max_num_seqs, self.pool.storage.device)
         return self._logits
 
     def _capture(self, key: GraphKey) -> None:
         out = self.logits_buffer()[: key.size]
         self._graphs[key], _ = capture_forward(self.model, self.pool, self._buffers(key).batch, self.pool_handle(), out)
+
+
+def empty_logits(model: DecoderModel, rows: int, device: torch.device) -> torch.Tensor:
+    """A float32 [rows, vocab] buffer for the logits the graphs write."""
+    return torch.empty((rows, model.weights.lm_head.shape[0]), dtype=torch.float32, device=device)
 
 
 def capture_forward(

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from slora.backend.executor.batch import ForwardBatch
-from slora.backend.executor.cuda_graphs import bucket_for, capture_forward
+from slora.backend.executor.cuda_graphs import bucket_for, capture_forward, empty_logits
 from slora.backend.executor.graph_families import NO_MODULES, GraphFamilies, Modules
 from slora.backend.executor.static_lora import StaticLora, mixed_tiling
 from slora.backend.memory.page_pool import PagePool
@@ -327,8 +327,7 @@ class MixedGraphs:
         """The float32 [max seqs, vocab] buffer (at least) every graph writes its logits into: the decode graphs'
         when given (cuda_graphs.py says why one is enough)."""
         if self._logits is None:
-            vocab = self.model.weights.lm_head.shape[0]
-            self._logits = torch.empty((self.limits.max_seqs, vocab), dtype=torch.float32, device=self.buffers.device)
+            self._logits = empty_logits(self.model, self.limits.max_seqs, self.buffers.device)
         return self._logits
 
     def _buffers(self, key: MixedKey) -> MixedStatic:

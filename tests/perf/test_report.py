@@ -151,6 +151,17 @@ def test_served_runs_steps_are_tabled(tmp_path: Path) -> None:
     assert "| s-base | 0 | 3, 5.0 (1, 20) | –, – |" in table
 
 
+def test_served_runs_first_tokens_are_tabled_beside_the_servers(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    served = _run("s-n2000", "serving", 2000, "lora", 9.0, "s1-n2000", "serving-slora")
+    served["metrics"]["ttft_s"]["p90"] = 0.25
+    served["metrics"]["server_ttft"] = {"requests": 10, "p50_s": 0.0625, "p90_s": None}
+    append_runs(path, [served, _run("s-base", "serving", 0, "base", 9.0, "s1-n0", "serving-slora")])
+    table = report(path).split("## Served runs' first tokens: client and server")[1]
+    assert "| s-n2000 | 0.100 / 0.250 | 0.062 / – | 10 |" in table
+    assert "s-base" not in table  # no server histogram recorded
+
+
 def _with_roofline(run: dict, seconds: float, burst_rps: float, adapter_gb: float, duration: float) -> dict:
     run["metrics"].update(duration_s=duration, roofline_fraction=seconds / duration)
     run["metrics"]["roofline"] = {
