@@ -12,7 +12,9 @@ runs on the store's threads whatever the step does), with admit_when_copied one 
 yet while others run, and (bounded bypass) one the pool has no room for until max_bypass requests behind it have
 been admitted ahead of it: then admission waits at it for room, as it always did without bypass. (3) Ahead of
 admission, in the policy's order, adapters of the next waiting requests are copied into free pages and, further
-ahead, read from disk into host memory (read_ahead.py).
+ahead, read from disk into host memory (read_ahead.py). An adapter is copied into the pool, by admission or ahead of
+it, only where its request's KV fits beside it: under pressure a request is tried step after step, and each try
+would otherwise copy its adapter in and evict the one copied for the request tried before.
 
 Admission order and preemption victims are the scheduling policy's (scheduling_policy.py: fcfs, fair,
 priority). With first-token SLOs or a queue timeout, waiting requests that can no longer meet them are refused
@@ -471,7 +473,7 @@ class Scheduler:
                 if host is None:
                     return Admission.READING
                 self._check_fits(request, host)
-                if not self.adapters.evict(host.num_pages):
+                if not self._has_room(request, host.num_pages) or not self.adapters.evict(host.num_pages):
                     return Admission.NO_ROOM
                 resident = self.adapters.load(host)
                 if resident is None:
@@ -489,6 +491,24 @@ class Scheduler:
         request.pages = pages
         request.status = RequestStatus.RUNNING
         return Admission.ADMITTED
+
+    def _has_room(self, request: Request, adapter_pages: int) -> bool:
+        """Whether the pool can take `request`'s KV and its adapter's `adapter_pages` now, evicting unpinned adapters.
+        Asked before its adapter is loaded: a request whose KV does not fit yet must not evict adapters that others
+        were given, nor load its own, since under pressure admission tries it again and again (each try would copy
+        an adapter in and the next request's try would evict it)."""
+        kv_pages = self.pages_for(request.num_tokens)
+        free = self.pool.num_free_for(PageKind.KV)
+        if self.pool.unified:
+            return self._fits(kv_pages + adapter_pages, free)
+        if kv_pages > free:
+            return False  # evicting adapters frees no KV page in a reserved region
+        return self._fits(adapter_pages, self.pool.num_free_for(PageKind.ADAPTER))
+
+    def _fits(self, pages: int, free: int) -> bool:
+        """Whether `pages` fit in `free` pages and those of unpinned adapters (summed only when needed: it walks every
+        resident adapter)."""
+        return pages <= free or pages <= free + self.adapters.evictable_pages()
 
     def never_fits(self, kv_pages: int, adapter_pages: int) -> str | None:
         """Why a request holding `kv_pages` of KV and an adapter of `adapter_pages` at once could never be admitted,
@@ -518,11 +538,12 @@ class Scheduler:
 
     def _prefetch(self) -> None:
         """Ahead of admission, in the policy's order: copy the adapters of the next waiting requests (the first
-        prefetch_adapters distinct ones) into free pages, keeping a page per running request (in the unified pool,
-        where their KV takes from the same pages), and start reading those of the first read_ahead into host memory
-        (read_ahead.py bounds what the reads hold)."""
+        prefetch_adapters distinct ones) into free pages, keeping a page per running request and the request's own
+        KV pages (in the unified pool, where their KV takes from the same pages), and start reading those of the first
+        read_ahead into host memory (read_ahead.py bounds what the reads hold)."""
         reserve = len(self.running) if self.pool.unified else 0
         seen: set[tuple[str, int]] = set()
+        ahead: list[ResidentAdapter] = []
         window = max(self.limits.prefetch_adapters, self.limits.read_ahead)
         for request in itertools.islice(self.policy.upcoming(), PREFETCH_SCAN):
             if len(seen) >= window:
@@ -533,12 +554,22 @@ class Scheduler:
             seen.add(ref.key)
             resident = self.adapters.get(ref.key)
             if resident is None and len(seen) <= self.limits.prefetch_adapters:
-                resident = self._copy_ahead(ref, reserve)
+                resident = self._copy_ahead(ref, reserve + self._own_kv(request))
             elif resident is None:
                 self._read_ahead(ref)
             if resident is not None:
-                self.adapters.touch(resident)
+                ahead.append(resident)
+        # Touched from the back of the queue to its head, so that eviction (least recently used first) takes the
+        # adapter needed last first, and the head's last of all.
+        for resident in reversed(ahead):
+            self.adapters.touch(resident)
         self.reads.keep_only(seen)
+
+    def _own_kv(self, request: Request) -> int:
+        """The pages an adapter copied ahead for `request` leaves free for the request's own KV: in the unified pool,
+        an adapter copied into pages its request's KV then lacks is evicted by the running requests' growth before
+        that request can be admitted, and copied again later."""
+        return self.pages_for(request.num_tokens) if self.pool.unified else 0
 
     def _copy_ahead(self, ref: AdapterRef, reserve: int) -> ResidentAdapter | None:
         """`ref`'s adapter made resident in free pages (leaving `reserve`) if host memory holds it, else None

@@ -10,10 +10,13 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from slora.backend.adapters.host_adapter import AdapterRef, HostAdapter
 from slora.backend.engine.batch_limit import BatchLimiter
 from slora.backend.engine.request import Request
 from slora.backend.engine.sampling_params import SamplingParams
@@ -25,6 +28,7 @@ from slora.backend.memory.adapter_cache import AdapterCache
 from slora.backend.memory.page_pool import PageKind, PagePool, PoolGeometry
 
 BLOCK = 4  # tokens per page
+GEOMETRY = PoolGeometry(num_layers=1, block_size=BLOCK, num_kv_heads=1, head_dim=2)
 
 
 class FakeClock:
@@ -136,8 +140,7 @@ def make_sim(
     limiter: BatchLimiter | None = None,
     admit_interval: int = 1,
 ) -> Sim:
-    geometry = PoolGeometry(num_layers=1, block_size=BLOCK, num_kv_heads=1, head_dim=2)
-    pool = PagePool(geometry, pages, torch.float32, torch.device("cpu"))
+    pool = PagePool(GEOMETRY, pages, torch.float32, torch.device("cpu"))
     book = TenantBook(weights)
     clock = FakeClock()
     limits = SchedulerLimits(max_batch_tokens, max_num_seqs, prefetch_adapters=0, admit_interval=admit_interval)
@@ -160,3 +163,25 @@ def flood(sim: Sim, tenant: str, n: int, prompt: tuple[int, int], output: tuple[
         rid = f"{tenant}-{next(_ids)}"
         arrival = sim.clock.now + i * 1e-7  # in order, as a real clock would have them
         sim.add(make_request(rid, tenant, rng.randint(*prompt), rng.randint(*output), arrival=arrival))
+
+
+class Hosts:
+    """Every adapter already in host memory (the store's side of admission is not what the sim is about)."""
+
+    def __init__(self, pages: dict[str, int]) -> None:
+        self.adapters = {name: host_adapter(name, n) for name, n in pages.items()}
+
+    def lookup(self, ref: AdapterRef) -> HostAdapter | None:
+        return self.adapters[ref.name]
+
+    def fetch(self, ref: AdapterRef) -> Future[HostAdapter]:
+        future = Future[HostAdapter]()
+        future.set_result(self.adapters[ref.name])
+        return future
+
+
+def host_adapter(name: str, pages: int) -> HostAdapter:
+    """A rank-1 adapter whose image takes `pages` pages of GEOMETRY."""
+    empty = torch.zeros(0, dtype=torch.int64)
+    image = torch.zeros((1, pages, GEOMETRY.page_elems))
+    return HostAdapter(name, Path(name), (1,) + (0,) * 6, (1.0,) + (0.0,) * 6, image, empty, empty)

@@ -4,44 +4,18 @@ every policy and a flood that never stops, nothing starves; with max_bypass 0 th
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-from pathlib import Path
-
 import pytest
 import torch
 
-from slora.backend.adapters.host_adapter import AdapterRef, HostAdapter
+from slora.backend.adapters.host_adapter import HostAdapter
 from slora.backend.engine.request import Request
 from slora.backend.engine.scheduler import Scheduler, SchedulerLimits
 from slora.backend.engine.scheduling_policy import make_policy
 from slora.backend.engine.slo import SloGuard, SloSettings
 from slora.backend.engine.tenants import TenantBook
 from slora.backend.memory.adapter_cache import AdapterCache
-from slora.backend.memory.page_pool import PagePool, PoolGeometry
-from tests.engine.scheduler_sim import FakeClock, Sim, make_request
-
-GEOMETRY = PoolGeometry(num_layers=1, block_size=4, num_kv_heads=1, head_dim=2)
-
-
-class Hosts:
-    """Every adapter already in host memory (the store's side of admission is not what these tests are about)."""
-
-    def __init__(self, pages: dict[str, int]) -> None:
-        self.adapters = {name: _adapter(name, n) for name, n in pages.items()}
-
-    def lookup(self, ref: AdapterRef) -> HostAdapter | None:
-        return self.adapters[ref.name]
-
-    def fetch(self, ref: AdapterRef) -> Future[HostAdapter]:
-        future = Future[HostAdapter]()
-        future.set_result(self.adapters[ref.name])
-        return future
-
-
-def _adapter(name: str, pages: int) -> HostAdapter:
-    empty = torch.zeros(0, dtype=torch.int64)
-    image = torch.zeros((1, pages, GEOMETRY.page_elems))
-    return HostAdapter(name, Path(name), (1,) + (0,) * 6, (1.0,) + (0.0,) * 6, image, empty, empty)
+from slora.backend.memory.page_pool import PagePool
+from tests.engine.scheduler_sim import GEOMETRY, FakeClock, Hosts, Sim, make_request
 
 
 def _sim(policy: str, max_bypass: int, pool_pages: int, hosts: Hosts, max_num_seqs: int = 16) -> Sim:
