@@ -88,7 +88,8 @@
 # engine-sall, LENGTHS ("8 512": input and output length range), CHECK_PATHS ("tests/kernels tests/engine") and
 # CHECK_K ("not cpu": pytest -k) of the checks suite, DECODE_STEP (1; 0 skips its decode-step benchmark),
 # HOST_FORWARD (1; 0 skips bench_host_forward), GPU_LOG (1: the GPU's clocks, power and temperature every 200 ms
-# into gpu_log.csv), PY (python3), OUT, WORK, PORT_BASE (8000), GPU_ENV (.whl/gpu-env.sh; "none" skips it);
+# into gpu_log.csv), PY (python3), OUT, KEEP (empty: every output; else the names of the files of $OUT to keep at the
+# end), WORK, PORT_BASE (8000), GPU_ENV (.whl/gpu-env.sh; "none" skips it);
 # of the tenants suite: TENANT_SUITE (overload | noisy | all), TENANT_MODES ("fcfs early-abort"; or fair, priority:
 # at TENANT_LOADS=1 the cost of each policy without overload),
 # TENANT_LOADS ("2": units of the capacity), TENANT_POLICIES ("fcfs fair"; or priority), TENANT_REPEAT (empty; 1:
@@ -151,6 +152,7 @@ FLOOR_TAG=${FLOOR_TAG:-}
 FLOOR_SETTING=${FLOOR_SETTING:-S2}
 HOST_FORWARD=${HOST_FORWARD:-1}
 GPU_LOG=${GPU_LOG:-}
+KEEP=${KEEP:-}
 TENANT_SUITE=${TENANT_SUITE:-overload}
 TENANT_MODES=${TENANT_MODES:-fcfs early-abort}
 TENANT_LOADS=${TENANT_LOADS:-2}
@@ -650,7 +652,18 @@ finish() {
     "$PY" -m perf.report "$RESULTS" --out "$OUT/report.md" >>"$LOG" 2>&1 || log "report failed"
     "$PY" -m perf.plot "$RESULTS" --out-dir "$OUT" >>"$LOG" 2>&1 || log "plots failed (matplotlib?)"
   fi
+  keep_only
   log "done in $(elapsed)s; outputs in $OUT: $(find "$OUT" -maxdepth 1 -type f -printf "%f " )"
+}
+
+# KEEP="report.md run.log results.json": remove the other files of $OUT at the end, so that two or three suites
+# in one call (each with its own OUT under the call's) stay within the files a call brings back.
+keep_only() {
+  [[ -n $KEEP ]] || return 0
+  local file
+  while IFS= read -r -d '' file; do
+    [[ " $KEEP " == *" ${file##*/} "* ]] || rm -f "$file"
+  done < <(find "$OUT" -maxdepth 1 -type f -print0)
 }
 trap finish EXIT
 
