@@ -189,7 +189,7 @@ def tenant_metrics(
 ) -> dict[str, Any]:
     """perf/metrics' summary of a run with its `tenants`, `service_gap` and `slo`; `costs`: the fair policy's
     (fair_prompt_cost, fair_output_cost) that the service gap counts in."""
-    metrics = summarize(records, duration)
+    metrics = summarize(records, duration, slo_s=options.slo_s)  # one SLO for the run line and the slo figures
     metrics.update(
         tenants=tenant_figures(records, window_s),
         service_gap=service_gap(records, duration, options.gap_window * duration, costs),

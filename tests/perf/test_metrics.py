@@ -42,6 +42,15 @@ def test_summary_of_known_records() -> None:
     assert m["user_satisfaction"] == pytest.approx((1 - 1 / 36 + 1 - 9 / 36) / 3)
 
 
+def test_summary_against_another_slo() -> None:
+    """A run with its own first-token SLO (the tenant suites') counts attainment and satisfaction against it."""
+    records = [_record(0, 0.0, [1.0, 2.0]), _record(1, 1.0, [4.0, 5.0])]  # first tokens after 1 s and 3 s
+    m = summarize(records, duration=10.0, slo_s=2.0)
+    assert m["slo_ttft_s"] == 2.0
+    assert m["slo_attainment"] == pytest.approx(1 / 2)
+    assert m["user_satisfaction"] == pytest.approx((1 - 1 / 4) / 2)
+
+
 def test_empty_and_failed_runs_do_not_crash() -> None:
     failed = RequestRecord(0, None, 5, 5, arrival=0.0)
     failed.finish(0.1, "error", "adapter missing")
