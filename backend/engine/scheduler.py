@@ -473,8 +473,9 @@ class Scheduler:
                 if host is None:
                     return Admission.READING
                 self._check_fits(request, host)
-                if not self._has_room(request, host.num_pages) or not self.adapters.evict(host.num_pages):
+                if not self._has_room(request, host.num_pages):
                     return Admission.NO_ROOM
+                self.adapters.evict(host.num_pages)  # frees enough: _has_room counted what it can evict
                 resident = self.adapters.load(host)
                 if resident is None:
                     return Admission.NO_ROOM
@@ -498,17 +499,10 @@ class Scheduler:
         were given, nor load its own, since under pressure admission tries it again and again (each try would copy
         an adapter in and the next request's try would evict it)."""
         kv_pages = self.pages_for(request.num_tokens)
-        free = self.pool.num_free_for(PageKind.KV)
-        if self.pool.unified:
-            return self._fits(kv_pages + adapter_pages, free)
-        if kv_pages > free:
-            return False  # evicting adapters frees no KV page in a reserved region
-        return self._fits(adapter_pages, self.pool.num_free_for(PageKind.ADAPTER))
-
-    def _fits(self, pages: int, free: int) -> bool:
-        """Whether `pages` fit in `free` pages and those of unpinned adapters (summed only when needed: it walks every
-        resident adapter)."""
-        return pages <= free or pages <= free + self.adapters.evictable_pages()
+        if self.pool.unified:  # KV and adapters take from the same free pages
+            return self.adapters.can_free(kv_pages + adapter_pages)
+        # In a reserved region evicting adapters frees no KV page.
+        return kv_pages <= self.pool.num_free_for(PageKind.KV) and self.adapters.can_free(adapter_pages)
 
     def never_fits(self, kv_pages: int, adapter_pages: int) -> str | None:
         """Why a request holding `kv_pages` of KV and an adapter of `adapter_pages` at once could never be admitted,

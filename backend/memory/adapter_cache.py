@@ -124,6 +124,13 @@ class AdapterCache:
     def evictable_pages(self, keep: frozenset[AdapterKey] = frozenset()) -> int:
         return sum(len(r.pages) for r in self._resident.values() if r.refcount == 0 and r.key not in keep)
 
+    def can_free(self, pages_wanted: int, keep: frozenset[AdapterKey] = frozenset()) -> bool:
+        """Whether `pages_wanted` adapter pages are free, or would be after evicting unpinned adapters (sparing
+        `keep`); the evictable pages are summed only when the free ones fall short, since that walks every resident
+        adapter."""
+        free = self._free_pages()
+        return pages_wanted <= free or pages_wanted <= free + self.evictable_pages(keep)
+
     def evict(self, pages_wanted: int, keep: frozenset[AdapterKey] = frozenset()) -> bool:
         """Evict unpinned adapters (least recently used first, sparing `keep`) until `pages_wanted` adapter pages
         are free (in the unified pool, pages for either kind; with a reserved adapter region, pages of that region,
@@ -133,7 +140,7 @@ class AdapterCache:
         """
         if self._free_pages() >= pages_wanted:
             return True
-        if self._free_pages() + self.evictable_pages(keep) < pages_wanted:
+        if not self.can_free(pages_wanted, keep):
             return False
         victims = sorted(
             (r for r in self._resident.values() if r.refcount == 0 and r.key not in keep),
