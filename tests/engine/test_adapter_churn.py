@@ -55,7 +55,7 @@ def _run_counting_admissions(sim: Sim) -> int:
 @pytest.mark.parametrize("mode", REGION)
 def test_copies_stay_near_admissions_under_pressure(mode: str) -> None:
     """S-LoRA's ablation in small: a burst of long requests, each of its own S2-sized adapter, far more than the
-    pool holds (the GPU run showed 3.7 copies a step, over 18 an admission, before)."""
+    pool holds (perf/RESULTS.md, session 32, has what this burst and the GPU's copied before)."""
     hosts = Hosts({f"a{i}": SIZES[i % 4] for i in range(2000)})
     sim = _sim(hosts, 1536, REGION[mode], max_num_seqs=48)
     rng = random.Random(1)
