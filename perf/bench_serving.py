@@ -77,6 +77,7 @@ class ServingOptions:
     progress_bar: bool = False  # a bar of finished requests, on a terminal
     window_fraction: float = 0.25
     metrics_url: str | None = None  # the server's metrics port (host:port): each run's engine steps (client/steps.py)
+    start_at: float | None = None  # the replay's clock starts at this time.perf_counter() (None: when it runs)
 
     def __post_init__(self) -> None:
         if self.streams < 1 or self.preload_concurrency < 1:
@@ -184,7 +185,7 @@ class StreamReplay:
             return await self._run()
 
     async def _run(self) -> float:
-        self.start = time.perf_counter()
+        self.start = time.perf_counter() if self.options.start_at is None else self.options.start_at
         self._last_response = 0.0
         queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(self.options.streams)]
         receivers = [asyncio.create_task(self._receive(q)) for q in queues]
@@ -210,10 +211,14 @@ class StreamReplay:
             prompt_text = self.text_of(list(r.prompt_ids)) if self.text_of and self.target.kind == "text" else ""
             self.states[rid] = StreamState(self.max_tokens or r.output_len, prompt_text)
             self.open.add(rid)
-            queues[i % len(queues)].put_nowait(self.stream_request(r, rid))
+            queues[self.stream_of(r, i) % len(queues)].put_nowait(self.stream_request(r, rid))
         self._all_sent.set()
         if len(self.open) <= self.unattributed_errors:
             self._done.set()
+
+    def stream_of(self, r: TraceRequest, i: int) -> int:
+        """The stream (before `% streams`) that sends the `i`-th request `r`: round robin here."""
+        return i
 
     def stream_request(self, r: TraceRequest, rid: str) -> dict[str, Any]:
         """What the stream sends for `r` (a subclass may add request parameters)."""

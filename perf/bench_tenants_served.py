@@ -17,7 +17,9 @@ early-abort server would refuse the burst).
 
 Requests are the traces of tenant_suites, sent at their arrival times by bench_serving's StreamReplay to the
 `slora` model (token ids), each with its request parameters `adapter_id` (its adapter) and `tenant` (its tenant:
-the adapter's name, as the in-process runs count it). A request the server refuses for its SLO (UNAVAILABLE, a
+the adapter's name, as the in-process runs count it). As separate customers would send them, each tenant has a
+stream of its own (`--streams 0`), and the replay runs in `--clients` processes on one clock, the heavy tenants
+apart (perf/tenant_clients.py says why). A request the server refuses for its SLO (UNAVAILABLE, a
 message naming ttft_slo_s or queue_timeout_s) is recorded as refused (finish reason "rejected"), attributed by the
 request id the message names; other errors are errors. Every replay is a run of kind "served", group "tenants",
 with the in-process runs' metrics (`tenants`, `service_gap`, `slo`, `refusals` by reason, `vs_without`, `load`,
@@ -43,10 +45,16 @@ from typing import Any
 
 from perf import serving_admin
 from perf.bench_serving import Client, ServingOptions, StreamReplay
-from perf.metrics import RequestRecord
 from perf.results import append_runs, headline, make_run, trace_info
 from perf.serve_process import ServeProcess
-from perf.tenant_measures import tenant_of
+from perf.tenant_clients import (
+    ClientResult,
+    ClientWorkers,
+    ReplayJob,
+    assign_clients,
+    count_words,
+    tenant_of_request,
+)
 from perf.tenant_suites import (
     MODES,
     POLICIES,
@@ -103,6 +111,13 @@ class TenantReplay(StreamReplay):
         super().__init__(*args, **kwargs)
         self.refusals = dict.fromkeys(REASONS, 0)
         self.unattributed_refusals = 0
+        tenants = sorted({tenant_of_request(r) for r in self.requests})
+        self._stream_of_tenant = {tenant: i for i, tenant in enumerate(tenants)}
+
+    def stream_of(self, r: TraceRequest, i: int) -> int:
+        """A tenant's requests share its stream, as one customer's client would send them: with a stream a tenant,
+        no tenant's responses queue behind another's on the way back (one stream's responses go out one by one)."""
+        return self._stream_of_tenant[tenant_of_request(r)]
 
     def stream_request(self, r: TraceRequest, rid: str) -> dict[str, Any]:
         request = super().stream_request(r, rid)
@@ -136,10 +151,6 @@ class TenantReplay(StreamReplay):
         if settled:
             logger.warning("%d refusals named no request; counted for the open requests without a token", len(settled))
         return len(settled)
-
-
-def tenant_of_request(r: TraceRequest) -> str:
-    return tenant_of(RequestRecord(r.index, r.adapter, r.input_len, r.output_len, r.arrival))
 
 
 # ---- the server's configuration --------------------------------------------------------------------------------
@@ -192,7 +203,8 @@ class ServedSetup:
     url: str | None = None
     log_dir: Path = Path("tenants-served-logs")
     vocab_size: int | None = None  # default: the served model's
-    streams: int = 1
+    streams: int = 0  # gRPC streams of a client; 0: one a tenant
+    clients: int = 3  # client processes of a run: the heavy tenants in one, the others shared by the rest
     ready_timeout_s: float = 900.0
     env: tuple[tuple[str, str], ...] = ()  # added to the servers' environment
     metrics_url: str | None = None  # the --url server's metrics port (host:port), for each run's steps
@@ -224,6 +236,7 @@ class ServedBench:
         self._served: _Served | None = None
         self._changes: dict[str, Any] | None = None
         self._vocab_size = setup.vocab_size
+        self._workers: ClientWorkers | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -231,9 +244,10 @@ class ServedBench:
             raise ValueError("the served model's config.json is not readable here: give --vocab-size")
         return self._vocab_size
 
-    def serving_options(self) -> ServingOptions:
-        return ServingOptions(streams=self.setup.streams, time_limit_s=self.options.time_limit_s,
-                              progress_bar=self.options.progress)  # fmt: skip
+    def replay_job(self, served: _Served) -> ReplayJob:
+        options = ServingOptions(streams=self.setup.streams or 1, time_limit_s=self.options.time_limit_s,
+                                 progress_bar=self.options.progress and self.setup.clients == 1)  # fmt: skip
+        return ReplayJob(TenantReplay, served.url, TARGET, served.io, options, stream_a_tenant=self.setup.streams == 0)
 
     # -- servers --
 
@@ -280,7 +294,7 @@ class ServedBench:
         limit = served.engine.max_num_seqs or max(self.options.warmup_requests, default=0)
         for size in self.options.warmup_requests:
             wave = [replace(warm[i % len(warm)], index=i, arrival=0.0) for i in range(min(size, limit))]
-            replay = TenantReplay(served.client, TARGET, served.io, wave, ServingOptions(streams=1), None, _words,
+            replay = TenantReplay(served.client, TARGET, served.io, wave, ServingOptions(streams=1), None, count_words,
                                   WARMUP_TOKENS)  # fmt: skip
             await replay.run()
             if replay.open or replay.stream_errors:
@@ -302,6 +316,8 @@ class ServedBench:
         try:
             self.close_server()
         finally:
+            if self._workers is not None:
+                self._workers.close()
             self._loop.close()
 
     def _run(self, coroutine: Any) -> Any:
@@ -314,39 +330,47 @@ class ServedBench:
         self.prepare(changes)
         served = self._served
         assert served is not None
-        replay = TenantReplay(served.client, TARGET, served.io, list(trace.requests), self.serving_options(), None,
-                              _words)  # fmt: skip
-        replay.desc = name
-        cpu0 = time.process_time()
         steps_before = scrape_settled(self._metrics_url())
-        duration = self._run(replay.run())
-        settled = replay.settle()
+        result = self._replay_clients(served, list(trace.requests), name)
         steps_after = scrape_settled(self._metrics_url())
         steps = step_summary(steps_before, steps_after)
-        records = list(replay.records.values())
+        records = list(result.records.values())
         costs = (served.engine.fair_prompt_cost, served.engine.fair_output_cost)
+        duration = result.duration
         metrics = tenant_metrics(records, duration, window_s or duration, self.options, costs)
-        metrics.update(refusals=replay.refusals, refusals_unattributed=settled,
-                       stream_errors=len(replay.stream_errors), first_errors=replay.stream_errors[:3],
-                       client_cpu_share=(time.process_time() - cpu0) / duration if duration > 0 else None,
-                       steps=steps, server_ttft=server_ttft(steps_before, steps_after))  # fmt: skip
+        metrics.update(refusals=result.refusals, refusals_unattributed=result.settled,
+                       stream_errors=len(result.stream_errors), first_errors=result.stream_errors[:3],
+                       client_cpu_share=result.cpu_share, steps=steps,
+                       server_ttft=server_ttft(steps_before, steps_after))  # fmt: skip
         run = make_run(name, "served", trace_info(trace), self._run_options(served, changes), metrics,
                        group="tenants")  # fmt: skip
         logger.info("%s | service gap %.0f | slo %s", headline(run), metrics["service_gap"], metrics["slo"])
         return Replayed(name, trace, records, duration, run)
+
+    def _replay_clients(self, served: _Served, requests: list[TraceRequest], name: str) -> ClientResult:
+        """The requests replayed by setup.clients client processes (assign_clients), or by this process's loop."""
+        job = self.replay_job(served)
+        parts = assign_clients(requests, self.setup.clients)
+        if len(parts) <= 1:
+            replay = TenantReplay(served.client, TARGET, served.io, requests, job.options_for(requests, None), None,
+                                  count_words)  # fmt: skip
+            replay.desc = name
+            cpu0 = time.process_time()
+            duration = self._run(replay.run())
+            return ClientResult.of(replay, duration, time.process_time() - cpu0)
+        if self._workers is None:
+            self._workers = ClientWorkers(self.setup.clients)
+        logger.info("%s: %d client processes, %s requests each", name, len(parts), [len(p) for p in parts])
+        return self._workers.replay(job, parts)
 
     def _metrics_url(self) -> str | None:
         return self._process.metrics_url if self._process is not None else self.setup.metrics_url
 
     def _run_options(self, served: _Served, changes: dict[str, Any]) -> dict[str, Any]:
         server = {"url": served.url, "started_here": self.setup.url is None, "serve_args": list(self.setup.serve_args),
-                  "streams": self.setup.streams}  # fmt: skip
+                  "streams": self.setup.streams or "one a tenant", "client_processes": self.setup.clients}  # fmt: skip
         return {**asdict(self.options), "mode": "lora", "engine_changes": changes, "engine": asdict(served.engine),
                 "target": asdict(TARGET), "server": server}  # fmt: skip
-
-
-def _words(text: str) -> int:
-    return len(text.split())
 
 
 # ---- running ---------------------------------------------------------------------------------------------------
@@ -411,7 +435,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--capacity", type=float, help="req/s, instead of measuring it (e.g. with --url)")
     parser.add_argument("--adapter-prefix", default="s1-", help="adapters <prefix><index:04d>, tenants + 1 of them")
     parser.add_argument("--vocab-size", type=int, help="default: the served model's config.json")
-    parser.add_argument("--streams", type=int, default=1, help="gRPC streams the requests are spread over")
+    parser.add_argument(
+        "--streams",
+        type=int,
+        default=0,
+        help="gRPC streams of each client process, the requests "
+        "round robin over them; 0 (default): one stream a tenant, as each tenant's client would have",
+    )
+    parser.add_argument("--clients", type=int, default=3, help="client processes of a run: the heavy tenants in one, "
+                        "the others shared round robin by the rest, so that no tenant's first tokens wait in the "
+                        "client behind the noisy tenant's responses (1: one process, this one)")  # fmt: skip
     parser.add_argument("--server-log-dir", type=Path, help="slora-serve logs (default: beside --out)")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds a server may take to start")
     add_plan_arguments(parser)
@@ -421,6 +454,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("give slora-serve's options after `--`, --url of a running server, or --smoke")
     if args.url is not None and serve_args:
         parser.error("--url runs against a running server: no slora-serve options")
+    if args.clients < 1 or args.streams < 0:
+        parser.error(f"--clients must be >= 1 and --streams >= 0, got {args.clients} and {args.streams}")
     return args
 
 
@@ -431,8 +466,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke and args.time_limit is None:
         options = replace(options, time_limit_s=SMOKE_TIME_LIMIT_S)
     log_dir = args.server_log_dir or args.out.parent / f"{args.out.stem}-servers"
-    setup = ServedSetup(tuple(args.serve_args), args.url, log_dir, args.vocab_size, args.streams, args.ready_timeout,
-                        metrics_url=args.metrics_url)  # fmt: skip
+    setup = ServedSetup(tuple(args.serve_args), args.url, log_dir, args.vocab_size, args.streams, args.clients,
+                        args.ready_timeout, metrics_url=args.metrics_url)  # fmt: skip
     adapters = [f"{args.adapter_prefix}{i:04d}" for i in range(options.tenants + 1)]
     if args.smoke and args.url is None:
         with tempfile.TemporaryDirectory(prefix="slora-tenants-served-") as tmp:

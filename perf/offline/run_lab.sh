@@ -97,7 +97,8 @@
 # arrivals a run), TENANT_SLO (6 s: the SLO counted, and early abort's ttft_slo_s), CAPACITY (req/s, e.g. an earlier
 # tenants-served-capacity run's; empty: measured by a burst of TENANT_BURST requests, the benchmark's 512 if empty),
 # TENANT_SERVER_S (100 on CUDA, 30 on CPU: a server's start, warm-up and stop, for the plan that sets the per-run
-# time limit, at most RUN_LIMIT).
+# time limit, at most RUN_LIMIT), TENANT_CLIENTS (the benchmark's 3 client processes, the heavy tenants apart; 1:
+# one process, as before 2026-12-05) and TENANT_STREAMS (its 0: one gRPC stream a tenant; 1: one for all).
 # CPU rehearsal of the tenants suite (about 1.5 minutes on 2 cores; 8 batch slots, so that 2x the capacity queues
 # as the GPU's pool makes it, and a 1 s SLO, so that early abort refuses within 5 s of arrivals):
 #   GPU_ENV=none PY=python KERNEL=torch SHAPE=tiny DEVICE=cpu N_BIG=40 RATE=20 DURATION=1 LENGTHS="8 48" \
@@ -158,6 +159,8 @@ TENANT_MODES=${TENANT_MODES:-fcfs early-abort}
 TENANT_LOADS=${TENANT_LOADS:-2}
 TENANT_POLICIES=${TENANT_POLICIES:-fcfs fair}
 TENANT_REPEAT=${TENANT_REPEAT:-}
+TENANT_CLIENTS=${TENANT_CLIENTS:-}
+TENANT_STREAMS=${TENANT_STREAMS:-}
 TENANT_DURATION=${TENANT_DURATION:-30}
 TENANT_SLO=${TENANT_SLO:-6}
 TENANT_BURST=${TENANT_BURST:-}
@@ -409,6 +412,8 @@ tenants() {  # the served tenant-isolation suites: bench_tenants_served starts e
   [[ -n $CAPACITY ]] && sizes+=(--capacity "$CAPACITY")
   [[ -n $TENANT_BURST ]] && sizes+=(--capacity-requests "$TENANT_BURST")
   [[ $TENANT_REPEAT == 1 ]] && sizes+=(--repeat-without)
+  [[ -n $TENANT_CLIENTS ]] && sizes+=(--clients "$TENANT_CLIENTS")
+  [[ -n $TENANT_STREAMS ]] && sizes+=(--streams "$TENANT_STREAMS")
   rm -rf "$logs"  # this call's servers only
   # shellcheck disable=SC2086
   step -m perf.bench_tenants_served --suite "$TENANT_SUITE" --modes $TENANT_MODES --loads $TENANT_LOADS \
