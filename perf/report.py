@@ -14,7 +14,8 @@ Nothing is computed from numbers that were not measured: a target with no pair o
 Sections after the targets: every run (with its roofline req/s and fraction), the headline runs of S-LoRA's method
 (served, with trace length, rate, TTFT p50 / p99 and the roofline fraction; traces under 60 s flagged), TTFT at
 fractions of capacity (bench_serving --sweep), each run's roofline (perf/roofline.py: steps, bytes, FLOPs), the
-LoRA runs against their base run and the bytes floor of that ratio, and the engine's steps by kind.
+LoRA runs against their base run and the bytes floor of that ratio, the engine's steps by kind, and the tenant
+suites' runs against issue 26's goals (perf/report_tenants.py).
 Runs of several files (several GPU calls) can be compared; the report lists each file's commit and device, and a
 pair is only as good as the two runs being on the same commit and GPU.
 """
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from perf.report_tenants import noisy_table, overload_table
 from perf.results import load_runs
 
 logger = logging.getLogger(__name__)
@@ -415,6 +417,8 @@ def report(*results: Path) -> str:
         ("Served runs' engine steps by kind", served_steps_table(runs)),
         ("Served runs' first tokens: client and server", first_token_path_table(runs)),
         ("Host time of a step, by phase", phases_table(runs)),
+        ("Tenant isolation: the noisy neighbour", noisy_table(runs)),
+        ("Tenant isolation: overload", overload_table(runs)),
     )
     for title, table in optional:
         if table:
