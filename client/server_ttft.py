@@ -9,6 +9,7 @@ their bucket, as Prometheus' histogram_quantile does: a value within the bucket'
     before = scrape_settled(url)   # client/steps.py: the step counters and these buckets, one page
     ...  # the run
     server_ttft(before, scrape_settled(url))   # {"requests": n, "p50_s": ..., "p90_s": ...}
+    server_ttft_by_tenant(before, after)        # the same per tenant (slora_tenant_time_to_first_token_seconds)
 """
 
 from __future__ import annotations
@@ -17,22 +18,35 @@ import math
 import re
 
 PREFIX = "ttft_le:"  # the keys parse_steps gives the buckets: PREFIX + the bound as the page writes it
+TENANT_PREFIX = "tenant_ttft_le/"  # a tenant's: TENANT_PREFIX + tenant + "/" + bound (no tenant name has a "/")
 BUCKET = re.compile(r'^slora_time_to_first_token_seconds_bucket\{le="([^"]+)"\}\s+(\S+)$')
+TENANT_BUCKET = re.compile(r"^slora_tenant_time_to_first_token_seconds_bucket\{([^}]*)\}\s+(\S+)$")
+LABEL = re.compile(r'(\w+)="([^"]*)"')
 QUANTILES = {"p50_s": 0.5, "p90_s": 0.9}
 
 
 def parse_buckets(line: str) -> tuple[str, float] | None:
-    """(key, cumulative count) of one bucket line of the page, or None for any other line."""
-    m = BUCKET.match(line)
-    return (PREFIX + m[1], float(m[2])) if m else None
+    """(key, cumulative count) of one bucket line of the page (all requests' or a tenant's), or None for any
+    other line."""
+    if m := BUCKET.match(line):
+        return PREFIX + m[1], float(m[2])
+    if m := TENANT_BUCKET.match(line):
+        labels = dict(LABEL.findall(m[1]))
+        if "tenant" in labels and "le" in labels:
+            return f"{TENANT_PREFIX}{labels['tenant']}/{labels['le']}", float(m[2])
+    return None
 
 
-def server_ttft(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float | None] | None:
-    """The window's first tokens: their count and interpolated quantiles (None where none came, or a quantile
-    falls in the +Inf bucket); None without both scrapes or without the histogram."""
+def server_ttft(
+    before: dict[str, float] | None, after: dict[str, float] | None, tenant: str | None = None
+) -> dict[str, float | None] | None:
+    """The window's first tokens (of `tenant`'s requests, where given): their count and interpolated quantiles
+    (None where none came, or a quantile falls in the +Inf bucket); None without both scrapes or without the
+    histogram."""
     if before is None or after is None:
         return None
-    bounds = sorted((float(key[len(PREFIX) :]), key) for key in after if key.startswith(PREFIX))
+    prefix = PREFIX if tenant is None else f"{TENANT_PREFIX}{tenant}/"
+    bounds = sorted((float(key[len(prefix) :]), key) for key in after if key.startswith(prefix))
     if not bounds or not math.isinf(bounds[-1][0]):
         return None
     counts = [(bound, after[key] - before.get(key, 0.0)) for bound, key in bounds]
@@ -40,6 +54,21 @@ def server_ttft(before: dict[str, float] | None, after: dict[str, float] | None)
     out: dict[str, float | None] = {"requests": total}
     for name, q in QUANTILES.items():
         out[name] = _quantile(counts, q) if total > 0 else None
+    return out
+
+
+def server_ttft_by_tenant(
+    before: dict[str, float] | None, after: dict[str, float] | None
+) -> dict[str, dict[str, float | None]]:
+    """server_ttft of each tenant with a first token in the window (the server's tenant histograms)."""
+    if before is None or after is None:
+        return {}
+    tenants = {key[len(TENANT_PREFIX) :].rpartition("/")[0] for key in after if key.startswith(TENANT_PREFIX)}
+    out = {}
+    for tenant in sorted(tenants):
+        figures = server_ttft(before, after, tenant)
+        if figures is not None and figures["requests"]:
+            out[tenant] = figures
     return out
 
 

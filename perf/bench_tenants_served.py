@@ -71,7 +71,7 @@ from perf.tenant_suites import (
 from perf.triton_protocol import ModelIO, Target
 from perf.workload import Trace, TraceRequest
 from slora.backend.config import EngineConfig
-from slora.client.server_ttft import server_ttft
+from slora.client.server_ttft import server_ttft, server_ttft_by_tenant
 from slora.client.steps import scrape_settled, step_summary
 
 logger = logging.getLogger(__name__)
@@ -154,6 +154,15 @@ class TenantReplay(StreamReplay):
 
 
 # ---- the server's configuration --------------------------------------------------------------------------------
+
+
+def add_server_ttfts(tenants: dict[str, dict[str, Any]], by_tenant: dict[str, dict[str, float | None]]) -> None:
+    """Each tenant's first-token p50 / p90 as the server measured them (its tenant histograms, interpolated in
+    10 ms buckets) beside the client's: their difference is the tenant's path outside the engine."""
+    for tenant, figures in tenants.items():
+        server = by_tenant.get(tenant) or {}
+        figures["server_ttft_p50_s"] = server.get("p50_s")
+        figures["server_ttft_p90_s"] = server.get("p90_s")
 
 
 def served_engine(parameters: dict[str, str]) -> EngineConfig:
@@ -342,6 +351,7 @@ class ServedBench:
                        stream_errors=len(result.stream_errors), first_errors=result.stream_errors[:3],
                        client_cpu_share=result.cpu_share, steps=steps,
                        server_ttft=server_ttft(steps_before, steps_after))  # fmt: skip
+        add_server_ttfts(metrics["tenants"], server_ttft_by_tenant(steps_before, steps_after))
         run = make_run(name, "served", trace_info(trace), self._run_options(served, changes), metrics,
                        group="tenants")  # fmt: skip
         logger.info("%s | service gap %.0f | slo %s", headline(run), metrics["service_gap"], metrics["slo"])

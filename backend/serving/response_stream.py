@@ -32,6 +32,7 @@ class ResponseStream:
     arrival: float  # time.monotonic() when the request arrived
     echo: str = ""  # text before the first text_output (the prompt, when the request asked for it)
     outputs: frozenset[str] = frozenset(OUTPUT_NAMES)  # the outputs to send
+    tenant: str | None = None  # whose latencies these are (the metrics' per-tenant first tokens)
     first_token_at: float | None = None
     last_token_at: float | None = None
     latencies: list[tuple[str, float]] = field(default_factory=list)  # ("ttft" | "itl", seconds), drained by the caller

@@ -65,10 +65,13 @@ def _steps_cover_the_run(run: dict[str, Any]) -> None:
 
 def _server_saw_every_first_token(run: dict[str, Any]) -> None:
     """The server's first-token histogram grew by one observation per request that got a token in the run, and its
-    quantiles fall inside the histogram's range."""
+    quantiles fall inside the histogram's range; so do those of each tenant's histogram."""
     server = run["metrics"]["server_ttft"]
     assert server["requests"] == run["metrics"]["num_finished"], run["name"]
     assert 0 < server["p50_s"] <= server["p90_s"] <= 60.0, run["name"]
+    for tenant, figures in run["metrics"]["tenants"].items():  # each tenant's own histogram
+        if figures["finished"]:
+            assert 0 < figures["server_ttft_p50_s"] <= figures["server_ttft_p90_s"] <= 60.0, (run["name"], tenant)
 
 
 def test_a_fair_server_accounts_for_every_request_of_every_tenant(fair_server: ServeProcess, tmp_path: Path) -> None:

@@ -34,6 +34,9 @@ def test_the_noisy_table_checks_each_light_tenant_against_the_goals() -> None:
     without = _metrics(light)
     slowed = {"a": light["a"], "b": [2 * t for t in light["b"]], "noisy": [5.0] * 400}
     with_ = _metrics(slowed)
+    for run, server_p90 in ((without, 0.04), (with_, 0.05)):  # as the server's tenant histograms gave them
+        for figures in run["tenants"].values():
+            figures["server_ttft_p90_s"] = server_p90
     with_["vs_without"] = compare_noisy(with_, without, ["a", "b"], "noisy")
     rows = noisy_table([{"name": "x-noisy-fair-without", "metrics": without},
                         {"name": "x-noisy-fair-with", "metrics": with_}])  # fmt: skip
@@ -45,6 +48,7 @@ def test_the_noisy_table_checks_each_light_tenant_against_the_goals() -> None:
     assert 1.5 < low < 2.0 < high
     assert cells[6] == "1 / 1"  # b surely past 1.5, a surely within
     assert "5.000" not in cells[2]  # the noisy tenant is not in the light range
+    assert cells[7] == "1.250; 1.250"
 
 
 def test_the_overload_table_shows_attainment_and_goodput() -> None:

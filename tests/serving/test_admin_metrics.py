@@ -89,6 +89,9 @@ def test_metrics_are_present_and_move(server: Server) -> None:
         'slora_steps_total{kind="prompt"}': 1,
         'slora_steps_total{kind="decode"}': 1,
     }
+    tenant = 'slora_tenant_time_to_first_token_seconds_count{tenant="demo-all-r8"}'  # its adapter: no tenant given
+    moved[tenant] = 1
+    before.setdefault(tenant, 0.0)
     for series, increase in moved.items():
         wait_for_metric(server.metrics_url, series, lambda v, s=series, n=increase: v >= before[s] + n)
     after = scrape(server.metrics_url)
@@ -108,7 +111,9 @@ def test_the_alias_requests_count_in_the_engine_models_metrics(server: Server) -
         "slora_time_to_first_token_seconds_count": 1,
         "slora_inter_token_latency_seconds_count": 1,
         'slora_requests_finished_total{reason="length"}': 1,
+        'slora_tenant_time_to_first_token_seconds_count{tenant="<base>"}': 1,  # the alias's request, no adapter
     }
+    before.setdefault('slora_tenant_time_to_first_token_seconds_count{tenant="<base>"}', 0.0)
     for series, increase in moved.items():
         wait_for_metric(server.metrics_url, series, lambda v, s=series, n=increase: v >= before[s] + n)
 

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from slora.client import cli
-from slora.client.server_ttft import server_ttft
+from slora.client.server_ttft import server_ttft, server_ttft_by_tenant
 from slora.client.steps import format_summary, parse_steps, step_summary
 
 PAGE = """# HELP slora_steps_total Engine steps by kind
@@ -76,6 +76,30 @@ def test_the_servers_first_tokens_without_a_bound_or_a_histogram_or_a_token() ->
     assert server_ttft(before, before) == {"requests": 0, "p50_s": None, "p90_s": None}
     assert server_ttft(parse_steps(PAGE), parse_steps(PAGE)) is None  # a server without the histogram
     assert server_ttft(None, before) is None and server_ttft(before, None) is None
+
+
+def _tenants_page(counts: dict[str, dict[str, int]]) -> str:
+    """A page with each tenant's first-token buckets, labels in the order Triton writes them (the series' own, then
+    the bound)."""
+    rows = [f'slora_tenant_time_to_first_token_seconds_bucket{{tenant="{tenant}",le="{le}"}} {n}'
+            for tenant, buckets in counts.items() for le, n in buckets.items()]  # fmt: skip
+    return _histogram({"0.05": 0, "+Inf": 0}) + "\n".join(rows) + "\n"
+
+
+def test_each_tenants_first_tokens_come_from_its_own_buckets() -> None:
+    """Tenant names with the punctuation a tenant may have; a tenant without a first token in the window is left
+    out; the all-requests histogram is read apart from the tenants'."""
+    before = parse_steps(_tenants_page({"org:a@b": {"0.05": 2, "0.1": 2, "+Inf": 2}, "<base>": {"0.05": 1, "+Inf": 1}}))
+    after = parse_steps(_tenants_page({"org:a@b": {"0.05": 12, "0.1": 22, "+Inf": 22}, "<base>": {"0.05": 1, "+Inf": 1},
+                                       "s1-0003": {"0.05": 0, "+Inf": 4}}))  # fmt: skip
+    by_tenant = server_ttft_by_tenant(before, after)
+    assert set(by_tenant) == {"org:a@b", "s1-0003"}
+    assert by_tenant["org:a@b"] == {"requests": 20, "p50_s": pytest.approx(0.05), "p90_s": pytest.approx(0.09)}
+    assert by_tenant["s1-0003"] == {"requests": 4, "p50_s": None, "p90_s": None}  # past the last bound
+    assert server_ttft(before, after) == {"requests": 0, "p50_s": None, "p90_s": None}
+    assert (
+        server_ttft_by_tenant(None, after) == {} and server_ttft_by_tenant(parse_steps(PAGE), parse_steps(PAGE)) == {}
+    )
 
 
 def test_no_steps_or_no_scrape_gives_no_means() -> None:

@@ -48,8 +48,10 @@ class PeerMetrics(NullMetrics):
     def __init__(self, peer: EnginePeer) -> None:
         self._peer = peer
 
-    def observe(self, kind: str, seconds: float) -> None:
+    def observe(self, kind: str, seconds: float, tenant: str | None = None) -> None:
         self._peer.report(kind, seconds)
+        if kind == "ttft" and tenant is not None:
+            self._peer.report("tenant_ttft", (tenant, seconds))
 
     def count_finished(self, reason: str) -> None:
         self._peer.report("finished", reason)

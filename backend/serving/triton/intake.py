@@ -15,6 +15,7 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
+from slora.backend.engine.tenants import BASE_TENANT
 from slora.backend.errors import EngineOverloadedError
 from slora.backend.model.default_model import resolve_model_path
 from slora.backend.model.tokenizer import load_tokenizer
@@ -63,9 +64,10 @@ class Intake:
         inputs = parse_generate(raw, self.encoder, self.options.default_max_tokens)
         request_id = f"{request.request_id() or 'req'}-{next(self._ids)}{self._id_suffix}"
         outputs = requested_outputs(request, inputs.is_text, self._declared)
-        stream = ResponseStream(inputs.stream, arrival, inputs.echo, outputs)
-        self._responder.track(request_id, request, sender, stream)
         order = inputs.scheduling
+        tenant = order.tenant if order.tenant is not None else inputs.adapter or BASE_TENANT  # the engine checks it
+        stream = ResponseStream(inputs.stream, arrival, inputs.echo, outputs, tenant=tenant)
+        self._responder.track(request_id, request, sender, stream)
         job = Submission(request_id, inputs.prompt_ids, inputs.adapter, inputs.sampling, "text_output" in outputs,
                          tenant=order.tenant, priority=order.priority, ttft_slo_s=order.ttft_slo_s)  # fmt: skip
         self._engine.submit(job)

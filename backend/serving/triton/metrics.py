@@ -28,6 +28,9 @@
                                                                MAX_TENANT_SERIES tenants at most, ever)
     slora_tenant_tokens{tenant, kind}               gauge      prompt / output tokens served to each of them
     slora_time_to_first_token_seconds               histogram  arrival at the model → first token
+    slora_tenant_time_to_first_token_seconds{tenant}  histogram  the same, per tenant (a request's `tenant`, else
+                                                               its adapter, else <base>; MAX_TENANT_SERIES
+                                                               tenants at most, ever; off with tenant_stats_top=0)
     slora_inter_token_latency_seconds               histogram  between two tokens of one request
     slora_steps_total{kind="decode|prompt"}          counter    engine steps: decode only, or computing prompt
                                                                tokens too (step_totals.py)
@@ -62,7 +65,9 @@ from slora.backend.engine.step_totals import KINDS as STEP_KINDS
 
 logger = logging.getLogger(__name__)
 
-TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+# 10 ms steps to 0.1 s: an unloaded GPU's first tokens take 40-100 ms, and a quantile is interpolated in its bucket.
+TTFT_BUCKETS = [0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.125, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                2.5, 5.0, 10.0, 30.0, 60.0]  # fmt: skip
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 FINISH_REASONS = ("length", "stop", "abort", "error", "rejected")
 REFUSAL_REASONS = ("ttft_slo", "ttft_slo_early", "queue_timeout")  # EngineStats.refused_<reason>
@@ -76,8 +81,8 @@ class NullMetrics:
     def update_stats(self, stats: EngineStats) -> None:
         pass
 
-    def observe(self, kind: str, seconds: float) -> None:
-        pass
+    def observe(self, kind: str, seconds: float, tenant: str | None = None) -> None:
+        """A request's latency: kind "ttft" (its tenant's too, where given) or "itl"."""
 
     def count_finished(self, reason: str) -> None:
         pass
@@ -86,14 +91,15 @@ class NullMetrics:
         pass
 
     def replay(self, events: list[tuple[str, Any]]) -> None:
-        """Request metrics observed by a peer model (("ttft" | "itl", seconds), ("finished", reason))."""
+        """Request metrics observed by a peer model (("ttft" | "itl", seconds), ("tenant_ttft", (tenant,
+        seconds)), ("finished", reason))."""
 
     def close(self) -> None:
         pass
 
 
 class TritonMetrics(NullMetrics):
-    def __init__(self, max_lora: int, lora_info: bool, interval_s: float = 0.1) -> None:
+    def __init__(self, max_lora: int, lora_info: bool, interval_s: float = 0.1, tenant_ttft: bool = True) -> None:
         self._families: list[Any] = []
         self._max_lora = max_lora
         gauge, counter, histogram = (pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER,
@@ -151,6 +157,12 @@ class TritonMetrics(NullMetrics):
             self._family("slora_tenant_tokens", "Tokens served to the busiest tenants by kind", gauge),
         )
         self._tenant_metrics: dict[str, tuple[Any, ...]] = {}
+        self._tenant_ttft_family = (
+            self._family("slora_tenant_time_to_first_token_seconds", "Arrival to first token, by tenant", histogram)
+            if tenant_ttft
+            else None
+        )
+        self._tenant_ttft: dict[str, Any] = {}
         self._lora_info = lora_info
         self._lora_family: Any = None
         self._lora_labels: tuple[str, str] | None = None
@@ -193,8 +205,10 @@ class TritonMetrics(NullMetrics):
     def update_stats(self, stats: EngineStats) -> None:
         self._stats = stats  # the newest wins; published by the metrics thread
 
-    def observe(self, kind: str, seconds: float) -> None:
+    def observe(self, kind: str, seconds: float, tenant: str | None = None) -> None:
         self._events.put((kind, seconds))
+        if kind == "ttft" and tenant is not None:
+            self._events.put(("tenant_ttft", (tenant, seconds)))
 
     def count_finished(self, reason: str) -> None:
         self._events.put(("finished", reason))
@@ -204,7 +218,7 @@ class TritonMetrics(NullMetrics):
 
     def replay(self, events: list[tuple[str, Any]]) -> None:
         for kind, value in events:
-            if kind in ("ttft", "itl", "finished"):
+            if kind in ("ttft", "itl", "tenant_ttft", "finished"):
                 self._events.put((kind, value))
 
     def close(self) -> None:
@@ -215,7 +229,9 @@ class TritonMetrics(NullMetrics):
         self.kv_usage = self.ttft = self.itl = self.serving = self._lora_metric = self._lora_family = None
         self.max_running = self.heavy_max_running = None
         self._tenant_metrics = {}
+        self._tenant_ttft = {}
         self._tenant_families = ()
+        self._tenant_ttft_family = None
         self._families.clear()
 
     # ---- the metrics thread -----------------------------------------------------------------------------------
@@ -244,6 +260,8 @@ class TritonMetrics(NullMetrics):
             self.ttft.observe(value)
         elif kind == "itl":
             self.itl.observe(value)
+        elif kind == "tenant_ttft":
+            self._observe_tenant_ttft(*value)
         elif kind == "finished" and value in self.finished:
             self.finished[value].increment(1)
         elif kind == "serving":
@@ -292,6 +310,15 @@ class TritonMetrics(NullMetrics):
                 tokens.Metric(labels={"tenant": name, "kind": "output"}),
             )
         return self._tenant_metrics.get(name)
+
+    def _observe_tenant_ttft(self, tenant: str, seconds: float) -> None:
+        """Into the tenant's histogram, made at its first token (MAX_TENANT_SERIES tenants in the server's life)."""
+        histogram = self._tenant_ttft.get(tenant)
+        if histogram is None and self._tenant_ttft_family is not None and len(self._tenant_ttft) < MAX_TENANT_SERIES:
+            histogram = self._tenant_ttft_family.Metric(labels={"tenant": tenant}, buckets=TTFT_BUCKETS)
+            self._tenant_ttft[tenant] = histogram
+        if histogram is not None:
+            histogram.observe(seconds)
 
     def _publish_lora_info(self, stats: EngineStats) -> None:
         labels = (",".join(stats.running_adapters), ",".join(stats.waiting_adapters))

@@ -203,7 +203,7 @@ class Responder:
 
     def _observe(self, stream: ResponseStream) -> None:
         for kind, seconds in stream.latencies:
-            self._metrics.observe(kind, seconds)
+            self._metrics.observe(kind, seconds, stream.tenant)
         stream.latencies.clear()
 
     def _sweep(self) -> None:

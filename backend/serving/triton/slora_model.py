@@ -170,7 +170,8 @@ def _hear_peers(engine: EngineService, hub: PeerHub | None, metrics: NullMetrics
 def _metrics(options: ServingOptions, max_num_seqs: int) -> NullMetrics:
     """The slora_* metrics; `max_num_seqs` (the engine's, resolved) is the LoRA gauge's max_lora."""
     try:
-        return TritonMetrics(max_lora=max_num_seqs, lora_info=options.lora_info_metric)
+        return TritonMetrics(max_lora=max_num_seqs, lora_info=options.lora_info_metric,
+                             tenant_ttft=options.engine.tenant_stats_top > 0)  # fmt: skip
     except pb_utils.TritonModelException as exc:  # the server runs with --allow-metrics=false
         logger.info("metrics are off: %s", exc)
         return NullMetrics()
