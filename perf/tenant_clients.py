@@ -159,17 +159,17 @@ class ClientWorkers:
         start_at = time.perf_counter() + LEAD_S
         for conn, part in zip(self._conns, parts):
             conn.send((job, part, start_at))
-        results = [self._receive(conn) for conn in self._conns[: len(parts)]]
-        return ClientResult.merged(results)
+        outcomes = [self._receive(conn) for conn in self._conns[: len(parts)]]  # all read: none left for the next run
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise RuntimeError(f"a tenant client process failed: {outcome!r}") from outcome
+        return ClientResult.merged([o for o in outcomes if isinstance(o, ClientResult)])
 
-    def _receive(self, conn: Connection) -> ClientResult:
+    def _receive(self, conn: Connection) -> ClientResult | BaseException:
         try:
-            outcome = conn.recv()
+            return conn.recv()
         except EOFError:
-            raise RuntimeError("a tenant client process died during its replay") from None
-        if isinstance(outcome, BaseException):
-            raise RuntimeError(f"a tenant client process failed: {outcome!r}") from outcome
-        return outcome
+            return RuntimeError("the process died during its replay")
 
     def close(self) -> None:
         for conn in self._conns:

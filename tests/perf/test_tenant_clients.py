@@ -122,13 +122,16 @@ def test_the_clients_results_merge() -> None:
 
 
 def test_a_client_process_that_fails_says_why() -> None:
-    workers = ClientWorkers(1)
+    """Both processes fail (no server answers); each one's result is read, so none is left for the next run."""
+    workers = ClientWorkers(2)
     try:
         job = ReplayJob(served.TenantReplay, "localhost:9", served.TARGET, ModelIO(), ServingOptions(),
                         ready_timeout_s=0.5)  # fmt: skip
-        with pytest.raises(RuntimeError, match="tenant client process failed.*not ready"):
-            workers.replay(job, [_requests({"s1-0000": 2})])
-        with pytest.raises(ValueError, match="2 parts for 1 client processes"):
-            workers.replay(job, [[], []])
+        parts = [_requests({"s1-0000": 2}), _requests({"s1-0001": 2})]
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="tenant client process failed.*not ready"):
+                workers.replay(job, parts)
+        with pytest.raises(ValueError, match="3 parts for 2 client processes"):
+            workers.replay(job, [[], [], []])
     finally:
         workers.close()
