@@ -8,7 +8,9 @@ alone. So the heavy tenants get a process of their own and the others are shared
 light tenants' clients do the same work with the noisy tenant and without it.
 
 Every process's replay starts on the same `time.perf_counter()` instant (CLOCK_MONOTONIC, one clock for all
-processes of the machine), so arrival times, first tokens and finishes of all processes are on one time line.
+processes of the machine), so arrival times, first tokens and finishes of all processes are on one time line. That
+instant is set once every process has connected to the server (a process that starts late would send its first
+requests late, and their first tokens would count the delay).
 
     workers = ClientWorkers(3)                 # started once (spawn), reused by every run
     result = workers.replay(job, parts)        # one part of the trace a process
@@ -37,7 +39,8 @@ from perf.workload import TraceRequest
 logger = logging.getLogger(__name__)
 
 HEAVY = 2.0  # a tenant with more than this many times the median tenant's requests gets the heavy tenants' client
-LEAD_S = 2.0  # from sending the parts to the clock's start: each process connects its client meanwhile
+LEAD_S = 0.2  # from the last process's "connected" to the clock's start: the start instant reaches every process
+CONNECTED = "connected"
 
 
 def assign_clients(requests: list[TraceRequest], clients: int) -> list[list[TraceRequest]]:
@@ -113,11 +116,16 @@ class ClientResult:
                    max(r.cpu_share for r in results))  # fmt: skip
 
 
-async def replay_part(job: ReplayJob, requests: list[TraceRequest], start_at: float | None) -> ClientResult:
-    """`requests` replayed by one client of its own, its clock started at `start_at` (perf_counter; None: now)."""
+async def replay_part(job: ReplayJob, requests: list[TraceRequest], conn: Connection) -> ClientResult:
+    """`requests` replayed by one client of its own: it connects, says so on `conn`, and starts its clock at the
+    perf_counter instant that `conn` then gives (None: another process could not connect; nothing is sent)."""
     client = Client(job.url)
     try:
-        await client.wait_ready(job.target.model, job.ready_timeout_s)  # connects before the clock starts
+        await client.wait_ready(job.target.model, job.ready_timeout_s)
+        conn.send(CONNECTED)
+        start_at = conn.recv()
+        if start_at is None:
+            raise RuntimeError("not run: another client process could not connect")
         replay = job.replay_class(client, job.target, job.io, requests, job.options_for(requests, start_at), None,
                                   count_words, job.max_tokens)  # fmt: skip
         cpu0 = time.process_time()
@@ -153,19 +161,26 @@ class ClientWorkers:
         return len(self._procs)
 
     def replay(self, job: ReplayJob, parts: list[list[TraceRequest]]) -> ClientResult:
-        """Each part on its own process, all on one clock that starts LEAD_S from now; the merged result."""
+        """Each part on its own process, all on one clock that starts once all have connected; the merged result.
+        Every process's answers are read before a failure is raised, so none is left for the next run."""
         if not 1 <= len(parts) <= self.count:
             raise ValueError(f"{len(parts)} parts for {self.count} client processes")
-        start_at = time.perf_counter() + LEAD_S
-        for conn, part in zip(self._conns, parts):
-            conn.send((job, part, start_at))
-        outcomes = [self._receive(conn) for conn in self._conns[: len(parts)]]  # all read: none left for the next run
-        for outcome in outcomes:
+        conns = self._conns[: len(parts)]
+        for conn, part in zip(conns, parts):
+            conn.send((job, part))
+        connected = [self._receive(conn) for conn in conns]
+        failed = [c for c in connected if c != CONNECTED]
+        start_at = None if failed else time.perf_counter() + LEAD_S
+        for conn, answer in zip(conns, connected):
+            if answer == CONNECTED:
+                conn.send(start_at)
+        outcomes = [self._receive(conn) if answer == CONNECTED else answer for conn, answer in zip(conns, connected)]
+        for outcome in [*failed, *outcomes]:  # a failure to connect first: the others' is only its consequence
             if isinstance(outcome, BaseException):
                 raise RuntimeError(f"a tenant client process failed: {outcome!r}") from outcome
         return ClientResult.merged([o for o in outcomes if isinstance(o, ClientResult)])
 
-    def _receive(self, conn: Connection) -> ClientResult | BaseException:
+    def _receive(self, conn: Connection) -> Any:
         try:
             return conn.recv()
         except EOFError:
@@ -192,9 +207,9 @@ def _serve_jobs(conn: Connection) -> None:
         message: Any = conn.recv()
         if message is None:
             return
-        job, requests, start_at = message
+        job, requests = message
         try:
-            result: ClientResult | BaseException = asyncio.run(replay_part(job, requests, start_at))
+            result: ClientResult | BaseException = asyncio.run(replay_part(job, requests, conn))
         except Exception as exc:  # told to the parent, which raises it for the run (as text: gRPC's may not pickle)
             logger.exception("tenant client replay failed")
             result = RuntimeError(f"{type(exc).__name__}: {exc}")
