@@ -28,7 +28,8 @@ every streamed response is timestamped on arrival. Before the clock starts, the 
 the server's host memory with `adapter_command` load requests (as bench_engine preloads them; see
 preload_adapters for the fallback), and a few short requests warm the kernels. The client's own CPU use is
 reported (`client_cpu_share`): near 1.0, the Python client rather than the server may be the bottleneck; then
-try more `--streams`.
+give `--clients N`: N processes replay the run on one clock, the requests round robin over them (token ids only),
+and the share is the busiest one's.
 
 Targets (see perf/triton_protocol.py): `slora` (token ids in and out) and `ensemble` (text, vLLM-backend I/O;
 prompt token ids are rendered with the model's tokenizer, exact with perf/make_model.py's word-level one).
@@ -78,10 +79,11 @@ class ServingOptions:
     window_fraction: float = 0.25
     metrics_url: str | None = None  # the server's metrics port (host:port): each run's engine steps (client/steps.py)
     start_at: float | None = None  # the replay's clock starts at this time.perf_counter() (None: when it runs)
+    clients: int = 1  # processes that replay a run, its requests round robin (perf/tenant_clients.py); tokens only
 
     def __post_init__(self) -> None:
-        if self.streams < 1 or self.preload_concurrency < 1:
-            raise ValueError("streams and preload_concurrency must be >= 1")
+        if self.streams < 1 or self.preload_concurrency < 1 or self.clients < 1:
+            raise ValueError("streams, preload_concurrency and clients must be >= 1")
         for name in ("time_limit_s", "idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -93,6 +95,7 @@ class Client:
     def __init__(self, url: str) -> None:
         import tritonclient.grpc.aio as grpc_aio
 
+        self.url = url
         self._grpc = grpc_aio.InferenceServerClient(url)
         self.infer_input = grpc_aio.InferInput
         self.requested_output = grpc_aio.InferRequestedOutput
@@ -363,28 +366,70 @@ async def run_one(
     if warm:
         await _run_unmeasured(client, target, io, warm, ServingOptions(streams=1), 8, text_of)
     on_gpu = await serving_admin.count_on_gpu(client, options.admin_model) if preload_via != "requests" else None
-    cpu0 = time.process_time()
-    replay = StreamReplay(client, target, io, list(trace.requests), options, text_of, count_tokens)
-    replay.desc = name
     steps_before = scrape_settled(options.metrics_url)  # the warm-up's last steps are published a moment late
-    duration = await replay.run()
+    if options.clients > 1:
+        replayed = await _replay_in_processes(client, target, io, list(trace.requests), options)
+    else:
+        replayed = await _replay_here(client, target, io, list(trace.requests), options, text_of, count_tokens, name)
+    records, duration, errors, cpu_share = replayed
     steps_after = scrape_settled(options.metrics_url)
     steps = step_summary(steps_before, steps_after)
-    metrics = summarize(list(replay.records.values()), duration, options.window_fraction)
+    metrics = summarize(records, duration, options.window_fraction)
     metrics.update(
         steps=steps,
         server_ttft=server_ttft(steps_before, steps_after),
         preload_s=preload_s,
         preload_via=preload_via,
         adapters_on_gpu_at_start=on_gpu,
-        stream_errors=len(replay.stream_errors),
-        first_errors=replay.stream_errors[:3],
-        client_cpu_share=(time.process_time() - cpu0) / duration if duration > 0 else None,
+        stream_errors=len(errors),
+        first_errors=errors[:3],
+        client_cpu_share=cpu_share,  # the busiest client process's
         **roofline.roofline_metrics(trace, setup, duration),
     )
     info = {**asdict(options), "mode": spec.mode, "target": asdict(target), "model_io": _io_info(io)}
     return make_run(name, "serving", trace_info(trace, spec.trace_path), info, metrics,
-                    group=group, per_request=per_request(list(replay.records.values())))  # fmt: skip
+                    group=group, per_request=per_request(records))  # fmt: skip
+
+
+Replayed = tuple[list[RequestRecord], float, list[str], float | None]  # records, duration, errors, CPU share
+
+
+async def _replay_here(
+    client: Any,
+    target: Target,
+    io: ModelIO,
+    requests: list[TraceRequest],
+    options: ServingOptions,
+    text_of: TextOf | None,
+    count_tokens: Callable[[str], int],
+    name: str,
+) -> Replayed:
+    """The replay on this process's event loop."""
+    cpu0 = time.process_time()
+    replay = StreamReplay(client, target, io, requests, options, text_of, count_tokens)
+    replay.desc = name
+    duration = await replay.run()
+    cpu_share = (time.process_time() - cpu0) / duration if duration > 0 else None
+    return list(replay.records.values()), duration, replay.stream_errors, cpu_share
+
+
+async def _replay_in_processes(
+    client: Any, target: Target, io: ModelIO, requests: list[TraceRequest], options: ServingOptions
+) -> Replayed:
+    """The replay in options.clients processes on one clock, the requests round robin: one Python process reads
+    every streamed response, and near saturation it is busy much of the time, so responses (and sends) wait in it."""
+    if target.kind != "tokens":
+        raise ValueError(f"clients > 1 replays token ids only; the {target.model!r} target sends text")
+    from perf.tenant_clients import ClientWorkers, ReplayJob  # it builds on this module's replay
+
+    job = ReplayJob(StreamReplay, client.url, target, io, replace(options, progress_bar=False, clients=1))
+    parts = [requests[i :: options.clients] for i in range(options.clients)]
+    workers = ClientWorkers(options.clients)
+    try:
+        result = await asyncio.to_thread(workers.replay, job, [part for part in parts if part])
+    finally:
+        workers.close()
+    return list(result.records.values()), result.duration, result.stream_errors, result.cpu_share
 
 
 def _io_info(io: ModelIO) -> dict[str, Any]:
@@ -589,7 +634,8 @@ async def amain(args: argparse.Namespace) -> None:
     target = Target(args.model_name or args.target, *_routing(args))
     options = ServingOptions(streams=args.streams, time_limit_s=args.time_limit, warmup_requests=args.warmup_requests,
                              preload=not args.no_preload, server_kernel_backend=args.server_kernel_backend,
-                             progress_bar=not args.no_progress, metrics_url=args.metrics_url)  # fmt: skip
+                             progress_bar=not args.no_progress, metrics_url=args.metrics_url,
+                             clients=args.clients)  # fmt: skip
     text_of, count_tokens = load_tokenizer(args.tokenizer)
     client = Client(args.url)
     try:
@@ -639,7 +685,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--adapter-via", choices=("input", "parameter", "sampling"))
     parser.add_argument("--adapter-key", help="adapter_id or lora_name")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer dir for the text target (default: word-level)")
-    parser.add_argument("--streams", type=int, default=1)
+    parser.add_argument("--streams", type=int, default=1, help="gRPC streams of each client process")
+    parser.add_argument("--clients", type=int, default=1, help="client processes, the requests round robin over "
+                        "them on one clock (token ids only); see client_cpu_share")  # fmt: skip
     parser.add_argument("--time-limit", type=float, default=600.0, help="seconds per run")
     parser.add_argument("--warmup-requests", type=int, default=8)
     parser.add_argument("--no-preload", action="store_true")
@@ -656,6 +704,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.runs and not args.headline:
         parser.error("give traces (TRACE[@MODE]), --headline, or both")
+    if args.clients < 1:
+        parser.error(f"--clients must be >= 1, got {args.clients}")
+    if args.clients > 1 and args.target != "slora":
+        parser.error(f"--clients {args.clients}: several client processes replay token ids only (--target slora)")
     return args
 
 

@@ -98,7 +98,8 @@
 # tenants-served-capacity run's; empty: measured by a burst of TENANT_BURST requests, the benchmark's 512 if empty),
 # TENANT_SERVER_S (100 on CUDA, 30 on CPU: a server's start, warm-up and stop, for the plan that sets the per-run
 # time limit, at most RUN_LIMIT), TENANT_CLIENTS (the benchmark's 3 client processes, the heavy tenants apart; 1:
-# one process, as before 2026-12-05) and TENANT_STREAMS (its 0: one gRPC stream a tenant; 1: one for all).
+# one process, as before 2026-12-05) and TENANT_STREAMS (its 0: one gRPC stream a tenant; 1: one for all);
+# SERVE_CLIENTS (empty: bench_serving's one client process; N: N processes replay each served `slora` run).
 # CPU rehearsal of the tenants suite (about 1.5 minutes on 2 cores; 8 batch slots, so that 2x the capacity queues
 # as the GPU's pool makes it, and a 1 s SLO, so that early abort refuses within 5 s of arrivals):
 #   GPU_ENV=none PY=python KERNEL=torch SHAPE=tiny DEVICE=cpu N_BIG=40 RATE=20 DURATION=1 LENGTHS="8 48" \
@@ -160,6 +161,7 @@ TENANT_LOADS=${TENANT_LOADS:-2}
 TENANT_POLICIES=${TENANT_POLICIES:-fcfs fair}
 TENANT_REPEAT=${TENANT_REPEAT:-}
 TENANT_CLIENTS=${TENANT_CLIENTS:-}
+SERVE_CLIENTS=${SERVE_CLIENTS:-}
 TENANT_STREAMS=${TENANT_STREAMS:-}
 TENANT_DURATION=${TENANT_DURATION:-30}
 TENANT_SLO=${TENANT_SLO:-6}
@@ -349,6 +351,7 @@ serving() {  # serving TARGET RUN...  (against the running server)
   local target=$1; shift
   local extra=()
   [[ $target == ensemble ]] && extra=(--tokenizer "$MODEL")
+  [[ $target == slora && -n $SERVE_CLIENTS ]] && extra=(--clients "$SERVE_CLIENTS")
   step -m perf.bench_serving --url "localhost:$((PORT_BASE + 1))" --target "$target" "${extra[@]}" \
     --server-kernel-backend "$KERNEL" --metrics-url "localhost:$((PORT_BASE + 2))" \
     --ready-timeout "$(ready_timeout)" --time-limit "$(run_limit)" --out "$RESULTS" "$@"

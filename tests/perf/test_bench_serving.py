@@ -252,5 +252,9 @@ def test_sweep_measures_at_fractions_of_the_capacity(tiny_model: Path, tiny_adap
 def test_command_line_needs_runs_or_the_headline() -> None:
     with pytest.raises(SystemExit):
         bench_serving.parse_args(["--out", "r.json"])
+    for bad in (["--clients", "0"], ["--clients", "2", "--target", "ensemble"]):  # several replay token ids only
+        with pytest.raises(SystemExit):
+            bench_serving.parse_args(["--headline", "--out", "r.json", *bad])
+    assert bench_serving.parse_args(["--headline", "--out", "r.json", "--clients", "3"]).clients == 3
     args = bench_serving.parse_args(["--headline", "--sweep", "--out", "r.json", "--peaks", "h200-measured"])
     assert args.duration == 120.0 and args.loads == [0.5, 0.8] and args.num_adapters == [2000, 5]

@@ -78,9 +78,12 @@ def test_replay_through_triton(server: tuple[int, int], target: str, tiny_model:
             f"{trace}@base"]  # fmt: skip
     if target == "ensemble":
         args += ["--tokenizer", str(tiny_model)]
+    else:  # two client processes on one clock, each its share of the requests
+        args += ["--clients", "2"]
     bench_serving.main(args)
     runs = load_results(out)["runs"]
     assert [r["options"]["mode"] for r in runs] == ["lora", "base"]
+    assert {r["options"]["clients"] for r in runs} == {2 if target == "slora" else 1}
     for run in runs:
         m = run["metrics"]
         assert m["num_finished"] == 10 and m["stream_errors"] == 0, m.get("first_errors")
