@@ -10,6 +10,12 @@ their bucket, as Prometheus' histogram_quantile does: a value within the bucket'
     ...  # the run
     server_ttft(before, scrape_settled(url))   # {"requests": n, "p50_s": ..., "p90_s": ...}
     server_ttft_by_tenant(before, after)        # the same per tenant (slora_tenant_time_to_first_token_seconds)
+    responder_figures(before, after, seconds)   # the first token's way out of the model: its delay, the thread's load
+
+The first-token histograms stop at the engine's output. The responder thread then turns it into a response; the
+first response's delay (`slora_first_response_delay_seconds`) and the responder's busy time
+(`slora_responder_busy_seconds_total`) tell how much of the time outside the engine is spent there, and whether the
+thread keeps up.
 """
 
 from __future__ import annotations
@@ -19,7 +25,11 @@ import re
 
 PREFIX = "ttft_le:"  # the keys parse_steps gives the buckets: PREFIX + the bound as the page writes it
 TENANT_PREFIX = "tenant_ttft_le/"  # a tenant's: TENANT_PREFIX + tenant + "/" + bound (no tenant name has a "/")
+DELAY_PREFIX = "delay_le:"  # the first response's delay: DELAY_PREFIX + bound
+BUSY = "responder_busy_s"  # the key of the responder's busy-time counter
 BUCKET = re.compile(r'^slora_time_to_first_token_seconds_bucket\{le="([^"]+)"\}\s+(\S+)$')
+DELAY_BUCKET = re.compile(r'^slora_first_response_delay_seconds_bucket\{le="([^"]+)"\}\s+(\S+)$')
+BUSY_LINE = re.compile(r"^slora_responder_busy_seconds_total(?:\{\})?\s+(\S+)$")
 TENANT_BUCKET = re.compile(r"^slora_tenant_time_to_first_token_seconds_bucket\{([^}]*)\}\s+(\S+)$")
 LABEL = re.compile(r'(\w+)="([^"]*)"')
 QUANTILES = {"p50_s": 0.5, "p90_s": 0.9}
@@ -30,6 +40,10 @@ def parse_buckets(line: str) -> tuple[str, float] | None:
     other line."""
     if m := BUCKET.match(line):
         return PREFIX + m[1], float(m[2])
+    if m := DELAY_BUCKET.match(line):
+        return DELAY_PREFIX + m[1], float(m[2])
+    if m := BUSY_LINE.match(line):
+        return BUSY, float(m[1])
     if m := TENANT_BUCKET.match(line):
         labels = dict(LABEL.findall(m[1]))
         if "tenant" in labels and "le" in labels:
@@ -38,14 +52,14 @@ def parse_buckets(line: str) -> tuple[str, float] | None:
 
 
 def server_ttft(
-    before: dict[str, float] | None, after: dict[str, float] | None, tenant: str | None = None
+    before: dict[str, float] | None, after: dict[str, float] | None, tenant: str | None = None, prefix: str = PREFIX
 ) -> dict[str, float | None] | None:
-    """The window's first tokens (of `tenant`'s requests, where given): their count and interpolated quantiles
-    (None where none came, or a quantile falls in the +Inf bucket); None without both scrapes or without the
-    histogram."""
+    """The window's first tokens (of `tenant`'s requests, where given; or of the histogram read under `prefix`):
+    their count and interpolated quantiles (None where none came, or a quantile falls in the +Inf bucket); None
+    without both scrapes or without the histogram."""
     if before is None or after is None:
         return None
-    prefix = PREFIX if tenant is None else f"{TENANT_PREFIX}{tenant}/"
+    prefix = prefix if tenant is None else f"{TENANT_PREFIX}{tenant}/"
     bounds = sorted((float(key[len(prefix) :]), key) for key in after if key.startswith(prefix))
     if not bounds or not math.isinf(bounds[-1][0]):
         return None
@@ -70,6 +84,23 @@ def server_ttft_by_tenant(
         if figures is not None and figures["requests"]:
             out[tenant] = figures
     return out
+
+
+def responder_figures(
+    before: dict[str, float] | None, after: dict[str, float] | None, seconds: float
+) -> dict[str, float | None] | None:
+    """The responder over a window of `seconds`: its busy share (busy time / window) and its first responses'
+    delay (count, p50, p90); None without both scrapes or on a server without these series."""
+    if before is None or after is None or BUSY not in after:
+        return None
+    delay = server_ttft(before, after, prefix=DELAY_PREFIX) or {}
+    busy = after[BUSY] - before.get(BUSY, 0.0)
+    return {
+        "busy_share": busy / seconds if seconds > 0 else None,
+        "first_responses": delay.get("requests"),
+        "first_response_delay_p50_s": delay.get("p50_s"),
+        "first_response_delay_p90_s": delay.get("p90_s"),
+    }
 
 
 def _quantile(counts: list[tuple[float, float]], q: float) -> float | None:

@@ -55,7 +55,7 @@ from perf.metrics import RequestRecord, per_request, summarize
 from perf.results import append_runs, headline, make_run, trace_info
 from perf.triton_protocol import ModelIO, StreamState, Target, decode, encode
 from perf.workload import MODES, RunSpec, Trace, TraceConfig, TraceRequest, generate_trace, load_trace, save_trace
-from slora.client.server_ttft import server_ttft
+from slora.client.server_ttft import responder_figures, server_ttft
 from slora.client.steps import scrape_settled, step_summary
 
 logger = logging.getLogger(__name__)
@@ -378,6 +378,7 @@ async def run_one(
     metrics.update(
         steps=steps,
         server_ttft=server_ttft(steps_before, steps_after),
+        responder=responder_figures(steps_before, steps_after, duration),
         preload_s=preload_s,
         preload_via=preload_via,
         adapters_on_gpu_at_start=on_gpu,

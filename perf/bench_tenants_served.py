@@ -71,7 +71,7 @@ from perf.tenant_suites import (
 from perf.triton_protocol import ModelIO, Target
 from perf.workload import Trace, TraceRequest
 from slora.backend.config import EngineConfig
-from slora.client.server_ttft import server_ttft, server_ttft_by_tenant
+from slora.client.server_ttft import responder_figures, server_ttft, server_ttft_by_tenant
 from slora.client.steps import scrape_settled, step_summary
 
 logger = logging.getLogger(__name__)
@@ -350,7 +350,8 @@ class ServedBench:
         metrics.update(refusals=result.refusals, refusals_unattributed=result.settled,
                        stream_errors=len(result.stream_errors), first_errors=result.stream_errors[:3],
                        client_cpu_share=result.cpu_share, steps=steps,
-                       server_ttft=server_ttft(steps_before, steps_after))  # fmt: skip
+                       server_ttft=server_ttft(steps_before, steps_after),
+                       responder=responder_figures(steps_before, steps_after, duration))  # fmt: skip
         add_server_ttfts(metrics["tenants"], server_ttft_by_tenant(steps_before, steps_after))
         run = make_run(name, "served", trace_info(trace), self._run_options(served, changes), metrics,
                        group="tenants")  # fmt: skip

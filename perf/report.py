@@ -337,9 +337,11 @@ def served_steps_table(runs: list[Run]) -> list[str]:
 def first_token_path_table(runs: list[Run]) -> list[str]:
     """Served runs' first tokens as the client saw them and as the server did (client/server_ttft.py: arrival at the
     Triton model to the engine's first token, interpolated in its histogram's buckets); the difference is the
-    path outside the engine."""
-    lines = ["| run | client TTFT p50 / p90 (s) | server TTFT p50 / p90 (s) | server's first tokens |",
-             "|---|---|---|---|"]  # fmt: skip
+    path outside the engine. Of that path, the responder's part: the first response's delay from the engine's
+    output to its send, and how busy the responder thread was (its busy time over the run)."""
+    lines = ["| run | client TTFT p50 / p90 (s) | server TTFT p50 / p90 (s) | server's first tokens "
+             "| first response's delay p50 / p90 (ms) | responder busy | client busy |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for run in runs:
         server = run["metrics"].get("server_ttft")
         if not server:
@@ -349,9 +351,17 @@ def first_token_path_table(runs: list[Run]) -> list[str]:
             f"{_fmt(client.get('p50'), 3)} / {_fmt(client.get('p90'), 3)}",
             f"{_fmt(server.get('p50_s'), 3)} / {_fmt(server.get('p90_s'), 3)}",
             f"{server['requests']:.0f}",
+            *_responder_cells(run["metrics"]),
         ]
         lines.append(f"| {run['name']} | {' | '.join(cells)} |")
     return lines if len(lines) > 2 else []
+
+
+def _responder_cells(m: dict[str, Any]) -> list[str]:
+    responder = m.get("responder") or {}
+    p50, p90 = responder.get("first_response_delay_p50_s"), responder.get("first_response_delay_p90_s")
+    delay = f"{_fmt(p50 and 1000 * p50, 1)} / {_fmt(p90 and 1000 * p90, 1)}" if responder else "–"
+    return [delay, _share(responder.get("busy_share")), _share(m.get("client_cpu_share"))]
 
 
 def _served_step_cell(kind: dict[str, Any], tokens: float | None) -> str:

@@ -156,9 +156,12 @@ def test_served_runs_first_tokens_are_tabled_beside_the_servers(tmp_path: Path) 
     served = _run("s-n2000", "serving", 2000, "lora", 9.0, "s1-n2000", "serving-slora")
     served["metrics"]["ttft_s"]["p90"] = 0.25
     served["metrics"]["server_ttft"] = {"requests": 10, "p50_s": 0.0625, "p90_s": None}
+    served["metrics"]["responder"] = {"busy_share": 0.35, "first_responses": 10, "first_response_delay_p50_s": 0.0015,
+                                      "first_response_delay_p90_s": 0.004}  # fmt: skip
+    served["metrics"]["client_cpu_share"] = 0.5
     append_runs(path, [served, _run("s-base", "serving", 0, "base", 9.0, "s1-n0", "serving-slora")])
     table = report(path).split("## Served runs' first tokens: client and server")[1]
-    assert "| s-n2000 | 0.100 / 0.250 | 0.062 / – | 10 |" in table
+    assert "| s-n2000 | 0.100 / 0.250 | 0.062 / – | 10 | 1.5 / 4.0 | 35% | 50% |" in table
     assert "s-base" not in table  # no server histogram recorded
 
 

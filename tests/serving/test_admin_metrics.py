@@ -70,7 +70,8 @@ def test_metrics_are_present_and_move(server: Server) -> None:
                    "slora_inter_token_latency_seconds_count", 'slora_steps_total{kind="decode"}',
                    'slora_steps_total{kind="prompt"}', 'slora_step_seconds_total{kind="prompt"}',
                    'slora_step_requests_total{kind="decode"}', 'slora_step_graphs_total{kind="prompt"}',
-                   "slora_step_prompt_tokens_total"):  # fmt: skip
+                   "slora_step_prompt_tokens_total", "slora_first_response_delay_seconds_count",
+                   "slora_responder_busy_seconds_total"):  # fmt: skip
         assert family in before, family
     known = len(_rows(server))
     wait_for_metric(server.metrics_url, 'slora_adapters{tier="disk"}', lambda v: v == known)
@@ -88,6 +89,7 @@ def test_metrics_are_present_and_move(server: Server) -> None:
         "slora_step_prompt_tokens_total": len(IDS),  # the prompt, computed in steps with prompts
         'slora_steps_total{kind="prompt"}': 1,
         'slora_steps_total{kind="decode"}': 1,
+        "slora_first_response_delay_seconds_count": 1,  # a streamed request's first response
     }
     tenant = 'slora_tenant_time_to_first_token_seconds_count{tenant="demo-all-r8"}'  # its adapter: no tenant given
     moved[tenant] = 1
@@ -99,6 +101,8 @@ def test_metrics_are_present_and_move(server: Server) -> None:
               for k in ("decode", "prompt"))  # fmt: skip
     assert ran >= len(tokens)  # one step per token sampled
     assert after['slora_step_seconds_total{kind="prompt"}'] > before['slora_step_seconds_total{kind="prompt"}']
+    wait_for_metric(server.metrics_url, "slora_responder_busy_seconds_total",
+                    lambda v: v > before["slora_responder_busy_seconds_total"])  # fmt: skip
 
 
 def test_the_alias_requests_count_in_the_engine_models_metrics(server: Server) -> None:

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from slora.client import cli
-from slora.client.server_ttft import server_ttft, server_ttft_by_tenant
+from slora.client.server_ttft import responder_figures, server_ttft, server_ttft_by_tenant
 from slora.client.steps import format_summary, parse_steps, step_summary
 
 PAGE = """# HELP slora_steps_total Engine steps by kind
@@ -100,6 +100,23 @@ def test_each_tenants_first_tokens_come_from_its_own_buckets() -> None:
     assert (
         server_ttft_by_tenant(None, after) == {} and server_ttft_by_tenant(parse_steps(PAGE), parse_steps(PAGE)) == {}
     )
+
+
+def _responder_page(busy_s: float, delays: dict[str, int]) -> dict[str, float]:
+    rows = [f'slora_first_response_delay_seconds_bucket{{le="{le}"}} {n}' for le, n in delays.items()]
+    return parse_steps(PAGE + f"slora_responder_busy_seconds_total {busy_s}\n" + "\n".join(rows) + "\n")
+
+
+def test_the_responders_share_of_the_way_out() -> None:
+    """Its busy time's growth over the window, and the first responses' delay from their own buckets."""
+    before = _responder_page(2.0, {"0.001": 0, "0.002": 0, "+Inf": 0})
+    after = _responder_page(5.0, {"0.001": 5, "0.002": 10, "+Inf": 10})
+    assert responder_figures(before, after, 10.0) == {
+        "busy_share": pytest.approx(0.3), "first_responses": 10, "first_response_delay_p50_s": pytest.approx(0.001),
+        "first_response_delay_p90_s": pytest.approx(0.0018),
+    }  # fmt: skip
+    assert server_ttft(before, after) is None  # the first-token histogram is another
+    assert responder_figures(parse_steps(PAGE), parse_steps(PAGE), 10.0) is None  # a server without the series
 
 
 def test_no_steps_or_no_scrape_gives_no_means() -> None:

@@ -53,6 +53,9 @@ class PeerMetrics(NullMetrics):
         if kind == "ttft" and tenant is not None:
             self._peer.report("tenant_ttft", (tenant, seconds))
 
+    def responder_busy(self, seconds: float) -> None:
+        self._peer.report("responder_busy", seconds)
+
     def count_finished(self, reason: str) -> None:
         self._peer.report("finished", reason)
 

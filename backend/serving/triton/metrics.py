@@ -32,6 +32,11 @@
                                                                its adapter, else <base>; MAX_TENANT_SERIES
                                                                tenants at most, ever; off with tenant_stats_top=0)
     slora_inter_token_latency_seconds               histogram  between two tokens of one request
+    slora_first_response_delay_seconds              histogram  a streamed request's first token, from the engine's
+                                                               output to its response sent: the responder's lag,
+                                                               which the first-token histograms leave out
+    slora_responder_busy_seconds_total              counter    time the responder threads spent sending responses
+                                                               (over a window, its growth / the window: how busy)
     slora_steps_total{kind="decode|prompt"}          counter    engine steps: decode only, or computing prompt
                                                                tokens too (step_totals.py)
     slora_step_seconds_total{kind}                  counter    their time (on CUDA, on the device's stream)
@@ -69,6 +74,8 @@ logger = logging.getLogger(__name__)
 TTFT_BUCKETS = [0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.125, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                 2.5, 5.0, 10.0, 30.0, 60.0]  # fmt: skip
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+DELAY_BUCKETS = [0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0]
+REQUEST_EVENTS = ("ttft", "itl", "tenant_ttft", "first_response_delay", "responder_busy", "finished")  # a peer's
 FINISH_REASONS = ("length", "stop", "abort", "error", "rejected")
 REFUSAL_REASONS = ("ttft_slo", "ttft_slo_early", "queue_timeout")  # EngineStats.refused_<reason>
 MAX_TENANT_SERIES = 256  # tenants with series of their own, in the server's life
@@ -82,7 +89,10 @@ class NullMetrics:
         pass
 
     def observe(self, kind: str, seconds: float, tenant: str | None = None) -> None:
-        """A request's latency: kind "ttft" (its tenant's too, where given) or "itl"."""
+        """A request's latency: kind "ttft" (its tenant's too, where given), "itl" or "first_response_delay"."""
+
+    def responder_busy(self, seconds: float) -> None:
+        """Time a responder thread spent on one batch of outputs."""
 
     def count_finished(self, reason: str) -> None:
         pass
@@ -91,8 +101,8 @@ class NullMetrics:
         pass
 
     def replay(self, events: list[tuple[str, Any]]) -> None:
-        """Request metrics observed by a peer model (("ttft" | "itl", seconds), ("tenant_ttft", (tenant,
-        seconds)), ("finished", reason))."""
+        """Request metrics observed by a peer model (("ttft" | "itl" | "first_response_delay" | "responder_busy",
+        seconds), ("tenant_ttft", (tenant, seconds)), ("finished", reason))."""
 
     def close(self) -> None:
         pass
@@ -149,6 +159,13 @@ class TritonMetrics(NullMetrics):
         self.itl = self._family("slora_inter_token_latency_seconds", "Time between two tokens", histogram).Metric(
             labels={}, buckets=ITL_BUCKETS
         )
+        self.first_response_delay = self._family(
+            "slora_first_response_delay_seconds", "First token's engine output to its response sent", histogram
+        ).Metric(labels={}, buckets=DELAY_BUCKETS)
+        self.responder_busy_total = self._family(
+            "slora_responder_busy_seconds_total", "Time the responder threads spent sending responses", counter
+        ).Metric(labels={})
+        self._busy_pending = 0.0  # added to the counter with each publication: one message, not one a batch
         self.serving = self._family("slora_engine_serving", "1 while the engine serves, else 0", gauge).Metric(
             labels={}
         )
@@ -210,6 +227,9 @@ class TritonMetrics(NullMetrics):
         if kind == "ttft" and tenant is not None:
             self._events.put(("tenant_ttft", (tenant, seconds)))
 
+    def responder_busy(self, seconds: float) -> None:
+        self._events.put(("responder_busy", seconds))
+
     def count_finished(self, reason: str) -> None:
         self._events.put(("finished", reason))
 
@@ -218,7 +238,7 @@ class TritonMetrics(NullMetrics):
 
     def replay(self, events: list[tuple[str, Any]]) -> None:
         for kind, value in events:
-            if kind in ("ttft", "itl", "tenant_ttft", "finished"):
+            if kind in REQUEST_EVENTS:
                 self._events.put((kind, value))
 
     def close(self) -> None:
@@ -227,6 +247,7 @@ class TritonMetrics(NullMetrics):
         # Metrics must go before their families.
         self.pages = self.adapters = self.requests = self.counters = self.finished = {}
         self.kv_usage = self.ttft = self.itl = self.serving = self._lora_metric = self._lora_family = None
+        self.first_response_delay = self.responder_busy_total = None
         self.max_running = self.heavy_max_running = None
         self._tenant_metrics = {}
         self._tenant_ttft = {}
@@ -247,6 +268,9 @@ class TritonMetrics(NullMetrics):
                 if event is None:
                     return
                 self._apply(*event)
+            if self._busy_pending > 0:
+                self.responder_busy_total.increment(self._busy_pending)
+                self._busy_pending = 0.0
             stats = self._stats
             if stats is not None and stats is not self._published:
                 try:
@@ -262,6 +286,10 @@ class TritonMetrics(NullMetrics):
             self.itl.observe(value)
         elif kind == "tenant_ttft":
             self._observe_tenant_ttft(*value)
+        elif kind == "first_response_delay":
+            self.first_response_delay.observe(value)
+        elif kind == "responder_busy":
+            self._busy_pending += value
         elif kind == "finished" and value in self.finished:
             self.finished[value].increment(1)
         elif kind == "serving":

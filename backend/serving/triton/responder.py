@@ -121,7 +121,10 @@ class Responder:
         swept_at = time.monotonic()
         while True:
             batch, stopping = self._next_batch()
-            self._deliver_batch(batch)
+            if batch:
+                began = time.perf_counter()
+                self._deliver_batch(batch)
+                self._metrics.responder_busy(time.perf_counter() - began)
             if stopping:
                 return
             if time.monotonic() - swept_at >= self._check_s:
@@ -177,10 +180,14 @@ class Responder:
             self._check(entry)
 
     def _reply(self, entry: _InFlight, outputs: list[tuple[RequestOutput, float]]) -> None:
-        reply = entry.stream.add_many(outputs)
-        self._observe(entry.stream)
+        stream = entry.stream
+        first = stream.first_token_at is None
+        reply = stream.add_many(outputs)
+        self._observe(stream)
         if reply is not None:
             self._send(entry, reply)
+            if first and stream.stream and stream.first_token_at is not None:  # the first token's way out
+                self._metrics.observe("first_response_delay", time.monotonic() - stream.first_token_at)
 
     def _send_failure(self, entry: _InFlight, output: RequestOutput) -> None:
         code = error_code(output.exception) if output.exception else pb_utils.TritonError.INTERNAL
