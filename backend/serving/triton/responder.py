@@ -152,7 +152,11 @@ class Responder:
         self._send_grouped(by_request)
 
     def _send_grouped(self, by_request: dict[str, tuple[_InFlight, list[tuple[RequestOutput, float]]]]) -> None:
-        for entry, outputs in by_request.values():
+        """First tokens go out first: one batch holds a step's outputs of every running request, and sending them
+        takes the responder a while, so a new request's first token would wait behind the others' next tokens (the
+        more running requests, as under a flood, the longer). A running stream's next token waits a little more."""
+        groups = list(by_request.values())
+        for entry, outputs in [g for g in groups if _starts(g[0])] + [g for g in groups if not _starts(g[0])]:
             self._deliver(entry, outputs)
 
     def _fail_in_flight(self, error: Exception) -> None:
@@ -237,6 +241,11 @@ class Responder:
     def _abort(self, request_id: str) -> None:
         if self._engine is not None:
             self._engine.abort(request_id)
+
+
+def _starts(entry: _InFlight) -> bool:
+    """Whether the request's stream has sent no token yet."""
+    return entry.stream.first_token_at is None
 
 
 def _ends_in_error(entry: _InFlight, last: RequestOutput) -> bool:
