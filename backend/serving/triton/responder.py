@@ -35,6 +35,7 @@ from slora.backend.serving.triton.metrics import NullMetrics
 logger = logging.getLogger(__name__)
 
 MAX_BATCH = 4096  # outputs taken from the queue at once
+SEND_CHUNK = 16  # responses sent between two looks at the queue
 
 
 @dataclass
@@ -54,6 +55,7 @@ class _FailAll:
 
 
 Queued = tuple[RequestOutput, float] | _FailAll
+Pending = dict[str, tuple[_InFlight, list[tuple[RequestOutput, float]]]]  # request id → its outputs not yet sent
 
 
 class Responder:
@@ -66,6 +68,8 @@ class Responder:
         self._lock = threading.Lock()
         self._in_flight: dict[str, _InFlight] = {}
         self._inbox: queue.SimpleQueue[Queued | None] = queue.SimpleQueue()
+        self._starting: Pending = {}  # outputs of requests that have sent no token yet (this thread's)
+        self._streaming: Pending = {}  # of the others
         self._thread = threading.Thread(target=self._run, name="slora-responder", daemon=True)
 
     def serve(self, engine: EngineService, metrics: NullMetrics, check_s: float | None = None) -> None:
@@ -119,45 +123,49 @@ class Responder:
 
     def _run(self) -> None:
         swept_at = time.monotonic()
-        while True:
-            batch, stopping = self._next_batch()
-            if batch:
+        stopping = False
+        while not stopping or self._pending():
+            items: list[Queued] = []
+            if not stopping:  # wait for work only when none is pending; after the stop marker, flush what is
+                items, stopping = take_batch(self._inbox, MAX_BATCH, timeout=0 if self._pending() else self._check_s)
+            if items or self._pending():
                 began = time.perf_counter()
-                self._deliver_batch(batch)
+                self._file(items)
+                self._send_some(SEND_CHUNK if not stopping else None)
                 self._metrics.responder_busy(time.perf_counter() - began)
-            if stopping:
-                return
             if time.monotonic() - swept_at >= self._check_s:
                 self._sweep()
                 swept_at = time.monotonic()
 
-    def _next_batch(self) -> tuple[list[Queued], bool]:
-        """What is queued now (waiting up to check_s for the first), and whether the stop marker came."""
-        return take_batch(self._inbox, MAX_BATCH, timeout=self._check_s)
+    def _pending(self) -> bool:
+        return bool(self._starting or self._streaming)
 
-    def _deliver_batch(self, batch: list[Queued]) -> None:
-        """Outputs that queued up for one request go out as one response (fewer sends when the responder lags).
-        Outputs of a request no longer in flight (its final response sent) are dropped."""
-        by_request: dict[str, tuple[_InFlight, list[tuple[RequestOutput, float]]]] = {}
-        for item in batch:
+    def _file(self, items: list[Queued]) -> None:
+        """Queued outputs into the pending groups, one a request: a request's outputs that queued up go out as one
+        response (fewer sends when the responder lags). Outputs of a request no longer in flight (its final
+        response sent) are dropped. An engine failure is answered after everything queued before it."""
+        for item in items:
             if isinstance(item, _FailAll):
-                self._send_grouped(by_request)
-                by_request = {}
+                self._send_some(None)
                 self._fail_in_flight(item.error)
                 continue
             output, at = item
             entry = self._in_flight.get(output.request_id)
             if entry is not None:
-                by_request.setdefault(output.request_id, (entry, []))[1].append((output, at))
-        self._send_grouped(by_request)
+                pending = self._starting if entry.stream.first_token_at is None else self._streaming
+                pending.setdefault(output.request_id, (entry, []))[1].append((output, at))
 
-    def _send_grouped(self, by_request: dict[str, tuple[_InFlight, list[tuple[RequestOutput, float]]]]) -> None:
-        """First tokens go out first: one batch holds a step's outputs of every running request, and sending them
-        takes the responder a while, so a new request's first token would wait behind the others' next tokens (the
-        more running requests, as under a flood, the longer). A running stream's next token waits a little more."""
-        groups = list(by_request.values())
-        for entry, outputs in [g for g in groups if _starts(g[0])] + [g for g in groups if not _starts(g[0])]:
+    def _send_some(self, limit: int | None) -> None:
+        """Up to `limit` responses (None: all pending): requests that have sent no token yet first, each group in
+        the order it came. One engine step brings an output for every running request, and sending them takes a
+        while; between two looks at the inbox at most SEND_CHUNK go out, so a new request's first token does not
+        wait behind a whole step's responses (the more requests run, as under a flood, the longer that would be)."""
+        sent = 0
+        while (limit is None or sent < limit) and self._pending():
+            pending = self._starting or self._streaming
+            entry, outputs = pending.pop(next(iter(pending)))
             self._deliver(entry, outputs)
+            sent += 1
 
     def _fail_in_flight(self, error: Exception) -> None:
         with self._lock:
@@ -241,11 +249,6 @@ class Responder:
     def _abort(self, request_id: str) -> None:
         if self._engine is not None:
             self._engine.abort(request_id)
-
-
-def _starts(entry: _InFlight) -> bool:
-    """Whether the request's stream has sent no token yet."""
-    return entry.stream.first_token_at is None
 
 
 def _ends_in_error(entry: _InFlight, last: RequestOutput) -> bool:
