@@ -370,7 +370,9 @@ async def run_one(
     if options.clients > 1:
         replayed = await _replay_in_processes(client, target, io, list(trace.requests), options)
     else:
-        replayed = await _replay_here(client, target, io, list(trace.requests), options, text_of, count_tokens, name)
+        replay = StreamReplay(client, target, io, list(trace.requests), options, text_of, count_tokens)
+        replay.desc = name
+        replayed = await _replay_here(replay)
     records, duration, errors, cpu_share = replayed
     steps_after = scrape_settled(options.metrics_url)
     steps = step_summary(steps_before, steps_after)
@@ -395,20 +397,9 @@ async def run_one(
 Replayed = tuple[list[RequestRecord], float, list[str], float | None]  # records, duration, errors, CPU share
 
 
-async def _replay_here(
-    client: Any,
-    target: Target,
-    io: ModelIO,
-    requests: list[TraceRequest],
-    options: ServingOptions,
-    text_of: TextOf | None,
-    count_tokens: Callable[[str], int],
-    name: str,
-) -> Replayed:
+async def _replay_here(replay: StreamReplay) -> Replayed:
     """The replay on this process's event loop."""
     cpu0 = time.process_time()
-    replay = StreamReplay(client, target, io, requests, options, text_of, count_tokens)
-    replay.desc = name
     duration = await replay.run()
     cpu_share = (time.process_time() - cpu0) / duration if duration > 0 else None
     return list(replay.records.values()), duration, replay.stream_errors, cpu_share
