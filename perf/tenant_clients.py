@@ -2,8 +2,8 @@
 as separate customers' clients would, on one clock.
 
 One Python process reading every tenant's streamed responses measures itself as well as the server: each engine
-step sends a burst of responses, one a request, and a first token waits behind the others of its burst in the
-client's event loop. A noisy tenant's responses would then delay the light tenants' first tokens in the client
+step sends a burst of responses, one a request, and a first token can wait behind the others of its burst in the
+client's event loop. A noisy tenant's responses could then delay the light tenants' first tokens in the client
 alone. So the heavy tenants get a process of their own and the others are shared round robin over the rest: the
 light tenants' clients do the same work with the noisy tenant and without it.
 
