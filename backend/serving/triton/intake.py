@@ -15,7 +15,7 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from slora.backend.engine.tenants import BASE_TENANT
+from slora.backend.engine.tenants import tenant_of
 from slora.backend.errors import EngineOverloadedError
 from slora.backend.model.default_model import resolve_model_path
 from slora.backend.model.tokenizer import load_tokenizer
@@ -65,7 +65,7 @@ class Intake:
         request_id = f"{request.request_id() or 'req'}-{next(self._ids)}{self._id_suffix}"
         outputs = requested_outputs(request, inputs.is_text, self._declared)
         order = inputs.scheduling
-        tenant = order.tenant if order.tenant is not None else inputs.adapter or BASE_TENANT  # the engine checks it
+        tenant = order.tenant if order.tenant is not None else tenant_of(None, inputs.adapter)  # the engine checks it
         stream = ResponseStream(inputs.stream, arrival, inputs.echo, outputs, tenant=tenant)
         self._responder.track(request_id, request, sender, stream)
         job = Submission(request_id, inputs.prompt_ids, inputs.adapter, inputs.sampling, "text_output" in outputs,
