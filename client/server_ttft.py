@@ -52,14 +52,13 @@ def parse_buckets(line: str) -> tuple[str, float] | None:
 
 
 def server_ttft(
-    before: dict[str, float] | None, after: dict[str, float] | None, tenant: str | None = None, prefix: str = PREFIX
+    before: dict[str, float] | None, after: dict[str, float] | None, prefix: str = PREFIX
 ) -> dict[str, float | None] | None:
-    """The window's first tokens (of `tenant`'s requests, where given; or of the histogram read under `prefix`):
-    their count and interpolated quantiles (None where none came, or a quantile falls in the +Inf bucket); None
-    without both scrapes or without the histogram."""
+    """The window's first tokens (of the histogram whose buckets parse_buckets keys with `prefix`: all requests',
+    a tenant's, the first responses' delay): their count and interpolated quantiles (None where none came, or a
+    quantile falls in the +Inf bucket); None without both scrapes or without the histogram."""
     if before is None or after is None:
         return None
-    prefix = prefix if tenant is None else f"{TENANT_PREFIX}{tenant}/"
     bounds = sorted((float(key[len(prefix) :]), key) for key in after if key.startswith(prefix))
     if not bounds or not math.isinf(bounds[-1][0]):
         return None
@@ -80,7 +79,7 @@ def server_ttft_by_tenant(
     tenants = {key[len(TENANT_PREFIX) :].rpartition("/")[0] for key in after if key.startswith(TENANT_PREFIX)}
     out = {}
     for tenant in sorted(tenants):
-        figures = server_ttft(before, after, tenant)
+        figures = server_ttft(before, after, f"{TENANT_PREFIX}{tenant}/")
         if figures is not None and figures["requests"]:
             out[tenant] = figures
     return out
