@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from perf.report_tenants import noisy_table, overload_table
+from perf.report_tenants import fmt, noisy_table, overload_table
 from perf.results import load_runs
 
 logger = logging.getLogger(__name__)
@@ -173,10 +173,6 @@ CHECKS = (check_s1_2000, check_scaling, check_lora_vs_base, check_vs_peft, check
 TARGETS = ("s1-2000", "n2000-vs-n5", "lora-vs-base", "vs-peft", "served", "base-roofline", "disk-tier")
 
 
-def _fmt(value: Any, digits: int = 2) -> str:
-    return "–" if value is None else f"{value:.{digits}f}"
-
-
 def _roof(run: Run) -> dict[str, Any] | None:
     roof = run["metrics"].get("roofline")
     return roof if isinstance(roof, dict) else None
@@ -190,7 +186,7 @@ def _roof_rps(run: Run, key: str | None = None) -> float | None:
 
 
 def _ttft(m: dict[str, Any]) -> str:
-    return f"{_fmt(m['ttft_s']['p50'])} / {_fmt(m['ttft_s']['p99'])}"
+    return f"{fmt(m['ttft_s']['p50'])} / {fmt(m['ttft_s']['p99'])}"
 
 
 def runs_table(runs: list[Run]) -> list[str]:
@@ -203,10 +199,10 @@ def runs_table(runs: list[Run]) -> list[str]:
         m = run["metrics"]
         lines.append(
             f"| {run['name']} | {run['kind']} | {_n(run)} | {_mode(run)} | {m['num_finished']}/{m['num_requests']} "
-            f"| {_fmt(m['throughput_rps'])} | {_fmt(m.get('window_rps'))} | {_fmt(m['output_tok_s'], 0)} "
-            f"| {_ttft(m)} | {_fmt(m['e2e_s']['p50'])} / {_fmt(m['e2e_s']['p99'])} "
-            f"| {_fmt(m['slo_attainment'], 3)} | {_fmt(m['user_satisfaction'], 3)} "
-            f"| {_fmt(_roof_rps(run))} | {_fmt(m.get('roofline_fraction'), 3)} |"
+            f"| {fmt(m['throughput_rps'])} | {fmt(m.get('window_rps'))} | {fmt(m['output_tok_s'], 0)} "
+            f"| {_ttft(m)} | {fmt(m['e2e_s']['p50'])} / {fmt(m['e2e_s']['p99'])} "
+            f"| {fmt(m['slo_attainment'], 3)} | {fmt(m['user_satisfaction'], 3)} "
+            f"| {fmt(_roof_rps(run))} | {fmt(m.get('roofline_fraction'), 3)} |"
         )
     return lines
 
@@ -226,8 +222,8 @@ def headline_table(runs: list[Run]) -> list[str]:
         notes = ["short trace: the drain weighs"] if duration is None or duration < MIN_HEADLINE_S else []
         if run.get("sweep", {}).get("saturated") is False:
             notes.append("not saturated")
-        lines.append(f"| {run['name']} | {_n(run)} | {_mode(run)} | {_fmt(duration, 0)} | {_fmt(rate, 1)} "
-                     f"| {_fmt(m['throughput_rps'])} | {_ttft(m)} | {_fmt(m.get('roofline_fraction'), 3)} "
+        lines.append(f"| {run['name']} | {_n(run)} | {_mode(run)} | {fmt(duration, 0)} | {fmt(rate, 1)} "
+                     f"| {fmt(m['throughput_rps'])} | {_ttft(m)} | {fmt(m.get('roofline_fraction'), 3)} "
                      f"| {'; '.join(notes)} |")  # fmt: skip
     return lines if len(lines) > 2 else []
 
@@ -244,8 +240,8 @@ def sweep_table(runs: list[Run]) -> list[str]:
             load = run["sweep"].get("load_fraction")
             label = "capacity" if load is None else f"{load:.0%}"
             offered = run["trace"]["config"].get("req_rate")
-            lines.append(f"| {first['name']} | {capacity:.2f}{bound} | {label} | {_fmt(offered)} "
-                         f"| {_fmt(run['metrics']['throughput_rps'])} | {_ttft(run['metrics'])} |")  # fmt: skip
+            lines.append(f"| {first['name']} | {capacity:.2f}{bound} | {label} | {fmt(offered)} "
+                         f"| {fmt(run['metrics']['throughput_rps'])} | {_ttft(run['metrics'])} |")  # fmt: skip
     return lines if len(lines) > 2 else []
 
 
@@ -265,7 +261,7 @@ def roofline_table(runs: list[Run]) -> list[str]:
         bound = roof["memory_bound_steps"] / max(roof["steps"], 1)
         lines.append(f"| {run['name']} | {roof['steps']} | {bound:.0%} | {weights:.0f} / {kv:.0f} / "
                      f"{gb['adapters']:.1f} | {sum(roof['flops'].values()) / 1e12:.0f} | {roof['seconds']:.2f} "
-                     f"| {run['metrics']['duration_s']:.2f} | {_fmt(run['metrics'].get('roofline_fraction'), 3)} "
+                     f"| {run['metrics']['duration_s']:.2f} | {fmt(run['metrics'].get('roofline_fraction'), 3)} "
                      f"| {roof['burst']['rps']:.2f} | {_limit(roof)} | {roof['peaks']['source']} |")  # fmt: skip
     return lines if len(lines) > 2 else []
 
@@ -310,8 +306,8 @@ def steps_table(runs: list[Run]) -> list[str]:
             continue
         cells = [_step_cell(kinds.get(k), "mixed" in k) for k in ("graph", "decode", "mixed_graph", "mixed")]
         share = m.get("step_time_share")
-        extra = [_fmt(m.get("triton_compiles"), 0), "–" if share is None else f"{share:.0%}",
-                 _fmt(m.get("cold_adapter_requests"), 0)]  # fmt: skip
+        extra = [fmt(m.get("triton_compiles"), 0), "–" if share is None else f"{share:.0%}",
+                 fmt(m.get("cold_adapter_requests"), 0)]  # fmt: skip
         lines.append(f"| {run['name']} | {' | '.join(cells + extra)} |")
     return lines if len(lines) > 2 else []
 
@@ -348,8 +344,8 @@ def first_token_path_table(runs: list[Run]) -> list[str]:
             continue
         client = run["metrics"].get("ttft_s") or {}
         cells = [
-            f"{_fmt(client.get('p50'), 3)} / {_fmt(client.get('p90'), 3)}",
-            f"{_fmt(server.get('p50_s'), 3)} / {_fmt(server.get('p90_s'), 3)}",
+            f"{fmt(client.get('p50'), 3)} / {fmt(client.get('p90'), 3)}",
+            f"{fmt(server.get('p50_s'), 3)} / {fmt(server.get('p90_s'), 3)}",
             f"{server['requests']:.0f}",
             *_responder_cells(run["metrics"]),
         ]
@@ -360,7 +356,7 @@ def first_token_path_table(runs: list[Run]) -> list[str]:
 def _responder_cells(m: dict[str, Any]) -> list[str]:
     responder = m.get("responder") or {}
     p50, p90 = responder.get("first_response_delay_p50_s"), responder.get("first_response_delay_p90_s")
-    delay = f"{_fmt(p50 and 1000 * p50, 1)} / {_fmt(p90 and 1000 * p90, 1)}" if responder else "–"
+    delay = f"{fmt(p50 and 1000 * p50, 1)} / {fmt(p90 and 1000 * p90, 1)}" if responder else "–"
     return [delay, _share(responder.get("busy_share")), _share(m.get("client_cpu_share"))]
 
 

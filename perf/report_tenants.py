@@ -64,8 +64,8 @@ def _comparison(vs: dict[str, Any] | None) -> list[str]:
         else "–",
         f"{interval[0]:.2f}–{interval[1]:.2f}" if interval else "–",
         f"{vs.get('tenants_surely_past_ttft_goal', '–')} / {vs.get('tenants_surely_within_ttft_goal', '–')}",
-        f"{_fmt(vs.get('max_server_ttft_p90_ratio'), 3)}; {_fmt(vs.get('median_server_ttft_p90_ratio'), 3)}",
-        _fmt(vs.get("noisy_share")),
+        f"{fmt(vs.get('max_server_ttft_p90_ratio'), 3)}; {fmt(vs.get('median_server_ttft_p90_ratio'), 3)}",
+        fmt(vs.get("noisy_share")),
         "yes" if met else "NO",
     ]
 
@@ -84,14 +84,15 @@ def overload_table(runs: list[Run]) -> list[str]:
             str(m["num_finished"]),
             str(slo["refused"]),
             f"{m['throughput_rps']:.2f}",
-            " / ".join(_fmt(ttft.get(q)) for q in ("p50", "p90", "p99")),
-            f"{slo['attainment_all']:.3f}, {_fmt(slo['attainment_admitted'], 3)}",
+            " / ".join(fmt(ttft.get(q)) for q in ("p50", "p90", "p99")),
+            f"{slo['attainment_all']:.3f}, {fmt(slo['attainment_admitted'], 3)}",
             f"{slo['goodput_rps']:.2f}",
-            _fmt(m.get("goodput_over_capacity")),
+            fmt(m.get("goodput_over_capacity")),
         ]
         lines.append(f"| {run['name']} | {' | '.join(cells)} |")
     return lines if len(lines) > 2 else []
 
 
-def _fmt(value: Any, digits: int = 2) -> str:
+def fmt(value: Any, digits: int = 2) -> str:
+    """A figure for a table cell, with a dash where none was measured."""
     return "–" if value is None else f"{value:.{digits}f}"
