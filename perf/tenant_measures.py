@@ -206,14 +206,16 @@ def _phase_ratios(with_: dict[str, Any], without: dict[str, Any], quiet: list[st
 
 
 def _ratios(with_: dict[str, Any], without: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
-    throughput = with_["output_tok_s"] / without["output_tok_s"] if without["output_tok_s"] else None
-    p90_with, p90_without = with_["ttft_p90_s"], without["ttft_p90_s"]
-    ttft = p90_with / p90_without if p90_with is not None and p90_without else None
     interval = p90_ratio_interval(with_.get("ttfts_s") or [], without.get("ttfts_s") or [], rng)
-    server_with, server_without = with_.get("server_ttft_p90_s"), without.get("server_ttft_p90_s")
-    server = server_with / server_without if server_with is not None and server_without else None
-    return {"throughput_ratio": throughput, "ttft_p90_ratio": ttft, "ttft_p90_ratio_interval": interval,
-            "server_ttft_p90_ratio": server}  # fmt: skip
+    return {"throughput_ratio": _ratio(with_, without, "output_tok_s"),
+            "ttft_p90_ratio": _ratio(with_, without, "ttft_p90_s"), "ttft_p90_ratio_interval": interval,
+            "server_ttft_p90_ratio": _ratio(with_, without, "server_ttft_p90_s")}  # fmt: skip
+
+
+def _ratio(with_: dict[str, Any], without: dict[str, Any], key: str) -> float | None:
+    """with_[key] / without[key]; None where either is missing or the divisor is 0."""
+    a, b = with_.get(key), without.get(key)
+    return a / b if a is not None and b else None
 
 
 def p90_ratio_interval(with_: list[float], without: list[float], rng: np.random.Generator) -> list[float] | None:
