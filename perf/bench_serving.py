@@ -42,6 +42,7 @@ import argparse
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -368,12 +369,12 @@ async def run_one(
     on_gpu = await serving_admin.count_on_gpu(client, options.admin_model) if preload_via != "requests" else None
     steps_before = scrape_settled(options.metrics_url)  # the warm-up's last steps are published a moment late
     if options.clients > 1:
-        replayed = await _replay_in_processes(client, target, io, list(trace.requests), options)
+        result = await _replay_in_processes(client, target, io, list(trace.requests), options)
     else:
         replay = StreamReplay(client, target, io, list(trace.requests), options, text_of, count_tokens)
         replay.desc = name
-        replayed = await _replay_here(replay)
-    records, duration, errors, cpu_share = replayed
+        result = await measured(replay)
+    records, duration, errors = list(result.records.values()), result.duration, result.stream_errors
     steps_after = scrape_settled(options.metrics_url)
     steps = step_summary(steps_before, steps_after)
     metrics = summarize(records, duration, options.window_fraction)
@@ -386,7 +387,7 @@ async def run_one(
         adapters_on_gpu_at_start=on_gpu,
         stream_errors=len(errors),
         first_errors=errors[:3],
-        client_cpu_share=cpu_share,  # the busiest client process's
+        client_cpu_share=result.cpu_share,  # the busiest client process's
         **roofline.roofline_metrics(trace, setup, duration),
     )
     info = {**asdict(options), "mode": spec.mode, "target": asdict(target), "model_io": _io_info(io)}
@@ -394,20 +395,48 @@ async def run_one(
                     group=group, per_request=per_request(records))  # fmt: skip
 
 
-Replayed = tuple[list[RequestRecord], float, list[str], float | None]  # records, duration, errors, CPU share
+@dataclass
+class ReplayResult:
+    """One replay, or several on one clock merged (perf/tenant_clients.py): the records of its requests and what its
+    replay counted."""
+
+    records: dict[str, RequestRecord]
+    open: set[str]
+    stream_errors: list[str]
+    refusals: dict[str, int]
+    settled: int  # refusals that named no request, settled on open requests without a token
+    duration: float  # to the last finish, or to when a client gave up
+    cpu_share: float | None  # the busiest client's CPU time over the duration (None: a run of no duration)
+
+    @classmethod
+    def of(cls, replay: StreamReplay, duration: float, cpu_s: float) -> ReplayResult:
+        settle = getattr(replay, "settle", None)
+        settled = settle() if settle is not None else 0
+        return cls(dict(replay.records), set(replay.open), list(replay.stream_errors),
+                   dict(getattr(replay, "refusals", {})), settled, duration,
+                   cpu_s / duration if duration > 0 else None)  # fmt: skip
+
+    @classmethod
+    def merged(cls, results: list[ReplayResult]) -> ReplayResult:
+        refusals: Counter[str] = Counter()
+        for r in results:
+            refusals.update(r.refusals)
+        return cls({rid: rec for r in results for rid, rec in r.records.items()},
+                   set().union(*(r.open for r in results)), [e for r in results for e in r.stream_errors],
+                   dict(refusals), sum(r.settled for r in results), max(r.duration for r in results),
+                   max((r.cpu_share for r in results if r.cpu_share is not None), default=None))  # fmt: skip
 
 
-async def _replay_here(replay: StreamReplay) -> Replayed:
-    """The replay on this process's event loop."""
+async def measured(replay: StreamReplay) -> ReplayResult:
+    """`replay` run on this process's event loop, with the CPU time the process spent meanwhile."""
     cpu0 = time.process_time()
     duration = await replay.run()
-    cpu_share = (time.process_time() - cpu0) / duration if duration > 0 else None
-    return list(replay.records.values()), duration, replay.stream_errors, cpu_share
+    return ReplayResult.of(replay, duration, time.process_time() - cpu0)
 
 
 async def _replay_in_processes(
     client: Any, target: Target, io: ModelIO, requests: list[TraceRequest], options: ServingOptions
-) -> Replayed:
+) -> ReplayResult:
     """The replay in options.clients processes on one clock, the requests round robin: one Python process reads
     every streamed response, and near saturation it is busy much of the time, so responses (and sends) wait in it."""
     if target.kind != "tokens":
@@ -418,10 +447,9 @@ async def _replay_in_processes(
     parts = [requests[i :: options.clients] for i in range(options.clients)]
     workers = ClientWorkers(options.clients)
     try:
-        result = await asyncio.to_thread(workers.replay, job, [part for part in parts if part])
+        return await asyncio.to_thread(workers.replay, job, [part for part in parts if part])
     finally:
         workers.close()
-    return list(result.records.values()), result.duration, result.stream_errors, result.cpu_share
 
 
 def _io_info(io: ModelIO) -> dict[str, Any]:

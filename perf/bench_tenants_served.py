@@ -44,11 +44,10 @@ from pathlib import Path
 from typing import Any
 
 from perf import serving_admin
-from perf.bench_serving import Client, ServingOptions, StreamReplay
+from perf.bench_serving import Client, ReplayResult, ServingOptions, StreamReplay, measured
 from perf.results import append_runs, headline, make_run, trace_info
 from perf.serve_process import ServeProcess
 from perf.tenant_clients import (
-    ClientResult,
     ClientWorkers,
     ReplayJob,
     assign_clients,
@@ -358,7 +357,7 @@ class ServedBench:
         logger.info("%s | service gap %.0f | slo %s", headline(run), metrics["service_gap"], metrics["slo"])
         return Replayed(name, trace, records, duration, run)
 
-    def _replay_clients(self, served: _Served, requests: list[TraceRequest], name: str) -> ClientResult:
+    def _replay_clients(self, served: _Served, requests: list[TraceRequest], name: str) -> ReplayResult:
         """The requests replayed by setup.clients client processes (assign_clients), or by this process's loop."""
         job = self.replay_job(served)
         parts = assign_clients(requests, self.setup.clients)
@@ -366,9 +365,7 @@ class ServedBench:
             replay = TenantReplay(served.client, TARGET, served.io, requests, job.options_for(requests, None), None,
                                   count_words)  # fmt: skip
             replay.desc = name
-            cpu0 = time.process_time()
-            duration = self._run(replay.run())
-            return ClientResult.of(replay, duration, time.process_time() - cpu0)
+            return self._run(measured(replay))
         if self._workers is None:
             self._workers = ClientWorkers(self.setup.clients)
         logger.info("%s: %d client processes, %s requests each", name, len(parts), [len(p) for p in parts])

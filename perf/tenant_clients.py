@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from perf.bench_serving import Client, ServingOptions, StreamReplay
+from perf.bench_serving import Client, ReplayResult, ServingOptions, StreamReplay, measured
 from perf.metrics import RequestRecord
 from perf.tenant_measures import tenant_of
 from perf.triton_protocol import ModelIO, Target
@@ -85,38 +85,7 @@ class ReplayJob:
         return replace(self.options, streams=streams, start_at=start_at)
 
 
-@dataclass
-class ClientResult:
-    """One client's replay, or several merged: the records of its requests and what its replay counted."""
-
-    records: dict[str, RequestRecord]
-    open: set[str]
-    stream_errors: list[str]
-    refusals: dict[str, int]
-    settled: int  # refusals that named no request, settled on open requests without a token
-    duration: float  # to the last finish, or to when a client gave up
-    cpu_share: float  # the busiest client's CPU time over the duration
-
-    @classmethod
-    def of(cls, replay: StreamReplay, duration: float, cpu_s: float) -> ClientResult:
-        settle = getattr(replay, "settle", None)
-        settled = settle() if settle is not None else 0
-        return cls(dict(replay.records), set(replay.open), list(replay.stream_errors),
-                   dict(getattr(replay, "refusals", {})), settled, duration,
-                   cpu_s / duration if duration > 0 else 0.0)  # fmt: skip
-
-    @classmethod
-    def merged(cls, results: list[ClientResult]) -> ClientResult:
-        refusals: Counter[str] = Counter()
-        for r in results:
-            refusals.update(r.refusals)
-        return cls({rid: rec for r in results for rid, rec in r.records.items()},
-                   set().union(*(r.open for r in results)), [e for r in results for e in r.stream_errors],
-                   dict(refusals), sum(r.settled for r in results), max(r.duration for r in results),
-                   max(r.cpu_share for r in results))  # fmt: skip
-
-
-async def replay_part(job: ReplayJob, requests: list[TraceRequest], conn: Connection) -> ClientResult:
+async def replay_part(job: ReplayJob, requests: list[TraceRequest], conn: Connection) -> ReplayResult:
     """`requests` replayed by one client of its own: it connects, says so on `conn`, and starts its clock at the
     perf_counter instant that `conn` then gives (None: another process could not connect; nothing is sent)."""
     client = Client(job.url)
@@ -128,9 +97,7 @@ async def replay_part(job: ReplayJob, requests: list[TraceRequest], conn: Connec
             raise RuntimeError("not run: another client process could not connect")
         replay = job.replay_class(client, job.target, job.io, requests, job.options_for(requests, start_at), None,
                                   count_words, job.max_tokens)  # fmt: skip
-        cpu0 = time.process_time()
-        duration = await replay.run()
-        return ClientResult.of(replay, duration, time.process_time() - cpu0)
+        return await measured(replay)
     finally:
         await client.close()
 
@@ -160,7 +127,7 @@ class ClientWorkers:
     def count(self) -> int:
         return len(self._procs)
 
-    def replay(self, job: ReplayJob, parts: list[list[TraceRequest]]) -> ClientResult:
+    def replay(self, job: ReplayJob, parts: list[list[TraceRequest]]) -> ReplayResult:
         """Each part on its own process, all on one clock that starts once all have connected; the merged result.
         Every process's answers are read before a failure is raised, so none is left for the next run."""
         if not 1 <= len(parts) <= self.count:
@@ -178,7 +145,7 @@ class ClientWorkers:
         for outcome in [*failed, *outcomes]:  # a failure to connect first: the others' is only its consequence
             if isinstance(outcome, BaseException):
                 raise RuntimeError(f"a tenant client process failed: {outcome!r}") from outcome
-        return ClientResult.merged([o for o in outcomes if isinstance(o, ClientResult)])
+        return ReplayResult.merged([o for o in outcomes if isinstance(o, ReplayResult)])
 
     def _receive(self, conn: Connection) -> Any:
         try:
@@ -209,7 +176,7 @@ def _serve_jobs(conn: Connection) -> None:
             return
         job, requests = message
         try:
-            result: ClientResult | BaseException = asyncio.run(replay_part(job, requests, conn))
+            result: ReplayResult | BaseException = asyncio.run(replay_part(job, requests, conn))
         except Exception as exc:  # told to the parent, which raises it for the run (as text: gRPC's may not pickle)
             logger.exception("tenant client replay failed")
             result = RuntimeError(f"{type(exc).__name__}: {exc}")

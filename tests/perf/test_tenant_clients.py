@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from perf import bench_tenants_served as served
-from perf.bench_serving import ServingOptions, StreamReplay
+from perf.bench_serving import ReplayResult, ServingOptions, StreamReplay
 from perf.metrics import RequestRecord
-from perf.tenant_clients import ClientResult, ClientWorkers, ReplayJob, assign_clients, tenant_of_request
+from perf.tenant_clients import ClientWorkers, ReplayJob, assign_clients, tenant_of_request
 from perf.triton_protocol import ModelIO, Target
 from perf.workload import TraceRequest
 from tests.perf.test_bench_serving import FakeClient
@@ -112,10 +112,10 @@ def _record(index: int, tenant: str, done: bool) -> RequestRecord:
 
 
 def test_the_clients_results_merge() -> None:
-    a = ClientResult({"r0": _record(0, "a", True)}, set(), [], {"ttft_slo": 1, "queue_timeout": 0}, 0, 2.0, 0.3)
-    b = ClientResult({"r1": _record(1, "b", False), "r2": _record(2, "b", True)}, {"r1"}, ["boom"],
+    a = ReplayResult({"r0": _record(0, "a", True)}, set(), [], {"ttft_slo": 1, "queue_timeout": 0}, 0, 2.0, 0.3)
+    b = ReplayResult({"r1": _record(1, "b", False), "r2": _record(2, "b", True)}, {"r1"}, ["boom"],
                      {"ttft_slo": 2, "queue_timeout": 1}, 1, 3.5, 0.2)  # fmt: skip
-    merged = ClientResult.merged([a, b])
+    merged = ReplayResult.merged([a, b])
     assert set(merged.records) == {"r0", "r1", "r2"} and merged.open == {"r1"} and merged.stream_errors == ["boom"]
     assert merged.refusals == {"ttft_slo": 3, "queue_timeout": 1} and merged.settled == 1
     assert merged.duration == 3.5 and merged.cpu_share == 0.3  # the last finish; the busiest client
