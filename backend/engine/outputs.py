@@ -22,7 +22,7 @@ class RequestOutput:
 
     def __reduce__(self) -> tuple[type[RequestOutput], tuple[object, ...]]:
         """Pickled as its fields in order: every step sends one a running request to the server's process, and a
-        slotted dataclass's default state (a dict of field names a field) takes about three times as long."""
+        slotted dataclass's default state (a dict of field names a field) takes much longer (perf/RESULTS.md)."""
         return RequestOutput, (self.request_id, self.new_token_ids, self.text, self.finished, self.finish_reason,
                                self.num_prompt_tokens, self.num_output_tokens, self.error, self.exception)  # fmt: skip
 

@@ -70,7 +70,7 @@ from slora.backend.engine.step_totals import KINDS as STEP_KINDS
 
 logger = logging.getLogger(__name__)
 
-# 10 ms steps to 0.1 s: an unloaded GPU's first tokens take 40-100 ms, and a quantile is interpolated in its bucket.
+# 10 ms steps to 0.1 s: unloaded first tokens on a GPU take tens of ms, and a quantile is interpolated in its bucket.
 TTFT_BUCKETS = [0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.125, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                 2.5, 5.0, 10.0, 30.0, 60.0]  # fmt: skip
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
