@@ -16,7 +16,8 @@ the server does, while the steps go on (perf/replay_intake.py).
 
 Each run's metrics get `roofline` and `roofline_fraction` (perf/roofline.py: the least time the GPU needs for the
 trace under this engine's max_num_seqs and max_batch_tokens, and the share of it the run reached), computed after
-the clock; `--peaks` / `--hbm-tb-s` / `--peak-tflops` choose the GPU's figures (default: the H200 datasheet's).
+the clock; `--peaks` / `--hbm-tb-s` / `--peak-tflops` choose the GPU's figures (default: the datasheet of the
+GPU that runs).
 A progress bar of finished requests shows on a terminal (`--no-progress`), a log line every 5 s everywhere.
 
 `--profile START... COUNT` adds, after the measured runs, one unmeasured pass over the last run's trace that uses

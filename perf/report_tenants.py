@@ -71,9 +71,12 @@ def _comparison(vs: dict[str, Any] | None) -> list[str]:
 
 
 def overload_table(runs: list[Run]) -> list[str]:
+    """One row an overload run; goodput over the capacity given or measured by the burst, and over what fcfs
+    completed on the same trace at the same load (the capacity that overload itself shows, where fcfs ran)."""
     lines = ["| run | load | finished | refused | req/s | TTFT p50 / p90 / p99 (s) | SLO met: of all, of admitted "
-             "| goodput req/s | goodput / capacity |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| goodput req/s | goodput / capacity | goodput / fcfs's req/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    fcfs = _fcfs_rates(runs)
     for run in runs:
         m = run["metrics"]
         if "load" not in m or "slo" not in m:
@@ -88,9 +91,17 @@ def overload_table(runs: list[Run]) -> list[str]:
             f"{slo['attainment_all']:.3f}, {fmt(slo['attainment_admitted'], 3)}",
             f"{slo['goodput_rps']:.2f}",
             fmt(m.get("goodput_over_capacity")),
+            fmt(slo["goodput_rps"] / fcfs[m["load"]] if fcfs.get(m["load"]) else None, 3),
         ]
         lines.append(f"| {run['name']} | {' | '.join(cells)} |")
     return lines if len(lines) > 2 else []
+
+
+def _fcfs_rates(runs: list[Run]) -> dict[float, float]:
+    """fcfs's completions per second at each load it ran: under overload, the most this server served of the
+    trace, so goodput over it needs no separate capacity measure."""
+    return {run["metrics"]["load"]: run["metrics"]["throughput_rps"] for run in runs
+            if run["name"].endswith("x-fcfs") and "load" in run["metrics"]}  # fmt: skip
 
 
 def fmt(value: Any, digits: int = 2) -> str:

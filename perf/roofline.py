@@ -31,8 +31,9 @@ and perf/report.py tables it. The model is an ideal engine: the engine's own sch
    of requests, the ceiling of any saturating rate.
 
 It is the floor of this schedule, not of every schedule: an engine that grouped requests by adapter or ran larger
-batches could read fewer bytes. Peaks default to the H200 datasheet's; `--peaks h200-measured` (or --hbm-tb-s and
---peak-tflops) gives what kernels reach on it.
+batches could read fewer bytes. Peaks default to the datasheet of the GPU that runs (`--peaks auto`: the H100's or
+the H200's; the H200's elsewhere); `--peaks h200-measured` (or --hbm-tb-s and --peak-tflops) gives what kernels
+reach on an H200.
 """
 
 from __future__ import annotations
@@ -86,7 +87,29 @@ class Peaks:
 
 H200_SPEC = Peaks(H200_HBM_BYTES_S, H200_BF16_DENSE_FLOP_S, "H200 SXM datasheet (HBM3e 4.8 TB/s, bf16 989 TFLOP/s)")
 H200_MEASURED = Peaks(H200_COPY_BYTES_S, H200_GEMM_FLOP_S, "H200, perf/bench_kernels.py (copy 4.23 TB/s, 790 TFLOP/s)")
-PEAKS = {"h200": H200_SPEC, "h200-measured": H200_MEASURED}
+# NVIDIA H100 SXM datasheet: 80 GB of HBM3 at 3.35 TB/s; bf16 989 TFLOP/s dense, as the H200 (same tensor cores).
+H100_SPEC = Peaks(3.35e12, 989e12, "H100 SXM datasheet (HBM3 3.35 TB/s, bf16 989 TFLOP/s)")
+PEAKS = {"h200": H200_SPEC, "h200-measured": H200_MEASURED, "h100": H100_SPEC}
+
+
+def peaks_of_gpu(name: str | None) -> Peaks:
+    """The datasheet peaks of the GPU that torch names: a fraction of the roofline must be of the GPU that ran.
+    PCIe and NVL parts have other clocks and bandwidths, so only the SXM names match; any other GPU (or none) gets
+    the H200's peaks with a warning, and --peaks or --hbm-tb-s / --peak-tflops say its own."""
+    text = (name or "").upper()
+    if not any(part in text for part in ("PCIE", "NVL")):
+        if "H200" in text:
+            return H200_SPEC
+        if "H100" in text:
+            return H100_SPEC
+    logger.warning("no datasheet peaks for GPU %r: the roofline uses the H200's (--peaks to choose)", name)
+    return H200_SPEC
+
+
+def _gpu_name() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
 @dataclass(frozen=True)
@@ -435,13 +458,14 @@ def describe(roof: dict[str, Any], duration_s: float | None = None) -> str:
 
 def add_peak_arguments(parser: argparse._ActionsContainer) -> None:
     """--peaks, --hbm-tb-s, --peak-tflops on a parser or an argument group."""
-    parser.add_argument("--peaks", choices=sorted(PEAKS), default="h200", help="the GPU's peaks (roofline)")
+    parser.add_argument("--peaks", choices=("auto", *sorted(PEAKS)), default="auto",
+                        help="the GPU's peaks (roofline); auto: the datasheet of the GPU here")  # fmt: skip
     parser.add_argument("--hbm-tb-s", type=float, help="override the peak bandwidth, TB/s (e.g. a measured copy)")
     parser.add_argument("--peak-tflops", type=float, help="override the peak bf16 matmul rate, TFLOP/s")
 
 
 def peaks_from_args(args: argparse.Namespace) -> Peaks:
-    peaks = PEAKS[args.peaks]
+    peaks = peaks_of_gpu(_gpu_name()) if args.peaks == "auto" else PEAKS[args.peaks]
     if args.hbm_tb_s is not None or args.peak_tflops is not None:
         bandwidth = args.hbm_tb_s * 1e12 if args.hbm_tb_s is not None else peaks.hbm_bytes_s
         flops = args.peak_tflops * 1e12 if args.peak_tflops is not None else peaks.flop_s

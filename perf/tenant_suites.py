@@ -203,10 +203,10 @@ def tenant_metrics(
 
 def measure_capacity(bench: TenantBench, changes: dict[str, Any] | None = None) -> Replayed:
     """The burst run (under fcfs unless `changes` say otherwise); its metrics get `capacity_rps`: completions per
-    second between the 10th and the 80th percentile of finish times, where the batch is full (the ramp-up and the
-    drain of the last long requests, which the whole run's average counts, would put the capacity below what a
-    steady overload gets: measured on the H200, 30 req/s over the whole burst while 36 req/s offered steadily were
-    served with first tokens in 0.2 s)."""
+    second between the 10th and the 80th percentile of finish times, where the batch is full (the whole run's
+    average also counts the ramp-up and the drain of the last long requests). A burst prefills every prompt at
+    once and then decodes alone, which a steady overload never does, so this rate only scales the loads offered:
+    the report also divides goodput by what fcfs completed on the overload trace itself."""
     changes = MODES["fcfs"] if changes is None else changes
     bench.prepare(changes)
     trace = burst_trace(bench.adapters, bench.options, bench.options.seed, bench.vocab_size)

@@ -61,3 +61,21 @@ def test_the_overload_table_shows_attainment_and_goodput() -> None:
     assert cells[1:4] == ["2", "10", "3"]
     assert cells[6] == "0.615, 0.800"  # 8 of 13 offered met the SLO, 8 of the 10 admitted
     assert cells[7] == "0.80" and cells[8] == "0.80"
+    assert cells[9] == "–"  # no fcfs run at this load to compare with
+
+
+def test_the_overload_table_divides_goodput_by_fcfs_completions_at_the_same_load() -> None:
+    abort = _records({"a": [0.1] * 8}, refused=3)
+    queued = _records({"a": [0.1] * 2, "b": [7.0] * 8})
+    runs = [
+        {"name": f"x-overload-{load:g}x-{mode}",
+         "metrics": {"load": load, "num_finished": 10, "throughput_rps": rate, "goodput_over_capacity": None,
+                     "ttft_s": {}, "slo": slo_figures(records, 10.0, 6.0)}}
+        for load, mode, rate, records in ((2.0, "fcfs", 1.0, queued), (2.0, "early-abort", 0.9, abort),
+                                          (1.0, "early-abort", 0.9, abort))
+    ]  # fmt: skip
+    rows = overload_table(runs)
+    last = {row.split("|")[1].strip(): [c.strip() for c in row.split("|")[1:-1]][-1] for row in rows[2:]}
+    assert last["x-overload-2x-fcfs"] == "0.200"  # 2 of its 10 met the SLO in 10 s, over its own 1.0 req/s
+    assert last["x-overload-2x-early-abort"] == "0.800"  # 8 met in 10 s, over fcfs's 1.0 req/s at 2x
+    assert last["x-overload-1x-early-abort"] == "–"  # fcfs did not run at 1x

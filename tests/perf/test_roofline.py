@@ -127,13 +127,27 @@ def test_roofline_of_a_trace_and_a_run(tiny_model: Path, tiny_adapters: Path) ->
 def test_peaks_can_be_overridden_with_measured_figures() -> None:
     parser = argparse.ArgumentParser()
     roofline.add_peak_arguments(parser)
-    assert roofline.peaks_from_args(parser.parse_args([])) == roofline.H200_SPEC
+    assert roofline.peaks_from_args(parser.parse_args(["--peaks", "h200"])) == roofline.H200_SPEC
     measured = roofline.peaks_from_args(parser.parse_args(["--peaks", "h200-measured"]))
     assert (measured.hbm_bytes_s, measured.flop_s) == (4.23e12, 790e12)
     custom = roofline.peaks_from_args(parser.parse_args(["--hbm-tb-s", "4.1", "--peak-tflops", "700"]))
     assert (custom.hbm_bytes_s, custom.flop_s) == pytest.approx((4.1e12, 700e12)) and "overridden" in custom.source
     with pytest.raises(ValueError, match="flop_s"):
         Peaks(1.0, 0.0, "x")
+
+
+def test_the_default_peaks_are_those_of_the_gpu_that_runs(monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    parser = argparse.ArgumentParser()
+    roofline.add_peak_arguments(parser)
+    for name, peaks in (("NVIDIA H100 80GB HBM3", roofline.H100_SPEC), ("NVIDIA H200", roofline.H200_SPEC)):
+        monkeypatch.setattr(roofline, "_gpu_name", lambda name=name: name)
+        assert roofline.peaks_from_args(parser.parse_args([])) == peaks
+    assert roofline.H100_SPEC.hbm_bytes_s < roofline.H200_SPEC.hbm_bytes_s
+    for other in ("NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB", None):
+        caplog.clear()
+        assert roofline.peaks_of_gpu(other) == roofline.H200_SPEC
+        assert "no datasheet peaks" in caplog.text and repr(other) in caplog.text
 
 
 def test_older_results_get_their_roofline(tiny_model: Path, tiny_adapters: Path, tmp_path: Path) -> None:
