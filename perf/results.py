@@ -36,12 +36,19 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "device": gpu_name() or "cpu",
         "cpu_count": os.cpu_count(),
     }
     for module in ("triton", "transformers", "peft", "tritonclient"):
         env[module] = _version(module)
     return env
+
+
+def gpu_name() -> str | None:
+    """The name torch gives this machine's GPU (None without one)."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
 def trace_info(trace: Trace, path: Path | None = None) -> dict[str, Any]:

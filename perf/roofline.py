@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from perf.results import gpu_name
 from perf.workload import MODES, RunSpec, Trace, in_mode, load_trace
 from slora.backend.model.spec import ModelSpec
 
@@ -104,12 +105,6 @@ def peaks_of_gpu(name: str | None) -> Peaks:
             return H100_SPEC
     logger.warning("no datasheet peaks for GPU %r: the roofline uses the H200's (--peaks to choose)", name)
     return H200_SPEC
-
-
-def _gpu_name() -> str | None:
-    import torch
-
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
 @dataclass(frozen=True)
@@ -465,7 +460,7 @@ def add_peak_arguments(parser: argparse._ActionsContainer) -> None:
 
 
 def peaks_from_args(args: argparse.Namespace) -> Peaks:
-    peaks = peaks_of_gpu(_gpu_name()) if args.peaks == "auto" else PEAKS[args.peaks]
+    peaks = peaks_of_gpu(gpu_name()) if args.peaks == "auto" else PEAKS[args.peaks]
     if args.hbm_tb_s is not None or args.peak_tflops is not None:
         bandwidth = args.hbm_tb_s * 1e12 if args.hbm_tb_s is not None else peaks.hbm_bytes_s
         flops = args.peak_tflops * 1e12 if args.peak_tflops is not None else peaks.flop_s
@@ -474,9 +469,10 @@ def peaks_from_args(args: argparse.Namespace) -> Peaks:
     return peaks
 
 
-def annotate_results(path: Path, setup: Setup, force: bool = False) -> int:
+def annotate_results(path: Path, setup: Setup, force: bool = False, device_peaks: bool = False) -> int:
     """Add the roofline to each run of a results file that lacks one (each run's own engine limits where it recorded
-    them); returns how many runs got one."""
+    them, and with `device_peaks` the datasheet peaks of the GPU it recorded, not of this machine's); returns how
+    many runs got one."""
     data = json.loads(path.read_text())
     added = 0
     for run in data["runs"]:
@@ -485,8 +481,10 @@ def annotate_results(path: Path, setup: Setup, force: bool = False) -> int:
             continue
         mode = run["options"].get("mode", "lora")
         trace = in_mode(load_trace(Path(trace_path)), mode if mode in MODES else "lora")
-        metrics.update(roofline_metrics(trace, replace(setup, limits=_run_limits(run, setup.limits)),
-                                        metrics["duration_s"]))  # fmt: skip
+        run_setup = replace(setup, limits=_run_limits(run, setup.limits))
+        if device_peaks:
+            run_setup = replace(run_setup, peaks=peaks_of_gpu(run.get("env", {}).get("device")))
+        metrics.update(roofline_metrics(trace, run_setup, metrics["duration_s"]))
         added += metrics["roofline"] is not None
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
@@ -521,7 +519,9 @@ def main(argv: list[str] | None = None) -> None:
         spec = RunSpec.parse(text)
         logger.info("%s@%s: %s", spec.trace_path.name, spec.mode, describe(roofline(spec.load(), setup)))
     if args.results:
-        logger.info("%s: roofline added to %d run(s)", args.results, annotate_results(args.results, setup, args.force))
+        by_device = args.peaks == "auto" and args.hbm_tb_s is None and args.peak_tflops is None
+        added = annotate_results(args.results, setup, args.force, by_device)
+        logger.info("%s: roofline added to %d run(s)", args.results, added)
     if not args.runs and not args.results:
         parser.error("give traces, --results, or both")
 

@@ -141,7 +141,7 @@ def test_the_default_peaks_are_those_of_the_gpu_that_runs(monkeypatch: pytest.Mo
     parser = argparse.ArgumentParser()
     roofline.add_peak_arguments(parser)
     for name, peaks in (("NVIDIA H100 80GB HBM3", roofline.H100_SPEC), ("NVIDIA H200", roofline.H200_SPEC)):
-        monkeypatch.setattr(roofline, "_gpu_name", lambda name=name: name)
+        monkeypatch.setattr(roofline, "gpu_name", lambda name=name: name)
         assert roofline.peaks_from_args(parser.parse_args([])) == peaks
     assert roofline.H100_SPEC.hbm_bytes_s < roofline.H200_SPEC.hbm_bytes_s
     for other in ("NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB", None):
@@ -166,6 +166,7 @@ def test_older_results_get_their_roofline(tiny_model: Path, tiny_adapters: Path,
         make_run("s", "serving", trace, {"mode": "base"}, dict(metrics)),
         make_run("p", "peft", trace, {}, dict(metrics)),
     ]
+    runs[1]["env"]["device"] = "NVIDIA H100 80GB HBM3"  # made on another machine than the one annotating
     results = tmp_path / "results.json"
     append_runs(results, runs)
     roofline.main(["--model", str(tiny_model), "--adapter-root", str(tiny_adapters), "--results", str(results)])
@@ -175,3 +176,4 @@ def test_older_results_get_their_roofline(tiny_model: Path, tiny_adapters: Path,
     assert served["limits"] == asdict(Limits.engine_defaults()) and served["bytes"]["adapters"] == 0
     assert stored["e"]["roofline_fraction"] == pytest.approx(stored["e"]["roofline"]["seconds"])
     assert "roofline" not in stored["p"], "PEFT runs have no engine limits to model"
+    assert served["peaks"]["source"] == roofline.H100_SPEC.source  # the GPU the run recorded, not this machine's
