@@ -41,7 +41,8 @@
 #   s2-floor    perf.bench_decode_step on S2 adapters, batch 96 of 320-token prompts, no adapter / 5 / one per
 #               request: step time, minimum bytes and bandwidth (the S2 LoRA / base ratio's bytes floor) [~3 min]
 #               (FLOOR_COUNTS: the adapter counts, "0 5 -1"; FLOOR_PROFILE=1: profile each; FLOOR_TAG: file suffix;
-#               FLOOR_SETTING: the adapters' setting, S2 or Sall)
+#               FLOOR_SETTING: the adapters' setting, S2, S1 or Sall; FLOOR_BATCH: batch sizes, "96"; FLOOR_PROMPT:
+#               prompt tokens, 320; FLOOR_GRAPHS_ONLY=1: the CUDA-graph engine alone)
 #   projections perf.bench_lora_gemm --sweep (the Triton projection GEMM's configs against cuBLAS at 1-128 rows, and a
 #               decoder layer's LoRA behind cuBLAS and behind the Triton GEMM), then perf.bench_decode_step at batch
 #               1/8/16 with the Triton GEMM for small steps (triton_gemm=true) and with cuBLAS (false)  [~6 min]
@@ -152,6 +153,9 @@ FEW_BATCHES=${FEW_BATCHES:-16 32 64}
 FLOOR_PROFILE=${FLOOR_PROFILE:-}
 FLOOR_TAG=${FLOOR_TAG:-}
 FLOOR_SETTING=${FLOOR_SETTING:-S2}
+FLOOR_BATCH=${FLOOR_BATCH:-96}
+FLOOR_PROMPT=${FLOOR_PROMPT:-320}
+FLOOR_GRAPHS_ONLY=${FLOOR_GRAPHS_ONLY:-}
 HOST_FORWARD=${HOST_FORWARD:-1}
 GPU_LOG=${GPU_LOG:-}
 KEEP=${KEEP:-}
@@ -627,8 +631,8 @@ suite() {
     s2-floor)  # whole decode steps at the S2 runs' batch: does a LoRA step pay more than its adapters' bytes?
       # shellcheck disable=SC2086
       step -m perf.bench_decode_step --model "$MODEL" --load-format dummy \
-        --adapter-root "$(adapters "$FLOOR_SETTING")" --batch 96 --prompt-len 320 --adapter-counts $FLOOR_COUNTS \
-        --out "$OUT/s2_floor${FLOOR_TAG}.json" \
+        --adapter-root "$(adapters "$FLOOR_SETTING")" --batch $FLOOR_BATCH --prompt-len "$FLOOR_PROMPT" \
+        --adapter-counts $FLOOR_COUNTS --out "$OUT/s2_floor${FLOOR_TAG}.json" ${FLOOR_GRAPHS_ONLY:+--graphs-only} \
         ${FLOOR_PROFILE:+--profile "$OUT/s2_profile${FLOOR_TAG}.txt"} ;;
     peft)
       s1_100=$(trace s1 100)
