@@ -2,10 +2,15 @@
 
 Sequence i's new tokens are rows q_start[i]:q_start[i+1] of q and the last q_len positions of its seq_len-token
 context, whose earlier K/V are already in its pages (a chunk attending to cached tokens; a whole prompt has
-q_len == seq_len). Grid: (query tile, query head). A tile is up to BLOCK_M new tokens of one sequence
-(AttentionMeta.tiles); its program streams the K/V rows of that sequence from position 0 up to its last query,
-gathering them from pages through block_tables, with an online softmax (flash attention). Query heads of one kv
-head read the same K/V rows (GQA).
+q_len == seq_len). Grid: (head block, query tile), heads fastest. A tile is up to BLOCK_M new tokens of one
+sequence (AttentionMeta.tiles); its program streams the K/V rows of that sequence from position 0 up to its last
+query, gathering them from pages through block_tables, with an online softmax (flash attention).
+
+Query heads of one kv head read the same K/V rows (GQA). Decode-shaped tiles (short segments) are bound by those
+reads, so one program takes all the query heads of a kv head, HEADS of them, as BLOCK_M × HEADS rows of its dots,
+and reads each K/V row once instead of once per query head. Prompt-sized tiles would need too many rows for
+that; they take one head each, and since heads run fastest in the grid, the heads of one kv head run side by
+side and find its K/V rows in L2.
 
     q, out: [num_tokens, heads, head_dim]      kv_layer: [num_pages, 2, block_size, kv_heads, head_dim]
     query row r of sequence i sits at position seq_len - q_len + (r - q_start[i]) and sees keys 0 .. position
@@ -43,8 +48,17 @@ CONFIGS = {
 }
 
 
+# The most rows (query tokens × query heads) of a program's dots when it takes a kv head's query heads together.
+MAX_PACKED_ROWS = 128
+
+
 def attention_config(element_size: int, max_q_len: int) -> AttentionConfig:
     return CONFIGS[(element_size, max_q_len <= SHORT_SEGMENT)]
+
+
+def heads_per_program(block_m: int, group: int) -> int:
+    """Query heads one program attends: the kv head's whole group when the packed rows fit, else one."""
+    return group if block_m * next_power_of_2(group) <= MAX_PACKED_ROWS else 1
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -67,6 +81,8 @@ def _paged_attention_kernel(
     stride_bt,
     qk_scale,  # softmax scale × log2(e)
     GROUP: tl.constexpr,  # query heads per kv head
+    HEADS: tl.constexpr,  # query heads of one program: 1 or GROUP
+    HEADS_P: tl.constexpr,  # HEADS padded to a power of two
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -74,9 +90,9 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_head = head // GROUP
+    head0 = tl.program_id(0) * HEADS
+    tile = tl.program_id(1)
+    kv_head = head0 // GROUP
     seq = tl.load(tiles_ptr + 4 * tile)
     first = tl.load(tiles_ptr + 4 * tile + 1)
     q_end = tl.load(tiles_ptr + 4 * tile + 2)
@@ -84,19 +100,22 @@ def _paged_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx0 = seq_len - (q_end - q_begin)  # position of the sequence's first new token
 
-    rows = first + tl.arange(0, BLOCK_M)
-    row_mask = rows < q_end
+    # Row r of the dots is query token r // HEADS_P of the tile under query head head0 + r % HEADS_P.
+    r = tl.arange(0, BLOCK_M * HEADS_P)
+    rows = first + r // HEADS_P
+    heads = head0 + r % HEADS_P
+    row_mask = (rows < q_end) & (r % HEADS_P < HEADS)
     pos = ctx0 + rows - q_begin
     kv_end = tl.minimum(seq_len, ctx0 + first - q_begin + BLOCK_M)  # past the tile's last query: all masked
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     q_mask = row_mask[:, None] & d_mask[None, :]
-    q_offs = rows.to(tl.int64)[:, None] * stride_q_tok + head * stride_q_head + d[None, :]
+    q_offs = rows.to(tl.int64)[:, None] * stride_q_tok + heads[:, None] * stride_q_head + d[None, :]
     q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
 
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M * HEADS_P,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M * HEADS_P,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M * HEADS_P, BLOCK_D), dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for n0 in range(0, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
@@ -117,7 +136,7 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out = acc / l_i[:, None]
-    o_offs = rows.to(tl.int64)[:, None] * stride_o_tok + head * stride_o_head + d[None, :]
+    o_offs = rows.to(tl.int64)[:, None] * stride_o_tok + heads[:, None] * stride_o_head + d[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -159,6 +178,8 @@ def _launches(
         tiles = group.tiles(cfg.block_m)
         if tiles.shape[0] == 0:
             continue
+        per_program = heads_per_program(cfg.block_m, heads // kv_heads)
+        rows = cfg.block_m * next_power_of_2(per_program)
         args = dict(
             q_ptr=q, stride_q_tok=q.stride(0), stride_q_head=q.stride(1),
             kv_ptr=kv_layer, stride_page=kv_layer.stride(0), stride_kv=kv_layer.stride(1),
@@ -167,12 +188,14 @@ def _launches(
             tiles_ptr=tiles, q_start_ptr=meta.q_start, seq_lens_ptr=meta.seq_lens,
             block_tables_ptr=meta.block_tables, stride_bt=meta.block_tables.stride(0),
             qk_scale=scale * LOG2E,
-            GROUP=heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+            GROUP=heads // kv_heads, HEADS=per_program, HEADS_P=next_power_of_2(per_program),
+            HEAD_DIM=head_dim, PAGE_SIZE=page_size,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=next_power_of_2(head_dim),
             DOT_PRECISION=dot_precision(q.dtype),
         )  # fmt: skip
-        options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        grid = (int(tiles.shape[0]), heads)
+        # rows past a prompt tile's (64) get more warps, so that the accumulator stays in registers
+        options = dict(num_warps=max(cfg.num_warps, rows // 16), num_stages=cfg.num_stages)
+        grid = (heads // per_program, int(tiles.shape[0]))
         launches.append(Relaunch(_paged_attention_kernel, grid, args, options, ("q_ptr", "kv_ptr", "out_ptr")))
     return launches
 

@@ -17,7 +17,12 @@ from slora.backend.memory.page_pool import PagePool, PoolGeometry  # noqa: E402
 from slora.kernels.reference.attention import paged_attention_ref, write_kv_ref  # noqa: E402
 from slora.kernels.triton.kv_write import write_kv  # noqa: E402
 from slora.kernels.triton.ops import TritonOps  # noqa: E402
-from slora.kernels.triton.paged_attention import AttentionConfig, paged_attention  # noqa: E402
+from slora.kernels.triton.paged_attention import (  # noqa: E402
+    AttentionConfig,
+    attention_config,
+    heads_per_program,
+    paged_attention,
+)
 from slora.kernels.triton.paged_decode import DecodeConfig, paged_decode_attention  # noqa: E402
 from tests.kernels.builders import (  # noqa: E402
     DEVICE,
@@ -32,7 +37,8 @@ BLOCK_SIZES = (4, 8, 16, 32)
 
 
 GQA = Heads(4, 2, 16)
-CPU_HEADS = (GQA, Heads(2, 2, 16), Heads(6, 1, 24))  # GQA, MHA, one kv head with an odd head_dim
+# GQA, MHA, one kv head with an odd head_dim, a group of 7 (Qwen2.5-7B's: padded to 8 rows a token)
+CPU_HEADS = (GQA, Heads(2, 2, 16), Heads(6, 1, 24), Heads(14, 2, 16))
 
 # (new tokens, context length) per sequence.
 CPU_STEPS = {
@@ -81,6 +87,16 @@ def test_attention_block_sizes(step: str, block_size: int) -> None:
     check_attention(GQA, block_size, torch.float32, CPU_STEPS[step], TritonOps().attention)
 
 
+@pytest.mark.parametrize("step", ["prompts", "mixed"])
+def test_attention_heads_apart_in_prompt_tiles(step: str) -> None:
+    """A group of 4 query heads: decode-shaped tiles take the group in one program, prompt-sized tiles (64 tokens
+    × 4 heads, past MAX_PACKED_ROWS) one head each; both in one step."""
+    heads = Heads(8, 2, 16)
+    assert heads_per_program(attention_config(4, 1).block_m, 4) == 4
+    assert heads_per_program(attention_config(4, 64).block_m, 4) == 1
+    check_attention(heads, 8, torch.float32, CPU_STEPS[step], TritonOps().attention, seed=4)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("heads", CPU_HEADS, ids=str)
 @pytest.mark.parametrize("step", ["chunks", "mixed"])
@@ -127,8 +143,8 @@ def test_write_kv_skips_negative_slots() -> None:
     assert torch.equal(pool.storage, before)
 
 
-# Full shapes on the GPU: Llama-2-7B (MHA), a GQA model, SmolLM2-135M.
-GPU_HEADS = (Heads(32, 32, 128), Heads(32, 8, 128), Heads(9, 3, 64))
+# Full shapes on the GPU: Llama-2-7B (MHA), Llama-3-8B (GQA), SmolLM2-135M, Qwen2.5-7B.
+GPU_HEADS = (Heads(32, 32, 128), Heads(32, 8, 128), Heads(9, 3, 64), Heads(28, 4, 128))
 
 
 def gpu_steps() -> dict[str, list[tuple[int, int]]]:
@@ -138,6 +154,8 @@ def gpu_steps() -> dict[str, list[tuple[int, int]]]:
         "decode1-long": [(1, 8191)],
         "prompts": [(rng.randint(1, 1500), 0) for _ in range(4)],
         "chunks": [(512, 3000), (77, 77), (1, 2000), (256, 257)],
+        # a step with prompts of a saturated server: mostly decodes, whose query heads share each K/V read
+        "decodes-and-prompts": [(1, rng.randint(1, 1024)) for _ in range(200)] + [(300, 300), (9, 600), (64, 700)],
     }
 
 
