@@ -37,6 +37,9 @@ def test_bench_kernels_smoke(tmp_path: Path) -> None:
             assert r["max_rel_err"] < 0.05, r
         assert (r["same_size_copy_ms"] is not None) == (r["impl"] == "triton"), r  # the copy of the op's own size
     assert result["targets"], "no target was checked"
+    # the decodes beside prompts go through the general attention kernel, held to the decode bandwidth target
+    targets = [t["target"] for t in result["targets"]]
+    assert any(t.startswith(f"attention_prefill [{bench_kernels.DECODES_WITH_PROMPTS}") for t in targets), targets
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real benchmark instead")
