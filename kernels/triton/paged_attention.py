@@ -2,15 +2,16 @@
 
 Sequence i's new tokens are rows q_start[i]:q_start[i+1] of q and the last q_len positions of its seq_len-token
 context, whose earlier K/V are already in its pages (a chunk attending to cached tokens; a whole prompt has
-q_len == seq_len). Grid: (head block, query tile), heads fastest. A tile is up to BLOCK_M new tokens of one
-sequence (AttentionMeta.tiles); its program streams the K/V rows of that sequence from position 0 up to its last
-query, gathering them from pages through block_tables, with an online softmax (flash attention).
+q_len == seq_len). Grid: query tiles × head blocks. A tile is up to BLOCK_M new tokens of one sequence
+(AttentionMeta.tiles); its program streams the K/V rows of that sequence from position 0 up to its last query,
+gathering them from pages through block_tables, with an online softmax (flash attention).
 
 Query heads of one kv head read the same K/V rows (GQA). Decode-shaped tiles (short segments) are bound by those
 reads, so one program takes all the query heads of a kv head, HEADS of them, as BLOCK_M × HEADS rows of its dots,
 and reads each K/V row once instead of once per query head. Prompt-sized tiles would need too many rows for
-that; they take one head each, and since heads run fastest in the grid, the heads of one kv head run side by
-side and find its K/V rows in L2.
+that; they take one head each, and on a GQA model heads run fastest in the grid, so that the heads of one kv
+head run side by side and find its K/V rows in L2. An MHA model has no rows to share between heads: its grid keeps
+tiles fastest, so that the tiles of one prompt, which read the same prefix, run side by side.
 
     q, out: [num_tokens, heads, head_dim]      kv_layer: [num_pages, 2, block_size, kv_heads, head_dim]
     query row r of sequence i sits at position seq_len - q_len + (r - q_start[i]) and sees keys 0 .. position
@@ -83,6 +84,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr,  # query heads per kv head
     HEADS: tl.constexpr,  # query heads of one program: 1 or GROUP
     HEADS_P: tl.constexpr,  # HEADS padded to a power of two
+    HEADS_FIRST: tl.constexpr,  # grid axis 0 is the head block (else the query tile)
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -90,8 +92,12 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    head0 = tl.program_id(0) * HEADS
-    tile = tl.program_id(1)
+    if HEADS_FIRST:
+        head0 = tl.program_id(0) * HEADS
+        tile = tl.program_id(1)
+    else:
+        tile = tl.program_id(0)
+        head0 = tl.program_id(1) * HEADS
     kv_head = head0 // GROUP
     seq = tl.load(tiles_ptr + 4 * tile)
     first = tl.load(tiles_ptr + 4 * tile + 1)
@@ -172,6 +178,7 @@ def _launches(
     """One launch per group of sequences (decodes apart from prompts, each with its own tile shape)."""
     _, heads, head_dim = q.shape
     kv_heads, page_size = kv_layer.shape[3], kv_layer.shape[2]
+    gqa = heads > kv_heads
     launches = []
     for group in meta.groups(split=config is None):
         cfg = config or attention_config(q.element_size(), group.max_segment_len)
@@ -188,14 +195,15 @@ def _launches(
             tiles_ptr=tiles, q_start_ptr=meta.q_start, seq_lens_ptr=meta.seq_lens,
             block_tables_ptr=meta.block_tables, stride_bt=meta.block_tables.stride(0),
             qk_scale=scale * LOG2E,
-            GROUP=heads // kv_heads, HEADS=per_program, HEADS_P=next_power_of_2(per_program),
+            GROUP=heads // kv_heads, HEADS=per_program, HEADS_P=next_power_of_2(per_program), HEADS_FIRST=gqa,
             HEAD_DIM=head_dim, PAGE_SIZE=page_size,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=next_power_of_2(head_dim),
             DOT_PRECISION=dot_precision(q.dtype),
         )  # fmt: skip
         # rows past a prompt tile's (64) get more warps, so that the accumulator stays in registers
         options = dict(num_warps=max(cfg.num_warps, rows // 16), num_stages=cfg.num_stages)
-        grid = (heads // per_program, int(tiles.shape[0]))
+        blocks, num_tiles = heads // per_program, int(tiles.shape[0])
+        grid = (blocks, num_tiles) if gqa else (num_tiles, blocks)
         launches.append(Relaunch(_paged_attention_kernel, grid, args, options, ("q_ptr", "kv_ptr", "out_ptr")))
     return launches
 
