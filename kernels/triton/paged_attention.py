@@ -178,15 +178,15 @@ def _launches(
     """One launch per group of sequences (decodes apart from prompts, each with its own tile shape)."""
     _, heads, head_dim = q.shape
     kv_heads, page_size = kv_layer.shape[3], kv_layer.shape[2]
-    gqa = heads > kv_heads
+    per_kv_head = heads // kv_heads  # query heads per kv head (GQA's group)
     launches = []
     for group in meta.groups(split=config is None):
         cfg = config or attention_config(q.element_size(), group.max_segment_len)
         tiles = group.tiles(cfg.block_m)
         if tiles.shape[0] == 0:
             continue
-        per_program = heads_per_program(cfg.block_m, heads // kv_heads)
-        rows = cfg.block_m * next_power_of_2(per_program)
+        per_program = heads_per_program(cfg.block_m, per_kv_head)
+        heads_p = next_power_of_2(per_program)
         args = dict(
             q_ptr=q, stride_q_tok=q.stride(0), stride_q_head=q.stride(1),
             kv_ptr=kv_layer, stride_page=kv_layer.stride(0), stride_kv=kv_layer.stride(1),
@@ -195,15 +195,15 @@ def _launches(
             tiles_ptr=tiles, q_start_ptr=meta.q_start, seq_lens_ptr=meta.seq_lens,
             block_tables_ptr=meta.block_tables, stride_bt=meta.block_tables.stride(0),
             qk_scale=scale * LOG2E,
-            GROUP=heads // kv_heads, HEADS=per_program, HEADS_P=next_power_of_2(per_program), HEADS_FIRST=gqa,
+            GROUP=per_kv_head, HEADS=per_program, HEADS_P=heads_p, HEADS_FIRST=per_kv_head > 1,
             HEAD_DIM=head_dim, PAGE_SIZE=page_size,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=next_power_of_2(head_dim),
             DOT_PRECISION=dot_precision(q.dtype),
         )  # fmt: skip
         # rows past a prompt tile's (64) get more warps, so that the accumulator stays in registers
-        options = dict(num_warps=max(cfg.num_warps, rows // 16), num_stages=cfg.num_stages)
+        options = dict(num_warps=max(cfg.num_warps, cfg.block_m * heads_p // 16), num_stages=cfg.num_stages)
         blocks, num_tiles = heads // per_program, int(tiles.shape[0])
-        grid = (blocks, num_tiles) if gqa else (num_tiles, blocks)
+        grid = (blocks, num_tiles) if per_kv_head > 1 else (num_tiles, blocks)
         launches.append(Relaunch(_paged_attention_kernel, grid, args, options, ("q_ptr", "kv_ptr", "out_ptr")))
     return launches
 
