@@ -66,6 +66,9 @@ H200_BF16_DENSE_FLOP_S = 989e12
 # matmul, perf/RESULTS.md): the floor a real kernel can get to.
 H200_COPY_BYTES_S = 4.23e12
 H200_GEMM_FLOP_S = 790e12
+# NVIDIA H100 SXM datasheet: 80 GB of HBM3 at 3.35 TB/s; the H200's tensor cores, so the same 989 TFLOP/s dense.
+H100_HBM_BYTES_S = 3.35e12
+H100_BF16_DENSE_FLOP_S = H200_BF16_DENSE_FLOP_S
 
 BYTE_KINDS = ("weights", "lm_head", "embeddings", "kv_read", "kv_write", "adapters")
 FLOP_KINDS = ("projections", "lm_head", "attention", "lora")
@@ -88,8 +91,7 @@ class Peaks:
 
 H200_SPEC = Peaks(H200_HBM_BYTES_S, H200_BF16_DENSE_FLOP_S, "H200 SXM datasheet (HBM3e 4.8 TB/s, bf16 989 TFLOP/s)")
 H200_MEASURED = Peaks(H200_COPY_BYTES_S, H200_GEMM_FLOP_S, "H200, perf/bench_kernels.py (copy 4.23 TB/s, 790 TFLOP/s)")
-# NVIDIA H100 SXM datasheet: 80 GB of HBM3 at 3.35 TB/s; bf16 989 TFLOP/s dense, as the H200 (same tensor cores).
-H100_SPEC = Peaks(3.35e12, 989e12, "H100 SXM datasheet (HBM3 3.35 TB/s, bf16 989 TFLOP/s)")
+H100_SPEC = Peaks(H100_HBM_BYTES_S, H100_BF16_DENSE_FLOP_S, "H100 SXM datasheet (HBM3 3.35 TB/s, bf16 989 TFLOP/s)")
 PEAKS = {"h200": H200_SPEC, "h200-measured": H200_MEASURED, "h100": H100_SPEC}
 
 
