@@ -765,6 +765,8 @@ def fused_expand_variants() -> list[ExpandConfig]:
     expand += [dataclasses.replace(lora_expand.DECODE, block_m=bm) for bm in (2, 4, 8, 16)]
     expand += [dataclasses.replace(lora_expand.MIXED, block_n=(bn,)) for bn in (64, 128, 256)]
     expand += [dataclasses.replace(lora_expand.MIXED, block_m=bm) for bm in (32, 64)]
+    # programs of several column blocks: fewer programs for steps of many one-token tiles
+    expand += [dataclasses.replace(lora_expand.MIXED, block_n=(bn,), n_chunks=c) for bn in (128, 256) for c in (2, 4, 8)]
     return expand + [lora_expand.MIXED]
 
 
@@ -782,11 +784,27 @@ def single_module_expand_variants() -> list[ExpandConfig]:
                                      for w in (2, 4)]  # fmt: skip
 
 
-def tune(smoke: bool, only: str | None = None) -> list[dict[str, Any]]:
+SERVED_MIXED = "served mixed"
+
+
+def served_mixed_sweep(gqa: Model, n: int) -> tuple[str, Callable[[], LoraCase]]:
+    """A saturated server's step with prompts on the GQA shape (S1 n = 2000 served, perf/RESULTS.md: ~460
+    sequences, ~840 prompt tokens, each request on its own adapter): 7n decodes beside two prompts of 6.5n tokens."""
+    decodes, prompt = 7 * n + 12, 13 * n // 2 + 4
+    step = [(i, 1) for i in range(decodes)] + [(decodes + i, prompt) for i in range(2)]
+    label = f"{SERVED_MIXED} {decodes} decode + 2x{prompt} prompt S1"
+    return label, lambda: lora_case("tune", gqa, [S1] * (decodes + 2), step)
+
+
+def tune(smoke: bool, only: str | None = None, lora_case_of: str | None = None) -> list[dict[str, Any]]:
     """Sweep the decode LoRA configs on S1-like (rank 8 on q, k, v, o, one adapter per token) and mixed-rank
-    decode steps, and the decode and prefill attention configs, on one representative case each."""
-    mha, n, ctx = (TINY_MHA, 4, 64) if smoke else (LLAMA_7B, 64, 4096)
+    decode steps, and the decode and prefill attention configs, on one representative case each; lora_case_of:
+    SERVED_MIXED: that LoRA sweep alone."""
+    mha, gqa, n, ctx = (TINY_MHA, TINY_GQA, 4, 64) if smoke else (LLAMA_7B, GQA_8B, 64, 4096)
     results: list[dict[str, Any]] = []
+    if lora_case_of == SERVED_MIXED:
+        label, make = served_mixed_sweep(gqa, n)
+        return tune_lora(label, make())
     if only in (None, "lora"):
         mixed = [MIXED_RANKS[i % len(MIXED_RANKS)] for i in range(n)]
         results += tune_lora("S1 decode", lora_case("tune", mha, [S1] * (2 * n), [(i, 1) for i in range(2 * n)]))
@@ -854,6 +872,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one call each (CPU: Triton interpreter)")
     parser.add_argument("--tune", action="store_true", help="also sweep the hot kernels' configs (about 3 more min)")
     parser.add_argument("--only", choices=("lora", "attention"), help="run only the LoRA or the attention cases")
+    parser.add_argument("--tune-case", choices=(SERVED_MIXED,),
+                        help="sweep only this LoRA case's configs (a saturated server's step with prompts, GQA, S1), no "
+                             "benchmark rows")  # fmt: skip
     parser.add_argument(
         "--flush",
         choices=FLUSH_MODES,
@@ -883,7 +904,11 @@ def main(argv: list[str] | None = None) -> int:
         "LoRA expand launched with PDL: %s (--engine-option lora_pdl=false turns it off), shrink: %s "
         "(shrink_pdl=false)", pdl.pdl_enabled(DEVICE, kernel_settings), pdl.shrink_pdl(DEVICE, kernel_settings),
     )  # fmt: skip
-    device, rows = run_all(args.smoke, args.only)
+    if args.tune_case:  # that sweep alone
+        args.tune = True
+        device, rows = (measure_device(copy_bytes=1 << 20, n=64) if args.smoke else measure_device()), []
+    else:
+        device, rows = run_all(args.smoke, args.only)
     checks = check_targets(rows)
     sys.stdout.write(table(rows))
     for check in checks:
@@ -901,7 +926,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(payload, indent=1))
     logger.info("wrote %s", args.out)
     if args.tune:
-        payload["tuning"] = tune(args.smoke, args.only)
+        payload["tuning"] = tune(args.smoke, args.only, args.tune_case)
         sys.stdout.write(tune_table(payload["tuning"]))
         args.out.write_text(json.dumps(payload, indent=1))
         logger.info("added the sweeps to %s", args.out)

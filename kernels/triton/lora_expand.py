@@ -42,6 +42,13 @@ class ExpandConfig:
     # The GEMV kernel: one program per (tile, column block, module), one token at a time on CUDA cores (see
     # ShrinkConfig.gemv).
     gemv: bool = False
+    # Column blocks one program of the tensor-core kernel adds, one after the other: its tile's table, ranks and
+    # row offsets are loaded once for all of them, and a step of many one-token tiles makes fewer, longer programs.
+    n_chunks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.n_chunks < 1 or (self.gemv and self.n_chunks != 1):
+            raise ValueError(f"n_chunks must be >= 1 (1 for the GEMV kernel), got {self.n_chunks}")
 
 
 DECODE = ExpandConfig(1, 16, (1024,), 1024, 4, 2, gemv=True)  # picked as the shrink's (shrink_config)
@@ -85,10 +92,11 @@ def _lora_expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    N_CHUNKS: tl.constexpr,  # column blocks per program, one after the other (ExpandConfig.n_chunks)
     USE_PDL: tl.constexpr,  # launched with PDL behind the shrink: wait for its v (kernels/triton/pdl.py)
     DOT_PRECISION: tl.constexpr,
 ):
-    n0 = tl.program_id(1) * BLOCK_N
+    n_start = tl.program_id(1) * (BLOCK_N * N_CHUNKS)
     first, end, adapter = tile_bounds(tiles_ptr, tl.program_id(0))
     rank, row0, scale, offset, width, v_col = module_of_program(
         ranks_ptr, scales_ptr, row_start_ptr, adapter * MODULES + FIRST_MODULE,
@@ -96,25 +104,26 @@ def _lora_expand_kernel(
     )  # fmt: skip
     if USE_PDL:
         gdc_wait()
-    if (rank > 0) & (n0 < width):
+    if (rank > 0) & (n_start < width):
         tokens = first + tl.arange(0, BLOCK_M)
         tok_mask = tokens < end
         v_rows = v_ptr + tokens.to(tl.int64)[:, None] * stride_v_tok + v_col
         y_rows = y_ptr + tokens.to(tl.int64)[:, None] * stride_y + offset
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < width
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for c in range(0, rank, BLOCK_R):
-            j = c + tl.arange(0, BLOCK_R)
-            j_mask = j < rank
-            vt = tl.load(v_rows + j[None, :], mask=tok_mask[:, None] & j_mask[None, :], other=0.0)
-            rows = tl.load(b_rows_ptr + row0 + j, mask=j_mask, other=0)
-            rows = tl.multiple_of(rows, ROW_ALIGN)
-            bt = tl.load(pool_ptr + rows[:, None] + n[None, :], mask=j_mask[:, None] & n_mask[None, :], other=0.0)
-            acc = tl.dot(vt.to(bt.dtype), bt, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        y_mask = tok_mask[:, None] & n_mask[None, :]
-        yt = tl.load(y_rows + n[None, :], mask=y_mask, other=0.0)
-        tl.store(y_rows + n[None, :], (yt.to(tl.float32) + acc * scale).to(yt.dtype), mask=y_mask)
+        for n0 in range(n_start, tl.minimum(width, n_start + BLOCK_N * N_CHUNKS), BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = n < width
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for c in range(0, rank, BLOCK_R):
+                j = c + tl.arange(0, BLOCK_R)
+                j_mask = j < rank
+                vt = tl.load(v_rows + j[None, :], mask=tok_mask[:, None] & j_mask[None, :], other=0.0)
+                rows = tl.load(b_rows_ptr + row0 + j, mask=j_mask, other=0)
+                rows = tl.multiple_of(rows, ROW_ALIGN)
+                bt = tl.load(pool_ptr + rows[:, None] + n[None, :], mask=j_mask[:, None] & n_mask[None, :], other=0.0)
+                acc = tl.dot(vt.to(bt.dtype), bt, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+            y_mask = tok_mask[:, None] & n_mask[None, :]
+            yt = tl.load(y_rows + n[None, :], mask=y_mask, other=0.0)
+            tl.store(y_rows + n[None, :], (yt.to(tl.float32) + acc * scale).to(yt.dtype), mask=y_mask)
 
 
 @triton.jit
@@ -247,13 +256,13 @@ def expand_launch(
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if args["USE_PDL"]:
         options.update(launch_pdl=True)
-    grid = (num_tiles, cdiv(max(out_widths), block_n), num_slices)
+    grid = (num_tiles, cdiv(max(out_widths), block_n * cfg.n_chunks), num_slices)
     if cfg.gemv:
         args.update(stride_v_split=v.stride(0), split_k=v.shape[0], SPLITS=next_power_of_2(v.shape[0]))
         return Relaunch(_lora_expand_gemv_kernel, grid, args, options, changing=("pool_ptr", "y_ptr"))
     if v.shape[0] != 1:
         raise ValueError(f"the tensor-core expand reads the shrink's sums (one split of v), got {v.shape[0]} splits")
-    args.update(DOT_PRECISION=dot_precision(y.dtype))
+    args.update(N_CHUNKS=cfg.n_chunks, DOT_PRECISION=dot_precision(y.dtype))
     return Relaunch(_lora_expand_kernel, grid, args, options, changing=("pool_ptr", "y_ptr"))
 
 
@@ -261,7 +270,7 @@ def expand_block_n(cfg: ExpandConfig, programs_per_block: int, width: int) -> in
     """The widest column block that still makes about cfg.target_programs programs (few tiles: narrow blocks);
     programs_per_block: the programs of one column block (tiles, times the modules for the GEMV kernel)."""
     for block_n in cfg.block_n:
-        if programs_per_block * cdiv(width, block_n) >= cfg.target_programs:
+        if programs_per_block * cdiv(width, block_n * cfg.n_chunks) >= cfg.target_programs:
             return block_n
     return cfg.block_n[-1]
 

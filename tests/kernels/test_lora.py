@@ -223,6 +223,24 @@ def test_lora_decode_step_on_tensor_cores(monkeypatch: pytest.MonkeyPatch) -> No
     check_layer(case, "triton", seed=28)
 
 
+@pytest.mark.parametrize("step", ["mixed", "prefill"])
+def test_lora_expand_programs_of_several_column_blocks(step: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensor-core expand programs that add three narrow column blocks each, so that a program's last blocks run
+    past a module's width (and past the narrower k, v): every column still gets its delta once."""
+    for name in ("MIXED", "PREFILL"):
+        config = dataclasses.replace(getattr(lora_expand, name), block_n=(16,), n_chunks=3)
+        monkeypatch.setattr(lora_expand, name, config)
+    case = build_case(TINY, torch.bfloat16, list(TINY_ADAPTERS), TINY_STEPS[step], seed=31)
+    check_layer(case, "triton", seed=32)
+
+
+def test_expand_config_rejects_column_blocks_it_cannot_run() -> None:
+    with pytest.raises(ValueError, match="n_chunks"):
+        dataclasses.replace(lora_expand.MIXED, n_chunks=0)
+    with pytest.raises(ValueError, match="n_chunks"):
+        dataclasses.replace(lora_expand.DECODE, n_chunks=2)
+
+
 def test_lora_kernel_kind_follows_the_step() -> None:
     """GEMV kernels for a step of decodes only (configs of their own for one-module calls), tensor-core tiles once
     a prompt is in the step."""
