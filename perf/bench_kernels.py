@@ -766,7 +766,8 @@ def fused_expand_variants() -> list[ExpandConfig]:
     expand += [dataclasses.replace(lora_expand.MIXED, block_n=(bn,)) for bn in (64, 128, 256)]
     expand += [dataclasses.replace(lora_expand.MIXED, block_m=bm) for bm in (32, 64)]
     # programs of several column blocks: fewer programs for steps of many one-token tiles
-    expand += [dataclasses.replace(lora_expand.MIXED, block_n=(bn,), n_chunks=c) for bn in (128, 256) for c in (2, 4, 8)]
+    expand += [dataclasses.replace(lora_expand.MIXED, block_n=(bn,), n_chunks=c)
+               for bn in (128, 256) for c in (2, 4, 8)]  # fmt: skip
     return expand + [lora_expand.MIXED]
 
 
@@ -873,8 +874,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune", action="store_true", help="also sweep the hot kernels' configs (about 3 more min)")
     parser.add_argument("--only", choices=("lora", "attention"), help="run only the LoRA or the attention cases")
     parser.add_argument("--tune-case", choices=(SERVED_MIXED,),
-                        help="sweep only this LoRA case's configs (a saturated server's step with prompts, GQA, S1), no "
-                             "benchmark rows")  # fmt: skip
+                        help="sweep only this LoRA case's configs (a saturated server's step with prompts, GQA, "
+                             "S1), no benchmark rows")  # fmt: skip
     parser.add_argument(
         "--flush",
         choices=FLUSH_MODES,
@@ -904,9 +905,10 @@ def main(argv: list[str] | None = None) -> int:
         "LoRA expand launched with PDL: %s (--engine-option lora_pdl=false turns it off), shrink: %s "
         "(shrink_pdl=false)", pdl.pdl_enabled(DEVICE, kernel_settings), pdl.shrink_pdl(DEVICE, kernel_settings),
     )  # fmt: skip
+    rows: list[Row] = []
     if args.tune_case:  # that sweep alone
         args.tune = True
-        device, rows = (measure_device(copy_bytes=1 << 20, n=64) if args.smoke else measure_device()), []
+        device = measure_device(copy_bytes=1 << 20, n=64) if args.smoke else measure_device()
     else:
         device, rows = run_all(args.smoke, args.only)
     checks = check_targets(rows)
