@@ -56,6 +56,7 @@ from perf.metrics import RequestRecord, per_request, summarize
 from perf.results import append_runs, headline, make_run, trace_info
 from perf.triton_protocol import ModelIO, StreamState, Target, decode, encode
 from perf.workload import MODES, RunSpec, Trace, TraceConfig, TraceRequest, generate_trace, load_trace, save_trace
+from slora.client.engine_limits import read_limits
 from slora.client.server_ttft import responder_figures, server_ttft
 from slora.client.steps import scrape_settled, step_summary
 
@@ -494,22 +495,50 @@ class RooflineOverrides:
 
 
 def served_setup(
-    parameters: dict[str, str], overrides: RooflineOverrides, peaks: roofline.Peaks
+    parameters: dict[str, str],
+    overrides: RooflineOverrides,
+    peaks: roofline.Peaks,
+    resolved: dict[str, int] | None = None,
 ) -> roofline.Setup | None:
     """The roofline's Setup of the served model, from its parameters and the overrides; None (logged) when its
-    model folder is not readable here."""
+    model folder is not readable here. The batch limits: an override, else a number among the parameters, else
+    `resolved` (the engine's own, slora_engine_limit: "auto" as it resolved it), else the CPU defaults (logged)."""
     model = overrides.model or _local_dir(parameters.get("model"))
     if model is None or not (model / "config.json").is_file():
         logger.warning("no roofline: the served model's folder (%s) is not readable here; pass --model", model)
         return None
     defaults = roofline.Limits.engine_defaults()
-    limits = roofline.Limits(
-        overrides.max_num_seqs or int(parameters.get("max_num_seqs", defaults.max_num_seqs)),
-        overrides.max_batch_tokens or int(parameters.get("max_batch_tokens", defaults.max_batch_tokens)),
-    )
+    given = {"max_num_seqs": overrides.max_num_seqs, "max_batch_tokens": overrides.max_batch_tokens}
+    limits = roofline.Limits(**{name: _limit(name, value, parameters, resolved or {}, getattr(defaults, name))
+                                for name, value in given.items()})  # fmt: skip
     root = overrides.adapter_root or _local_dir(parameters.get("adapter_root"))
     dtype_bytes = overrides.dtype_bytes or served_dtype_bytes(parameters)
     return roofline.setup_for_model_dir(model, root, limits, peaks, dtype_bytes)
+
+
+def _limit(name: str, override: int | None, parameters: dict[str, str], resolved: dict[str, int], default: int) -> int:
+    if override:
+        return override
+    if parameters.get(name, "").strip().isdigit():
+        return int(parameters[name])
+    if resolved.get(name):
+        return resolved[name]
+    logger.warning("the roofline assumes %s = %d (the CPU default): the server says neither its own (no "
+                   "slora_engine_limit; pass --metrics-url) nor a number in its parameters; --%s sets it", name,
+                   default, name.replace("_", "-"))  # fmt: skip
+    return default
+
+
+def served_limits(metrics_url: str | None) -> dict[str, int]:
+    """The served engine's batch limits as it resolved them (client/engine_limits.py); empty without a metrics url
+    or when the page cannot be read (logged)."""
+    if metrics_url is None:
+        return {}
+    try:
+        return read_limits(metrics_url)
+    except OSError as exc:
+        logger.warning("the engine's limits not read from %s: %s", metrics_url, exc)
+        return {}
 
 
 def served_dtype_bytes(parameters: dict[str, str]) -> int:
@@ -661,7 +690,8 @@ async def amain(args: argparse.Namespace) -> None:
     try:
         await client.wait_ready(target.model, args.ready_timeout)
         parameters = await client.model_parameters(options.admin_model)
-        setup = served_setup(parameters, _overrides(args), roofline.peaks_from_args(args))
+        resolved = served_limits(options.metrics_url)
+        setup = served_setup(parameters, _overrides(args), roofline.peaks_from_args(args), resolved)
         session = Session(client, target, options, text_of, count_tokens, args.name_prefix, args.out, setup)
         trace_dir = args.trace_dir or args.out.parent / "traces"
         for spec in [RunSpec.parse(text) for text in args.runs] + _headline_runs(args, setup, trace_dir):

@@ -248,9 +248,11 @@ def sweep_table(runs: list[Run]) -> list[str]:
 def roofline_table(runs: list[Run]) -> list[str]:
     """Each run's roofline: the ideal engine's steps, the bytes and FLOPs of the trace, the least time, and what
     limits it: the GPU, or the trace's arrivals (the ideal engine could serve the same requests faster in a burst,
-    so the trace does not saturate it and its fraction says more about the arrivals than about the GPU)."""
+    so the trace does not saturate it and its fraction says more about the arrivals than about the GPU). "window
+    of burst": the run's steady rate (while requests arrived) against the burst's, the capacity's fraction of the
+    roofline when the trace saturates the server."""
     header = ("run", "steps", "bound by bytes", "GB weights / KV / adapters", "TFLOP", "roofline s", "measured s",
-              "of roofline", "burst req/s", "limited by", "peaks")  # fmt: skip
+              "of roofline", "burst req/s", "window of burst", "limited by", "peaks")  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for run in runs:
         roof = _roof(run)
@@ -259,10 +261,13 @@ def roofline_table(runs: list[Run]) -> list[str]:
         gb = {kind: value / 1e9 for kind, value in roof["bytes"].items()}
         weights, kv = gb["weights"] + gb["lm_head"] + gb["embeddings"], gb["kv_read"] + gb["kv_write"]
         bound = roof["memory_bound_steps"] / max(roof["steps"], 1)
+        window = run["metrics"].get("window_rps")
+        of_burst = window / float(roof["burst"]["rps"]) if window and roof["burst"]["rps"] else None
         lines.append(f"| {run['name']} | {roof['steps']} | {bound:.0%} | {weights:.0f} / {kv:.0f} / "
                      f"{gb['adapters']:.1f} | {sum(roof['flops'].values()) / 1e12:.0f} | {roof['seconds']:.2f} "
                      f"| {run['metrics']['duration_s']:.2f} | {fmt(run['metrics'].get('roofline_fraction'), 3)} "
-                     f"| {roof['burst']['rps']:.2f} | {_limit(roof)} | {roof['peaks']['source']} |")  # fmt: skip
+                     f"| {roof['burst']['rps']:.2f} | {fmt(of_burst, 3)} | {_limit(roof)} "
+                     f"| {roof['peaks']['source']} |")  # fmt: skip
     return lines if len(lines) > 2 else []
 
 

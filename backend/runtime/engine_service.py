@@ -87,7 +87,7 @@ class LocalEngine:
         self._watchdog_s = watchdog_s
         pids = engine.parallel.pids if engine.parallel is not None else ()
         self.info = EngineInfo(engine.pool.num_pages, engine.max_model_len, len(engine.list_adapters()), pids,
-                               engine.config.max_num_seqs or 0)  # fmt: skip
+                               engine.config.max_num_seqs or 0, engine.config.max_batch_tokens or 0)  # fmt: skip
         # Adapter reads run torch CPU ops: on threads that end with them (fresh_threads.py says why)
         self._intake = FreshThreadExecutor(max_workers=intake_threads, thread_name_prefix="slora-intake")
         self.loop.start()

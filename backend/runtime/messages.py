@@ -60,6 +60,7 @@ class EngineInfo:
     adapters_known: int
     worker_pids: tuple[int, ...] = ()  # the tensor-parallel worker processes (ranks 1 ..), if any
     max_num_seqs: int = 0  # running requests at most, as resolved at start (EngineConfig's "auto" included)
+    max_batch_tokens: int = 0  # tokens a step computes at most, as resolved at start
 
 
 # ---- server → engine process -------------------------------------------------------------------------------

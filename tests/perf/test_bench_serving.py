@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from perf.bench_engine import RunSpec
 from perf.make_model import ids_to_text
 from perf.triton_protocol import ModelIO, StreamState, Target, decode, encode
 from perf.workload import TraceConfig, TraceRequest, generate_trace, save_trace
+from slora.client.engine_limits import parse_limits
 
 
 class FakeInput:
@@ -221,6 +223,27 @@ def test_served_setup_reads_the_servers_parameters(tiny_model: Path, tiny_adapte
     elsewhere = {"model": "/no/such/model"}
     assert bench_serving.served_setup(elsewhere, bench_serving.RooflineOverrides(), peaks) is None
     assert bench_serving.served_dtype_bytes({"device": "cpu"}) == 4
+
+
+def test_served_setup_takes_the_limits_the_engine_resolved(tiny_model: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A server whose parameters leave the batch limits "auto": the roofline takes the engine's own (its metrics
+    page), a number among the parameters before them and an override before both; with neither, the CPU defaults,
+    logged as an assumption."""
+    peaks = bench_serving.roofline.H200_SPEC
+    page = 'slora_engine_limit{limit="max_num_seqs"} 512\nslora_engine_limit{limit="max_batch_tokens"} 2048.0\n'
+    resolved = parse_limits(page + "slora_max_running_requests 512\n")
+    assert resolved == {"max_num_seqs": 512, "max_batch_tokens": 2048}
+    auto = {"model": str(tiny_model), "max_num_seqs": "auto"}
+    setup = bench_serving.served_setup(auto, bench_serving.RooflineOverrides(), peaks, resolved)
+    assert setup is not None and (setup.limits.max_num_seqs, setup.limits.max_batch_tokens) == (512, 2048)
+    overrides = bench_serving.RooflineOverrides(max_batch_tokens=4096)
+    given = bench_serving.served_setup({**auto, "max_num_seqs": "96"}, overrides, peaks, resolved)
+    assert given is not None and (given.limits.max_num_seqs, given.limits.max_batch_tokens) == (96, 4096)
+    with caplog.at_level(logging.WARNING, logger=bench_serving.__name__):
+        unknown = bench_serving.served_setup(auto, bench_serving.RooflineOverrides(), peaks)
+    assert unknown is not None and unknown.limits == bench_serving.roofline.Limits.engine_defaults()
+    assert "max_num_seqs" in caplog.text and "max_batch_tokens" in caplog.text and "CPU default" in caplog.text
+    assert bench_serving.served_limits(None) == {}
 
 
 def test_sweep_measures_at_fractions_of_the_capacity(tiny_model: Path, tiny_adapters: Path, tmp_path: Path) -> None:

@@ -182,6 +182,7 @@ def test_roofline_fractions_and_the_bytes_floor_are_reported(tmp_path: Path) -> 
     path = tmp_path / "r.json"
     lora = _with_roofline(_run("e-n2000", "engine", 2000, "lora", 27.0, "s1-n2000", "engine"), 100.0, 40.0, 30.0, 125.0)
     base = _with_roofline(_run("e-base", "engine", 2000, "base", 30.0, "s1-n2000", "engine"), 100.0, 50.0, 0.0, 110.0)
+    base["metrics"]["window_rps"] = 29.0
     old = _run("e-n5", "engine", 5, "lora", 29.0, "s1-n5", "engine")  # results written before the roofline
     append_runs(path, [lora, base, old])
     text = report(path)
@@ -191,8 +192,9 @@ def test_roofline_fractions_and_the_bytes_floor_are_reported(tmp_path: Path) -> 
     assert runs.split("| e-n5 |")[1].splitlines()[0].endswith("| – | – |")
     assert "| base-roofline | not run |" in text, "both traces are limited by their arrivals, not by the GPU"
     roof = text.split("## Roofline of each run")[1]
-    row = "| e-n2000 | 400 | 75% | 5300 / 2000 / 30.0 | 32 | 100.00 | 125.00 | 0.800 | 40.00 | arrivals |"
-    assert row + " H200 datasheet |" in roof
+    row = "| e-n2000 | 400 | 75% | 5300 / 2000 / 30.0 | 32 | 100.00 | 125.00 | 0.800 | 40.00 | – | arrivals |"
+    assert row + " H200 datasheet |" in roof  # no window rate recorded
+    assert "| 100.00 | 110.00 | 0.909 | 50.00 | 0.580 | arrivals |" in roof  # the base run's window: 29 req/s
     floor = text.split("## LoRA runs against their base run and the bytes floor")[1]
     assert "| e-n2000 | e-base | 0.900 | 1.000 | 0.800 | 1.125 |" in floor
 
@@ -235,4 +237,4 @@ def test_base_runs_are_judged_against_a_roofline_the_gpu_limits(tmp_path: Path) 
     )
     append_runs(path, [saturated])
     assert "| base-roofline | e-base | roofline | 0.909 x | >= 0.7 x | yes |" in report(path)
-    assert "| 0.909 | 0.10 | GPU |" in report(path).split("## Roofline of each run")[1]
+    assert "| 0.909 | 0.10 | – | GPU |" in report(path).split("## Roofline of each run")[1]

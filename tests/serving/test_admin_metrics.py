@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from slora.backend.engine.defaults import CPU_MAX_BATCH_TOKENS
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.client import cli
 from slora.client.admin import adapter_command
@@ -77,6 +78,9 @@ def test_metrics_are_present_and_move(server: Server) -> None:
     wait_for_metric(server.metrics_url, 'slora_adapters{tier="disk"}', lambda v: v == known)
     wait_for_metric(server.metrics_url, "slora_max_running_requests", lambda v: v == MAX_NUM_SEQS)  # no itl_slo_s
     wait_for_metric(server.metrics_url, "slora_heavy_max_running_requests", lambda v: v == MAX_NUM_SEQS)
+    # the limits as the engine resolved them: max_num_seqs given, max_batch_tokens "auto" (the CPU default)
+    assert before['slora_engine_limit{limit="max_num_seqs"}'] == MAX_NUM_SEQS
+    assert before['slora_engine_limit{limit="max_batch_tokens"}'] == CPU_MAX_BATCH_TOKENS
     tokens = _generate(server, "demo-all-r8", max_tokens=5)
     assert len(tokens) == 5
     # Each series reaches Triton on its own path (engine statistics, or events from the responder), so each is

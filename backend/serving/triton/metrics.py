@@ -37,6 +37,9 @@
                                                                which the first-token histograms leave out
     slora_responder_busy_seconds_total              counter    time the responder threads spent sending responses
                                                                (over a window, its growth / the window: how busy)
+    slora_engine_limit{limit}                       gauge      limit: max_num_seqs | max_batch_tokens, the batch
+                                                               limits as resolved at start ("auto" included): what
+                                                               a client's roofline of the server needs
     slora_steps_total{kind="decode|prompt"}          counter    engine steps: decode only, or computing prompt
                                                                tokens too (step_totals.py)
     slora_step_seconds_total{kind}                  counter    their time (on CUDA, on the device's stream)
@@ -79,6 +82,7 @@ REQUEST_EVENTS = ("ttft", "itl", "tenant_ttft", "first_response_delay", "respond
 FINISH_REASONS = ("length", "stop", "abort", "error", "rejected")
 REFUSAL_REASONS = ("ttft_slo", "ttft_slo_early", "queue_timeout")  # EngineStats.refused_<reason>
 MAX_TENANT_SERIES = 256  # tenants with series of their own, in the server's life
+ENGINE_LIMITS = ("max_num_seqs", "max_batch_tokens")  # slora_engine_limit's labels
 LORA_INFO_METRIC = "vllm:lora_requests_info"
 
 
@@ -109,7 +113,15 @@ class NullMetrics:
 
 
 class TritonMetrics(NullMetrics):
-    def __init__(self, max_lora: int, lora_info: bool, interval_s: float = 0.1, tenant_ttft: bool = True) -> None:
+    def __init__(
+        self,
+        max_lora: int,
+        lora_info: bool,
+        interval_s: float = 0.1,
+        tenant_ttft: bool = True,
+        limits: dict[str, int] | None = None,
+    ) -> None:
+        """limits: the engine's batch limits by name (ENGINE_LIMITS), as resolved at start; 0 or absent: unknown."""
         self._families: list[Any] = []
         self._max_lora = max_lora
         gauge, counter, histogram = (pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER,
@@ -124,6 +136,7 @@ class TritonMetrics(NullMetrics):
         self.max_running = self._family(
             "slora_max_running_requests", "Requests the batch may hold now (max_num_seqs, or the itl_slo_s cap)", gauge
         ).Metric(labels={})
+        self.limits = self._limit_gauges(limits or {}, gauge)
         self.heavy_max_running = self._family(
             "slora_heavy_max_running_requests",
             "The batch a heavy tenant is admitted up to while other tenants have work (fair with itl_slo_s)",
@@ -192,6 +205,19 @@ class TritonMetrics(NullMetrics):
         self._thread = threading.Thread(target=self._run, name="slora-metrics", daemon=True)
         self._thread.start()
 
+    def _limit_gauges(self, limits: dict[str, int], gauge: Any) -> dict[str, Any]:
+        """slora_engine_limit, set once: the limits never change while the engine serves."""
+        unknown = set(limits) - set(ENGINE_LIMITS)
+        if unknown:
+            raise ValueError(f"unknown engine limits {sorted(unknown)}; known: {', '.join(ENGINE_LIMITS)}")
+        family = self._family("slora_engine_limit", "The engine's batch limits as resolved at start", gauge)
+        metrics = {}
+        for name in ENGINE_LIMITS:
+            if limits.get(name, 0) > 0:
+                metrics[name] = family.Metric(labels={"limit": name})
+                metrics[name].set(limits[name])
+        return metrics
+
     def _step_families(self, counter: Any) -> dict[str, tuple[Any, dict[str, str]]]:
         """The step totals' counters (step_totals.py), by EngineStats field."""
         steps = self._family("slora_steps_total", "Engine steps by kind: decode, or with prompt tokens", counter)
@@ -245,7 +271,7 @@ class TritonMetrics(NullMetrics):
         self._events.put(None)
         self._thread.join(5.0)
         # Metrics must go before their families.
-        self.pages = self.adapters = self.requests = self.counters = self.finished = {}
+        self.pages = self.adapters = self.requests = self.counters = self.finished = self.limits = {}
         self.kv_usage = self.ttft = self.itl = self.serving = self._lora_metric = self._lora_family = None
         self.first_response_delay = self.responder_busy_total = None
         self.max_running = self.heavy_max_running = None

@@ -31,6 +31,7 @@ import triton_python_backend_utils as pb_utils
 from slora.backend.runtime.engine_process import EngineProcess
 from slora.backend.runtime.engine_service import EngineService, LocalEngine
 from slora.backend.runtime.fresh_threads import FreshThreadExecutor
+from slora.backend.runtime.messages import EngineInfo
 from slora.backend.runtime.peers import (
     PeerHub,
     PeerSettings,
@@ -84,7 +85,7 @@ class TritonPythonModel:
         self.responder = Responder(self.options.cancel_check_s)  # the engine's sink: the one request table here
         peers = PeerSettings(address, self.options)
         self.engine, self.peers = _start_engine(self.options, self.responder, peers)
-        self.metrics = _metrics(self.options, self.engine.info.max_num_seqs)
+        self.metrics = _metrics(self.options, self.engine.info)
         self.engine.on_stats(self.metrics.update_stats)
         _hear_peers(self.engine, self.peers, self.metrics)
         health_file = Path(self.options.health_file) if self.options.health_file else None
@@ -167,11 +168,13 @@ def _hear_peers(engine: EngineService, hub: PeerHub | None, metrics: NullMetrics
         engine.on_peer_events(metrics.replay)
 
 
-def _metrics(options: ServingOptions, max_num_seqs: int) -> NullMetrics:
-    """The slora_* metrics; `max_num_seqs` (the engine's, resolved) is the LoRA gauge's max_lora."""
+def _metrics(options: ServingOptions, info: EngineInfo) -> NullMetrics:
+    """The slora_* metrics; the engine's limits as resolved at start: max_num_seqs is also the LoRA gauge's
+    max_lora."""
+    limits = {"max_num_seqs": info.max_num_seqs, "max_batch_tokens": info.max_batch_tokens}
     try:
-        return TritonMetrics(max_lora=max_num_seqs, lora_info=options.lora_info_metric,
-                             tenant_ttft=options.engine.tenant_stats_top > 0)  # fmt: skip
+        return TritonMetrics(max_lora=info.max_num_seqs, lora_info=options.lora_info_metric,
+                             tenant_ttft=options.engine.tenant_stats_top > 0, limits=limits)  # fmt: skip
     except pb_utils.TritonModelException as exc:  # the server runs with --allow-metrics=false
         logger.info("metrics are off: %s", exc)
         return NullMetrics()
