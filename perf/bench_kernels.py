@@ -561,7 +561,8 @@ def lora_cases(mha: Model, gqa: Model, n: int, prompt: int) -> list[Callable[[],
     """n requests decode (n adapters or 4; S2 also at 3n/2 + 1, as the engine's graph steps), a mixed step of 4
     prompts of `prompt` tokens + n/2 decodes, the engine's S1 mixed step (S1 n = 2000 in perf/RESULTS.md): 4 prompts
     of `prompt` tokens + 3n decodes, and S2's (n = 2000: 2 prompts of prompt/2 tokens + 2n decodes, about the replay
-    profile's mixed steps), each request with its own adapter."""
+    profile's mixed steps), and a saturated server's step with prompts on the GQA model (served_mixed_sweep), each
+    request with its own adapter."""
     mixed = [MIXED_RANKS[i % len(MIXED_RANKS)] for i in range(n + 4)]
     decode = [(i, 1) for i in range(n)]
     mixed_step = [(i, prompt) for i in range(4)] + [(4 + i, 1) for i in range(n // 2)]
@@ -587,6 +588,7 @@ def lora_cases(mha: Model, gqa: Model, n: int, prompt: int) -> list[Callable[[],
             f"mixed 4x{prompt} prompt + {n // 2} decode, mixed r1-128", mha, adapters(mixed[: 4 + n // 2]), mixed_step
         ),  # fmt: skip
         lambda: lora_case(s2_name, mha, s2_adapters(2 + 2 * n), s2_step),
+        served_mixed_sweep(gqa, n)[1],  # a saturated server's step with prompts: its calls also launched apart
         # the launches' latency floor: one token of a rank-1 adapter reads next to nothing, so its time is what a
         # layer's LoRA launches cost however few bytes they move (4 launches on q,k,v,o; 8 on all seven projections)
         lambda: lora_case("floor: decode 1 req, 1 adapter r1 q,k,v,o", mha, [(1, 1, 1, 1, 0, 0, 0)], [(0, 1)]),
@@ -794,7 +796,7 @@ def served_mixed_sweep(gqa: Model, n: int) -> tuple[str, Callable[[], LoraCase]]
     decodes, prompt = 7 * n + 12, 13 * n // 2 + 4
     step = [(i, 1) for i in range(decodes)] + [(decodes + i, prompt) for i in range(2)]
     label = f"{SERVED_MIXED} {decodes} decode + 2x{prompt} prompt S1"
-    return label, lambda: lora_case("tune", gqa, [S1] * (decodes + 2), step)
+    return label, lambda: lora_case(label, gqa, [S1] * (decodes + 2), step)
 
 
 def tune(smoke: bool, only: str | None = None, lora_case_of: str | None = None) -> list[dict[str, Any]]:

@@ -26,6 +26,7 @@ def test_bench_kernels_smoke(tmp_path: Path) -> None:
     assert {r["impl"] for r in rows} == {"triton", "torch_ref", "padded_bmm", "triton_split", "triton_graph"}
     split = [r for r in rows if r["impl"] == "triton_split"]  # the steps with decodes and prompts
     assert split and all("prompt" in r["case"] and r["kernel"].startswith("lora_") for r in split), split
+    assert any(r["case"].startswith(bench_kernels.SERVED_MIXED) for r in split), "the served step with prompts"
     # the decode steps, also as a CUDA graph replays them; the 7-token S2 step (3n/2 + 1) is padded to bucket 8
     graph = {r["case"] for r in rows if r["impl"] == "triton_graph"}
     lora = [r for r in rows if r["impl"] == "triton" and r["kernel"].startswith("lora_")]
@@ -56,3 +57,21 @@ def test_spread_pages_scatters_the_lora_cases_over_a_larger_pool(tmp_path: Path)
     with pytest.raises(SystemExit):
         bench_kernels.main(["--smoke", "--spread-pages", "-1", "--out", str(out)])
     bench_kernels.spread_pages = 0  # the module's default, for whatever runs next in this process
+
+
+def test_tune_case_sweeps_the_served_step_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--tune-case: the sweep of a saturated server's GQA step with prompts, and no other sweep."""
+    from perf import bench_kernels
+
+    swept: list[tuple[str, int, int]] = []
+
+    def fake_tune(label: str, case: object, call: int = 0) -> list[dict[str, object]]:
+        swept.append((label, case.num_tokens, call))  # type: ignore[attr-defined]
+        return [{"kernel": label, "config": "c", "ms": 1.0, "vs_default": 1.0}]
+
+    monkeypatch.setattr(bench_kernels, "tune_lora", fake_tune)
+    monkeypatch.setattr(bench_kernels, "DEVICE", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    assert bench_kernels.tune(True, None, bench_kernels.SERVED_MIXED)[0]["kernel"] == swept[0][0]
+    ((label, tokens, call),) = swept
+    assert label.startswith(bench_kernels.SERVED_MIXED) and call == 0
+    assert tokens == 40 + 2 * 30  # the smoke shape: 7n + 12 decodes beside two prompts of 13n/2 + 4 tokens, n = 4
