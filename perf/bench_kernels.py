@@ -213,8 +213,10 @@ def timed(fn: Callable[[], object], capturable: bool = True) -> tuple[float, flo
     return (graph, eager, "graph") if graph is not None else (eager, eager, "eager")
 
 
-def measure_device(copy_bytes: int = 1 << 30, n: int = 8192) -> Device:
-    """Copy bandwidth (bytes read + written per second) and dense bf16 matmul rate of this GPU."""
+def measure_device(smoke: bool = False) -> Device:
+    """Copy bandwidth (bytes read + written per second) and dense bf16 matmul rate of this GPU; smoke: tiny sizes
+    (a CPU run checks the code, not the figures)."""
+    copy_bytes, n = (1 << 20, 64) if smoke else (1 << 30, 8192)
     src = torch.empty(copy_bytes, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
     copy_ms = bench(lambda: dst.copy_(src))
@@ -652,11 +654,10 @@ def table(rows: list[Row]) -> str:
 
 
 def run_all(smoke: bool, only: str | None = None) -> tuple[Device, list[Row]]:
+    device = measure_device(smoke)
     if smoke:
-        device = measure_device(copy_bytes=1 << 20, n=64)
         lcases, acases = lora_cases(TINY_MHA, TINY_GQA, 4, 20), attention_cases(TINY_MHA, TINY_GQA, 4, 64)
     else:
-        device = measure_device()
         lcases, acases = lora_cases(LLAMA_7B, GQA_8B, 64, 512), attention_cases(LLAMA_7B, GQA_8B, 64, 4096)
     logger.info("%s: copy %.0f GB/s, bf16 matmul %.0f TFLOP/s", device.name, device.copy_gbps, device.matmul_tflops)
     if only == "lora":
@@ -792,7 +793,8 @@ SERVED_MIXED = "served mixed"
 
 def served_mixed_sweep(gqa: Model, n: int) -> tuple[str, Callable[[], LoraCase]]:
     """A saturated server's step with prompts on the GQA shape (S1 n = 2000 served, perf/RESULTS.md: ~460
-    sequences, ~840 prompt tokens, each request on its own adapter): 7n decodes beside two prompts of 6.5n tokens."""
+    sequences, ~840 prompt tokens, each request on its own adapter): 7n + 12 decodes beside two prompts of 13n/2 + 4
+    tokens (n = 64: 460 and 420)."""
     decodes, prompt = 7 * n + 12, 13 * n // 2 + 4
     step = [(i, 1) for i in range(decodes)] + [(decodes + i, prompt) for i in range(2)]
     label = f"{SERVED_MIXED} {decodes} decode + 2x{prompt} prompt S1"
@@ -910,7 +912,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     if args.tune_case:  # that sweep alone
         args.tune = True
-        device = measure_device(copy_bytes=1 << 20, n=64) if args.smoke else measure_device()
+        device = measure_device(args.smoke)
     else:
         device, rows = run_all(args.smoke, args.only)
     checks = check_targets(rows)

@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         model, n, CONFIGS = TINY_MHA, 4, SMOKE_CONFIGS
         ROWS = (1, 5)
     gen = torch.Generator(device=bench_kernels.DEVICE).manual_seed(0)
-    device = measure_device(copy_bytes=1 << 20, n=64) if args.smoke else measure_device()
+    device = measure_device(args.smoke)
     logger.info("%s: copy %.0f GB/s", device.name, device.copy_gbps)
     settings = bench_kernels.kernel_settings
     shrink_pdl = pdl.shrink_pdl(bench_kernels.DEVICE, settings)
