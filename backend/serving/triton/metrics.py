@@ -322,6 +322,10 @@ class TritonMetrics(NullMetrics):
             self.serving.set(1 if value else 0)
 
     def _publish(self, stats: EngineStats) -> None:
+        # The LoRA label set goes first: a scrape that already shows this step's request counts then shows its
+        # adapters too (each gauge's update is its own message, and a router reads them together).
+        if self._lora_info:
+            self._publish_lora_info(stats)
         self.pages["kv"].set(stats.pages_kv)
         self.pages["adapter"].set(stats.pages_adapter)
         self.pages["free"].set(stats.pages_free)
@@ -339,8 +343,6 @@ class TritonMetrics(NullMetrics):
                 metric.increment(total - self._counted[key])
                 self._counted[key] = total
         self._publish_tenants(stats)
-        if self._lora_info:
-            self._publish_lora_info(stats)
 
     def _publish_tenants(self, stats: EngineStats) -> None:
         """The busiest tenants' gauges. A tenant's series are made when it is first among them and kept (a
