@@ -721,9 +721,10 @@ def sweep(
     return sorted(results, key=lambda r: r.get("ms", float("inf")))
 
 
-def tune_lora(label: str, case: LoraCase, call: int = 0) -> list[dict[str, Any]]:
+def tune_lora(label: str, case: LoraCase, call: int = 0, expand_only: bool = False) -> list[dict[str, Any]]:
     """Shrink and expand config sweeps of one LoRA call of `case` (lora_calls: 0 = q/k/v, 1 = o, 3 = down), each
-    variant's launches built afresh. Calls of one module sweep their own decode configs (DECODE_ONE)."""
+    variant's launches built afresh. Calls of one module sweep their own decode configs (DECODE_ONE). expand_only:
+    the mixed expand's candidates alone (mixed_expand_variants), for any call of a step with prompts and decodes."""
     name, modules, in_features = lora_calls(case.model)[call]
     offsets, widths = call_outputs(case.model, modules)
     x = torch.randn((case.num_tokens, in_features), device=DEVICE).to(torch.bfloat16)
@@ -736,6 +737,10 @@ def tune_lora(label: str, case: LoraCase, call: int = 0) -> list[dict[str, Any]]
 
     kind = case.meta.whole().kind(kernel_settings)
     attr = {"decode": "DECODE", "mixed": "MIXED", "prompts": "PREFILL"}[kind]  # the config it uses
+    if expand_only:
+        if kind != "mixed":
+            raise ValueError(f"the expand-only sweep is of steps with prompts and decodes, not of a {kind} step")
+        return sweep(f"lora_expand ({label} {name})", lora_expand, attr, mixed_expand_variants(), lora)
     if len(modules) == 1:
         if kind != "decode":
             raise ValueError(f"one-module calls are swept on decode steps only, not on a {kind} step")
@@ -774,6 +779,16 @@ def fused_expand_variants() -> list[ExpandConfig]:
     return expand + [lora_expand.MIXED]
 
 
+def mixed_expand_variants() -> list[ExpandConfig]:
+    """Candidates for the expand of steps with prompts and decodes: the GEMV kernel on the shrink's 16-token tiles
+    (what a graph of such steps can replay: one tile table for both kernels) and on one-token tiles, narrow rank
+    chunks (S1's rank 8), and the tensor-core default."""
+    expand = [ExpandConfig(lora_shrink.MIXED.block_m, br, (bn,), 1024, w, 2, gemv=True)
+              for br in (8, 16) for bn in (512, 1024) for w in (2, 4)]  # fmt: skip
+    expand += [ExpandConfig(1, br, (1024,), 1024, w, 2, gemv=True) for br, w in ((8, 2), (16, 4))]
+    return expand + [lora_expand.MIXED]
+
+
 def single_module_variants() -> list[ShrinkConfig]:
     """GEMV shrink configs of one-module decode calls: shorter K blocks (more splits, so more programs), wider rank
     chunks; tiles stay one token (the decode graphs' static tile table)."""
@@ -789,6 +804,7 @@ def single_module_expand_variants() -> list[ExpandConfig]:
 
 
 SERVED_MIXED = "served mixed"
+SERVED_MIXED_EXPAND = "served mixed expand"  # its expand candidates on S1, S2 and S1 over 5 adapters, q/k/v and o
 
 
 def served_mixed_sweep(gqa: Model, n: int) -> tuple[str, Callable[[], LoraCase]]:
@@ -801,6 +817,26 @@ def served_mixed_sweep(gqa: Model, n: int) -> tuple[str, Callable[[], LoraCase]]
     return label, lambda: lora_case(label, gqa, [S1] * (decodes + 2), step)
 
 
+def served_mixed_variants(gqa: Model, n: int) -> list[tuple[str, Callable[[], LoraCase]]]:
+    """The served step with prompts (served_mixed_sweep) as S1 with an adapter a request, as S2 (ranks 64/32/16/8)
+    likewise, as S1 over 5 adapters (n = 5: every decode of an adapter in one segment, tiles of 16 tokens), and its
+    decodes alone over 5 adapters (KernelSettings.few_adapters: the same configs): a config for such steps must not
+    lose on any of them, since one graph of steps with prompts serves them all."""
+    label, s1 = served_mixed_sweep(gqa, n)
+    decodes, prompt = 7 * n + 12, 13 * n // 2 + 4
+    many = [(i, 1) for i in range(decodes)] + [(decodes + i, prompt) for i in range(2)]
+    few = [(i % 5, 1) for i in range(decodes)] + [(i, prompt) for i in range(2)]
+    s2_label = label.replace(" S1", " S2 r64/32/16/8")
+    five_label = label.replace(" S1", " S1, 5 adapters")
+    decode_label = f"{SERVED_MIXED} {decodes} decode S1, 5 adapters"  # the same configs: few adapters' decodes
+    return [
+        (label, s1),
+        (s2_label, lambda: lora_case(s2_label, gqa, s2_adapters(decodes + 2), many)),
+        (five_label, lambda: lora_case(five_label, gqa, [S1] * 5, few)),
+        (decode_label, lambda: lora_case(decode_label, gqa, [S1] * 5, few[:decodes])),
+    ]
+
+
 def tune(smoke: bool, only: str | None = None, lora_case_of: str | None = None) -> list[dict[str, Any]]:
     """Sweep the decode LoRA configs on S1-like (rank 8 on q, k, v, o, one adapter per token) and mixed-rank
     decode steps, and the decode and prefill attention configs, on one representative case each; lora_case_of:
@@ -810,6 +846,12 @@ def tune(smoke: bool, only: str | None = None, lora_case_of: str | None = None) 
     if lora_case_of == SERVED_MIXED:
         label, make = served_mixed_sweep(gqa, n)
         return tune_lora(label, make())
+    if lora_case_of == SERVED_MIXED_EXPAND:
+        for label, make in served_mixed_variants(gqa, n):
+            case = make()
+            results += tune_lora(label, case, 0, expand_only=True) + tune_lora(label, case, 1, expand_only=True)
+            del case
+        return results
     if only in (None, "lora"):
         mixed = [MIXED_RANKS[i % len(MIXED_RANKS)] for i in range(n)]
         results += tune_lora("S1 decode", lora_case("tune", mha, [S1] * (2 * n), [(i, 1) for i in range(2 * n)]))
@@ -877,9 +919,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one call each (CPU: Triton interpreter)")
     parser.add_argument("--tune", action="store_true", help="also sweep the hot kernels' configs (about 3 more min)")
     parser.add_argument("--only", choices=("lora", "attention"), help="run only the LoRA or the attention cases")
-    parser.add_argument("--tune-case", choices=(SERVED_MIXED,),
+    parser.add_argument("--tune-case", choices=(SERVED_MIXED, SERVED_MIXED_EXPAND),
                         help="sweep only this LoRA case's configs (a saturated server's step with prompts, GQA, "
-                             "S1), no benchmark rows")  # fmt: skip
+                             "S1; 'expand': the mixed expand's candidates on it as S1, S2 and S1 over 5 adapters, "
+                             "q/k/v and o calls), no benchmark rows")  # fmt: skip
     parser.add_argument(
         "--flush",
         choices=FLUSH_MODES,

@@ -234,6 +234,18 @@ def test_lora_expand_programs_of_several_column_blocks(step: str, monkeypatch: p
     check_layer(case, "triton", seed=32)
 
 
+@pytest.mark.parametrize("block_r", [8, 16])
+def test_gemv_expand_after_the_tensor_core_shrink(block_r: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step with prompts and decodes: the tensor-core shrink's sums on 16-token tiles, expanded by the GEMV kernel
+    on those same tiles (a prompt's tile is 16 tokens one after the other, a decode's one), with rank chunks narrower
+    than the largest ranks: every token gets its delta once."""
+    config = lora_expand.ExpandConfig(lora_shrink.MIXED.block_m, block_r, (32,), 1024, 4, 2, gemv=True)
+    monkeypatch.setattr(lora_expand, "MIXED", config)
+    case = build_case(TINY, torch.bfloat16, list(TINY_ADAPTERS), TINY_STEPS["mixed"], seed=33)
+    assert case.meta.whole().kind(SETTINGS) == "mixed"
+    check_layer(case, "triton", seed=34)
+
+
 def test_expand_config_rejects_column_blocks_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="n_chunks"):
         dataclasses.replace(lora_expand.MIXED, n_chunks=0)
