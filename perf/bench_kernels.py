@@ -55,7 +55,7 @@ from slora.kernels.reference.attention import paged_attention_ref, write_kv_ref
 from slora.kernels.reference.lora import lora_ref
 from slora.kernels.reference.lora_padded import lora_padded_bmm
 from slora.kernels.settings import KernelSettings
-from slora.kernels.triton import lora_expand, lora_shrink, paged_attention, paged_decode, pdl
+from slora.kernels.triton import lora_call, lora_expand, lora_shrink, paged_attention, paged_decode, pdl
 from slora.kernels.triton.lora_expand import ExpandConfig
 from slora.kernels.triton.lora_shrink import ShrinkConfig
 from slora.kernels.triton.ops import TritonOps
@@ -360,18 +360,28 @@ def call_outputs(model: Model, modules: tuple[int, ...]) -> tuple[tuple[int, ...
 
 def lora_minimum(case: LoraCase, modules: tuple[int, ...], in_features: int) -> tuple[int, int]:
     """Bytes and FLOPs one call must spend: each adapter's rows, its tokens' x and touched y, once."""
+    (shrink_bytes, shrink_flops), (expand_bytes, expand_flops) = lora_part_minimums(case, modules, in_features)
+    return shrink_bytes + expand_bytes, shrink_flops + expand_flops
+
+
+def lora_part_minimums(
+    case: LoraCase, modules: tuple[int, ...], in_features: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(bytes, FLOPs) of the shrink (x and the A rows, once) and of the expand (the B rows, y read and written)."""
     meta, es = case.meta, 2
-    nbytes = flops = 0
+    shrink, expand = [0, 0], [0, 0]
     for g, a in enumerate(meta.seg_adapter_host):
         tokens = meta.seg_start_host[g + 1] - meta.seg_start_host[g]
         targeted = [m for m in modules if meta.ranks_host[a][m]]
         if targeted:
-            nbytes += tokens * in_features * es
+            shrink[0] += tokens * in_features * es
         for m in targeted:
             rank, out = meta.ranks_host[a][m], case.model.widths(m)[1]
-            nbytes += rank * (in_features + out) * es + 2 * tokens * out * es
-            flops += 2 * tokens * rank * (in_features + out)
-    return nbytes, flops
+            shrink[0] += rank * in_features * es
+            shrink[1] += 2 * tokens * rank * in_features
+            expand[0] += rank * out * es + 2 * tokens * out * es
+            expand[1] += 2 * tokens * rank * out
+    return (shrink[0], shrink[1]), (expand[0], expand[1])
 
 
 def bench_lora(case: LoraCase, device: Device) -> list[Row]:
@@ -380,9 +390,7 @@ def bench_lora(case: LoraCase, device: Device) -> list[Row]:
     rows: list[Row] = []
     for call, modules, in_features in lora_calls(case.model):
         rows += bench_lora_call(case, device, call, modules, in_features, gen)
-    layer_bytes = sum(r.min_bytes for r in rows if r.impl == "triton")
-    layer_flops = sum(r.min_flops for r in rows if r.impl == "triton")
-    for impl in dict.fromkeys(r.impl for r in rows):  # each implementation timed, in order
+    for impl in dict.fromkeys(r.impl for r in rows):  # each implementation (or part of one) timed, in order
         calls = [r for r in rows if r.impl == impl]
         how = "graph" if all(r.timing == "graph" for r in calls) else "mixed"
         eager = sum(r.eager_ms for r in calls)
@@ -391,8 +399,8 @@ def bench_lora(case: LoraCase, device: Device) -> list[Row]:
             case.name,
             impl,
             sum(r.ms for r in calls),
-            layer_bytes,
-            layer_flops,
+            sum(r.min_bytes for r in calls),
+            sum(r.min_flops for r in calls),
             eager_ms=eager,
             timing=how,
         )
@@ -468,6 +476,37 @@ def bench_lora_call(
         ms, eager, how = timed(functools.partial(fn, y, *fn_args))
         row = Row(f"lora_{call}", case.name, impl, ms, nbytes, flops, max_rel_err=err, eager_ms=eager, timing=how)
         rows.append(finish(row, device))
+    if not case.decode_only:  # a step with prompts: where its time goes, shrink or expand
+        for impl in ("triton", "triton_split"):
+            if impl in impls:
+                rows += lora_part_rows(case, device, call, in_features, impl, y0.clone(), args)
+    return rows
+
+
+def lora_part_rows(
+    case: LoraCase, device: Device, call: str, in_features: int, impl: str, y: torch.Tensor, args: tuple[Any, ...]
+) -> list[Row]:
+    """The call's shrink launches alone and its expand launches alone ("<impl>:shrink", "<impl>:expand"), as `impl`
+    launches them; no error column (neither writes the call's result alone)."""
+    x, flat_layer, meta, modules, offsets, widths = args
+    settings = dataclasses.replace(kernel_settings, lora_split=impl == "triton_split")
+    calls = lora_call.lora_calls(y, x, flat_layer, meta, modules, offsets, widths, settings)
+
+    def shrinks() -> None:
+        for c in calls:
+            c.shrink(x, flat_layer)
+
+    def expands() -> None:
+        for c in calls:
+            c.expand(y, flat_layer)
+
+    shrinks()  # the expands' v
+    rows = []
+    for part, fn, (nbytes, flops) in zip(("shrink", "expand"), (shrinks, expands),
+                                         lora_part_minimums(case, modules, in_features)):  # fmt: skip
+        ms, eager, how = timed(fn)
+        rows.append(finish(Row(f"lora_{call}", case.name, f"{impl}:{part}", ms, nbytes, flops, eager_ms=eager,
+                               timing=how), device))  # fmt: skip
     return rows
 
 

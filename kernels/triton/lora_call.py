@@ -32,6 +32,14 @@ class LoraCall:
         self._shrink(x, flat_layer)
         self._expand(flat_layer, y)
 
+    def shrink(self, x: torch.Tensor, flat_layer: torch.Tensor) -> None:
+        """The shrink alone, into v (benchmarks time the two kernels apart)."""
+        self._shrink(x, flat_layer)
+
+    def expand(self, y: torch.Tensor, flat_layer: torch.Tensor) -> None:
+        """The expand alone, from the v of the last shrink."""
+        self._expand(flat_layer, y)
+
 
 def lora_calls(
     y: torch.Tensor,

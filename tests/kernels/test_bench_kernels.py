@@ -23,10 +23,17 @@ def test_bench_kernels_smoke(tmp_path: Path) -> None:
     rows = result["rows"]
     kernels = {r["kernel"] for r in rows}
     assert {"lora_qkv", "lora_layer", "attention_decode", "attention_prefill", "kv_write"} <= kernels
-    assert {r["impl"] for r in rows} == {"triton", "torch_ref", "padded_bmm", "triton_split", "triton_graph"}
+    parts = {f"{impl}:{part}" for impl in ("triton", "triton_split") for part in ("shrink", "expand")}
+    assert {r["impl"] for r in rows} == {"triton", "torch_ref", "padded_bmm", "triton_split", "triton_graph"} | parts
     split = [r for r in rows if r["impl"] == "triton_split"]  # the steps with decodes and prompts
     assert split and all("prompt" in r["case"] and r["kernel"].startswith("lora_") for r in split), split
     assert any(r["case"].startswith(bench_kernels.SERVED_MIXED) for r in split), "the served step with prompts"
+    # a step with prompts, shrink and expand timed apart: their minimum bytes are the whole call's, split in two
+    whole = {(r["kernel"], r["case"], r["impl"]): r["min_bytes"] for r in rows}
+    for r in split:
+        for impl in ("triton", "triton_split"):
+            shrink, expand = (whole[(r["kernel"], r["case"], f"{impl}:{part}")] for part in ("shrink", "expand"))
+            assert 0 < shrink < r["min_bytes"] and shrink + expand == r["min_bytes"], (r["kernel"], r["case"])
     # the decode steps, also as a CUDA graph replays them; the 7-token S2 step (3n/2 + 1) is padded to bucket 8
     graph = {r["case"] for r in rows if r["impl"] == "triton_graph"}
     lora = [r for r in rows if r["impl"] == "triton" and r["kernel"].startswith("lora_")]
@@ -37,6 +44,8 @@ def test_bench_kernels_smoke(tmp_path: Path) -> None:
         if r["max_rel_err"] is not None:
             assert r["max_rel_err"] < 0.05, r
         assert (r["same_size_copy_ms"] is not None) == (r["impl"] == "triton"), r  # the copy of the op's own size
+        if r["kernel"].startswith("lora_"):  # checked against the reference: every whole call
+            assert (r["max_rel_err"] is None) == (":" in r["impl"] or r["kernel"] == "lora_layer"), r
     assert result["targets"], "no target was checked"
     # the decodes beside prompts go through the general attention kernel, held to the decode bandwidth target
     targets = [t["target"] for t in result["targets"]]

@@ -246,6 +246,28 @@ def test_gemv_expand_after_the_tensor_core_shrink(block_r: int, monkeypatch: pyt
     check_layer(case, "triton", seed=34)
 
 
+def test_lora_call_shrink_and_expand_called_apart() -> None:
+    """A LoraCall's shrink and expand, called one after the other (as benchmarks time them), give the call's delta;
+    an expand repeated without a new shrink adds the same delta again (it reads the last shrink's v)."""
+    case = build_case(TINY, torch.float32, list(TINY_ADAPTERS), TINY_STEPS["mixed"], seed=35)
+    modules, offsets, widths, in_features = layer_calls(case.shape)[0]
+    x = torch.randn((case.num_tokens, in_features), device=DEVICE)
+    y0 = torch.randn((case.num_tokens, sum(widths)), device=DEVICE)
+    expected = y0.clone()
+    lora_ref(expected, x, case.flat_layer, case.meta, modules, offsets, widths)
+    y = y0.clone()
+    calls = lora_call.lora_calls(y, x, case.flat_layer, case.meta, modules, offsets, widths, SETTINGS)
+    assert calls
+    for call in calls:
+        call.shrink(x, case.flat_layer)
+        call.expand(y, case.flat_layer)
+    magnitude = float((expected - y0).abs().max())
+    assert_close(y, expected, torch.float32, magnitude)
+    for call in calls:
+        call.expand(y, case.flat_layer)
+    assert_close(y, y0 + 2 * (expected - y0), torch.float32, magnitude)
+
+
 def test_expand_config_rejects_column_blocks_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="n_chunks"):
         dataclasses.replace(lora_expand.MIXED, n_chunks=0)
