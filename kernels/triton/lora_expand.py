@@ -2,9 +2,11 @@
 
 The second half of the shrink kernel's work (see lora_shrink.py): v holds split-K partial sums of x·Aᵀ for the
 fused modules of one call (one split, their sum, from the tensor-core shrink). One program takes one tile of
-up to BLOCK_M tokens of one segment (one adapter), one BLOCK_N slice of the output columns and one module of the
-call (grid axis 2: the modules run side by side, not one after the other): it sums the partials (GEMV), reads the
-adapter's Bᵀ rows for those columns once for all tokens of the tile, and adds the scaled product into y
+up to BLOCK_M tokens of one segment (one adapter) and one BLOCK_N slice of the output columns of one module of the
+call. Grid axis 1 runs over every module's column blocks, so the modules run side by side, and a narrow module
+(GQA's k and v) gets programs for its own columns only, none that would find nothing to add. A program sums the
+partials (GEMV), reads the adapter's Bᵀ rows for those columns once for all tokens of the tile, and adds the scaled
+product into y
 (read-modify-write, each element of y owned by one program, so no atomics).
 
     v:  [split_k, num_tokens, R] float32      pool layer (flat): rows of lora_Bᵀ, out_m elements each
@@ -86,6 +88,8 @@ def _lora_expand_kernel(
     width0,
     width1,
     width2,
+    blocks1,  # grid axis 1's first program of module 1, and of module 2 (column_blocks)
+    blocks2,
     FIRST_MODULE: tl.constexpr,
     NUM_SLICES: tl.constexpr,  # 1 to 3 consecutive modules
     ROW_ALIGN: tl.constexpr,  # every Bᵀ row offset is a multiple of this
@@ -96,10 +100,11 @@ def _lora_expand_kernel(
     USE_PDL: tl.constexpr,  # launched with PDL behind the shrink: wait for its v (kernels/triton/pdl.py)
     DOT_PRECISION: tl.constexpr,
 ):
-    n_start = tl.program_id(1) * (BLOCK_N * N_CHUNKS)
+    s, block = module_block(blocks1, blocks2)
+    n_start = block * (BLOCK_N * N_CHUNKS)
     first, end, adapter = tile_bounds(tiles_ptr, tl.program_id(0))
     rank, row0, scale, offset, width, v_col = module_of_program(
-        ranks_ptr, scales_ptr, row_start_ptr, adapter * MODULES + FIRST_MODULE,
+        ranks_ptr, scales_ptr, row_start_ptr, adapter * MODULES + FIRST_MODULE, s,
         offset0, offset1, offset2, width0, width1, width2, NUM_SLICES,
     )  # fmt: skip
     if USE_PDL:
@@ -127,14 +132,22 @@ def _lora_expand_kernel(
 
 
 @triton.jit
+def module_block(blocks1, blocks2):
+    """(module of the call, column block within it) of this program's index on grid axis 1, which lists module 0's
+    column blocks, then module 1's from blocks1, then module 2's from blocks2."""
+    b = tl.program_id(1)
+    s = tl.where(b < blocks1, 0, tl.where(b < blocks2, 1, 2))
+    return s, b - tl.where(s == 0, 0, tl.where(s == 1, blocks1, blocks2))
+
+
+@triton.jit
 def module_of_program(
-    ranks_ptr, scales_ptr, row_start_ptr, table, offset0, offset1, offset2, width0, width1, width2,
+    ranks_ptr, scales_ptr, row_start_ptr, table, s, offset0, offset1, offset2, width0, width1, width2,
     NUM_SLICES: tl.constexpr,
 ):  # fmt: skip
-    """(rank, first Bᵀ row-table entry, scale, first column in y, width, first column in v) of the call's module
-    on grid axis 2, for the adapter whose table row (adapter * 7 + first module) is `table`. The loads depend only
-    on the adapter, so they go out together."""
-    s = tl.program_id(2)
+    """(rank, first Bᵀ row-table entry, scale, first column in y, width, first column in v) of the call's module s,
+    for the adapter whose table row (adapter * 7 + first module) is `table`. The loads depend only on the adapter,
+    so they go out together."""
     rank = tl.load(ranks_ptr + table + s)
     row0 = tl.load(row_start_ptr + table + s)
     scale = tl.load(scales_ptr + table + s)
@@ -166,6 +179,8 @@ def _lora_expand_gemv_kernel(
     width0,
     width1,
     width2,
+    blocks1,
+    blocks2,
     FIRST_MODULE: tl.constexpr,
     NUM_SLICES: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
@@ -175,15 +190,16 @@ def _lora_expand_gemv_kernel(
     SPLITS: tl.constexpr,  # a power of two ≥ split_k
     USE_PDL: tl.constexpr,
 ):
-    """The dot kernel's work (same arguments) with the call's module on grid axis 2, one token at a time:
+    """The dot kernel's work (same arguments), one token at a time:
     y_t += (Σ_j v_t[j] · Bᵀ[j, :]) · scale in float32. The tile's later tokens read Bᵀ again, from cache.
 
     Each rank chunk of Bᵀ is read before the chunk's v: launched with PDL, the first chunk's read overlaps the
     shrink (kernels/triton/pdl.py)."""
-    n0 = tl.program_id(1) * BLOCK_N
+    s, block = module_block(blocks1, blocks2)
+    n0 = block * BLOCK_N
     first, end, adapter = tile_bounds(tiles_ptr, tl.program_id(0))
     rank, row0, scale, offset, width, v_col = module_of_program(
-        ranks_ptr, scales_ptr, row_start_ptr, adapter * MODULES + FIRST_MODULE,
+        ranks_ptr, scales_ptr, row_start_ptr, adapter * MODULES + FIRST_MODULE, s,
         offset0, offset1, offset2, width0, width1, width2, NUM_SLICES,
     )  # fmt: skip
     if (rank > 0) & (n0 < width):
@@ -242,21 +258,21 @@ def expand_launch(
         return None
     offsets = tuple(out_offsets) + (0,) * (3 - num_slices)
     widths = tuple(out_widths) + (0,) * (3 - num_slices)
-    programs_per_block = num_tiles * num_slices
-    block_n = expand_block_n(cfg, programs_per_block, max(out_widths))
+    block_n = expand_block_n(cfg, num_tiles, out_widths)
+    blocks = column_blocks(out_widths, block_n * cfg.n_chunks)
     args = dict(
         v_ptr=v, stride_v_tok=v.stride(1), pool_ptr=flat_layer, y_ptr=y, stride_y=y.stride(0),
         tiles_ptr=tiles, ranks_ptr=meta.ranks, scales_ptr=meta.scales, row_start_ptr=meta.row_start,
         b_rows_ptr=meta.b_rows,
         offset0=offsets[0], offset1=offsets[1], offset2=offsets[2],
-        width0=widths[0], width1=widths[1], width2=widths[2],
+        width0=widths[0], width1=widths[1], width2=widths[2], blocks1=blocks[0], blocks2=blocks[1],
         FIRST_MODULE=first_module, NUM_SLICES=num_slices, ROW_ALIGN=meta.row_align,
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=block_n, USE_PDL=pdl_enabled(y.device, settings),
     )  # fmt: skip
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if args["USE_PDL"]:
         options.update(launch_pdl=True)
-    grid = (num_tiles, cdiv(max(out_widths), block_n * cfg.n_chunks), num_slices)
+    grid = (num_tiles, blocks[-1], 1)
     if cfg.gemv:
         args.update(stride_v_split=v.stride(0), split_k=v.shape[0], SPLITS=next_power_of_2(v.shape[0]))
         return Relaunch(_lora_expand_gemv_kernel, grid, args, options, changing=("pool_ptr", "y_ptr"))
@@ -266,13 +282,22 @@ def expand_launch(
     return Relaunch(_lora_expand_kernel, grid, args, options, changing=("pool_ptr", "y_ptr"))
 
 
-def expand_block_n(cfg: ExpandConfig, programs_per_block: int, width: int) -> int:
-    """The widest column block that still makes about cfg.target_programs programs (few tiles: narrow blocks);
-    programs_per_block: the programs of one column block (tiles, times the modules for the GEMV kernel)."""
+def expand_block_n(cfg: ExpandConfig, num_tiles: int, widths: tuple[int, ...]) -> int:
+    """The widest column block that still makes about cfg.target_programs programs (few tiles: narrow blocks)."""
     for block_n in cfg.block_n:
-        if programs_per_block * cdiv(width, block_n * cfg.n_chunks) >= cfg.target_programs:
+        if num_tiles * column_blocks(widths, block_n * cfg.n_chunks)[-1] >= cfg.target_programs:
             return block_n
     return cfg.block_n[-1]
+
+
+def column_blocks(widths: tuple[int, ...], columns: int) -> tuple[int, int, int]:
+    """Where each module's programs end on grid axis 1 (the last: the axis's length), `columns` columns a program."""
+    ends = []
+    total = 0
+    for width in tuple(widths) + (0,) * (3 - len(widths)):
+        total += cdiv(width, columns)
+        ends.append(total)
+    return ends[0], ends[1], ends[2]
 
 
 def _check(

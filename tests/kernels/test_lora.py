@@ -268,6 +268,33 @@ def test_lora_call_shrink_and_expand_called_apart() -> None:
     assert_close(y, y0 + 2 * (expected - y0), torch.float32, magnitude)
 
 
+@pytest.mark.parametrize("step", ["decode", "mixed"])
+def test_expand_programs_cover_each_modules_own_columns(step: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused q/k/v expand of a GQA shape (k and v narrower than q) launches a program per tile and column block
+    of each module, none for columns a narrower module lacks: with 32-column blocks, q's 64 columns take two, k's
+    and v's 32 one each (four, where a grid sized for the widest module would launch six); every column still gets
+    its delta."""
+    for name in ("DECODE", "MIXED"):
+        monkeypatch.setattr(lora_expand, name, dataclasses.replace(getattr(lora_expand, name), block_n=(32,)))
+    case = build_case(TINY, torch.bfloat16, list(TINY_ADAPTERS), TINY_STEPS[step], seed=37)
+    check_layer(case, "triton", seed=38)
+    modules, offsets, widths, in_features = layer_calls(case.shape)[0]
+    assert len(set(widths)) > 1, "a GQA shape: q wider than k and v"
+    x = torch.randn((case.num_tokens, in_features), device=DEVICE).to(torch.bfloat16)
+    y = torch.zeros((case.num_tokens, sum(widths)), device=DEVICE).to(torch.bfloat16)
+    group = case.meta.whole()
+    v, _ = lora_shrink.shrink_launch(x, case.flat_layer, case.meta, 0, 3, group, settings=SETTINGS)
+    launch = lora_expand.expand_launch(y, v, case.flat_layer, case.meta, 0, offsets, widths, group, settings=SETTINGS)
+    assert launch is not None
+    cfg = lora_expand.expand_config(group, 3, SETTINGS)
+    block_n = lora_expand.expand_block_n(cfg, int(group.tiles(cfg.block_m).shape[0]), widths)
+    per_module = [-(-w // (block_n * cfg.n_chunks)) for w in widths]
+    assert per_module == [2, 1, 1]
+    num_tiles = int(group.tiles(cfg.block_m).shape[0])
+    assert launch._grid == (num_tiles, 4, 1)  # noqa: SLF001 - the launch's grid
+    assert lora_expand.column_blocks(widths, block_n * cfg.n_chunks) == tuple(itertools.accumulate(per_module))
+
+
 def test_expand_config_rejects_column_blocks_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="n_chunks"):
         dataclasses.replace(lora_expand.MIXED, n_chunks=0)
