@@ -821,10 +821,16 @@ def fused_expand_variants() -> list[ExpandConfig]:
 def mixed_expand_variants() -> list[ExpandConfig]:
     """Candidates for the expand of steps with prompts and decodes: the GEMV kernel on the shrink's 16-token tiles
     (what a graph of such steps can replay: one tile table for both kernels) and on one-token tiles, narrow rank
-    chunks (S1's rank 8), and the tensor-core default."""
+    chunks (S1's rank 8), the tensor-core kernel with Bᵀ read ahead (prefetch) and several column blocks a program,
+    and the tensor-core default."""
     expand = [ExpandConfig(lora_shrink.MIXED.block_m, br, (bn,), 1024, w, 2, gemv=True)
               for br in (8, 16) for bn in (512, 1024) for w in (2, 4)]  # fmt: skip
     expand += [ExpandConfig(1, br, (1024,), 1024, w, 2, gemv=True) for br, w in ((8, 2), (16, 4))]
+    # the tensor-core kernel reading its first Bᵀ chunk before it waits for the shrink, alone and with programs of
+    # several column blocks
+    expand += [dataclasses.replace(lora_expand.MIXED, prefetch=True)]
+    expand += [dataclasses.replace(lora_expand.MIXED, block_n=(128,), n_chunks=c, prefetch=p)
+               for c in (2, 4) for p in (False, True)]  # fmt: skip
     return expand + [lora_expand.MIXED]
 
 

@@ -47,10 +47,15 @@ class ExpandConfig:
     # Column blocks one program of the tensor-core kernel adds, one after the other: its tile's table, ranks and
     # row offsets are loaded once for all of them, and a step of many one-token tiles makes fewer, longer programs.
     n_chunks: int = 1
+    # The tensor-core kernel reads its first Bᵀ chunk before it waits for the shrink (launched with PDL), as the
+    # GEMV kernel always does, so that the read overlaps the shrink's end; off: it reads everything after the wait.
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.n_chunks < 1 or (self.gemv and self.n_chunks != 1):
             raise ValueError(f"n_chunks must be >= 1 (1 for the GEMV kernel), got {self.n_chunks}")
+        if self.gemv and self.prefetch:
+            raise ValueError("prefetch is the tensor-core kernel's option (the GEMV kernel always reads Bᵀ first)")
 
 
 DECODE = ExpandConfig(1, 16, (1024,), 1024, 4, 2, gemv=True)  # picked as the shrink's (shrink_config)
@@ -99,6 +104,7 @@ def _lora_expand_kernel(
     N_CHUNKS: tl.constexpr,  # column blocks per program, one after the other (ExpandConfig.n_chunks)
     USE_PDL: tl.constexpr,  # launched with PDL behind the shrink: wait for its v (kernels/triton/pdl.py)
     DOT_PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr,  # the first Bᵀ chunk read before the wait (ExpandConfig.prefetch)
 ):
     s, block = module_block(blocks1, blocks2)
     n_start = block * (BLOCK_N * N_CHUNKS)
@@ -107,6 +113,8 @@ def _lora_expand_kernel(
         ranks_ptr, scales_ptr, row_start_ptr, adapter * MODULES + FIRST_MODULE, s,
         offset0, offset1, offset2, width0, width1, width2, NUM_SLICES,
     )  # fmt: skip
+    if PREFETCH:  # Bᵀ is the pool's, which the shrink does not write; masked off where the program adds nothing
+        bt_first = load_bt(pool_ptr, b_rows_ptr, row0, rank, 0, n_start, width, ROW_ALIGN, BLOCK_R, BLOCK_N)
     if USE_PDL:
         gdc_wait()
     if (rank > 0) & (n_start < width):
@@ -122,13 +130,29 @@ def _lora_expand_kernel(
                 j = c + tl.arange(0, BLOCK_R)
                 j_mask = j < rank
                 vt = tl.load(v_rows + j[None, :], mask=tok_mask[:, None] & j_mask[None, :], other=0.0)
-                rows = tl.load(b_rows_ptr + row0 + j, mask=j_mask, other=0)
-                rows = tl.multiple_of(rows, ROW_ALIGN)
-                bt = tl.load(pool_ptr + rows[:, None] + n[None, :], mask=j_mask[:, None] & n_mask[None, :], other=0.0)
+                if PREFETCH:
+                    if (c == 0) & (n0 == n_start):
+                        bt = bt_first
+                    else:
+                        bt = load_bt(pool_ptr, b_rows_ptr, row0, rank, c, n0, width, ROW_ALIGN, BLOCK_R, BLOCK_N)
+                else:
+                    bt = load_bt(pool_ptr, b_rows_ptr, row0, rank, c, n0, width, ROW_ALIGN, BLOCK_R, BLOCK_N)
                 acc = tl.dot(vt.to(bt.dtype), bt, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
             y_mask = tok_mask[:, None] & n_mask[None, :]
             yt = tl.load(y_rows + n[None, :], mask=y_mask, other=0.0)
             tl.store(y_rows + n[None, :], (yt.to(tl.float32) + acc * scale).to(yt.dtype), mask=y_mask)
+
+
+@triton.jit
+def load_bt(pool_ptr, b_rows_ptr, row0, rank, c, n0, width, ROW_ALIGN: tl.constexpr, BLOCK_R: tl.constexpr,
+            BLOCK_N: tl.constexpr):  # fmt: skip
+    """Bᵀ rows c .. c + BLOCK_R - 1 (those below `rank`) of columns n0 .. n0 + BLOCK_N - 1 (those below `width`)."""
+    j = c + tl.arange(0, BLOCK_R)
+    j_mask = j < rank
+    n = n0 + tl.arange(0, BLOCK_N)
+    rows = tl.load(b_rows_ptr + row0 + j, mask=j_mask, other=0)
+    rows = tl.multiple_of(rows, ROW_ALIGN)
+    return tl.load(pool_ptr + rows[:, None] + n[None, :], mask=j_mask[:, None] & (n < width)[None, :], other=0.0)
 
 
 @triton.jit
@@ -278,7 +302,7 @@ def expand_launch(
         return Relaunch(_lora_expand_gemv_kernel, grid, args, options, changing=("pool_ptr", "y_ptr"))
     if v.shape[0] != 1:
         raise ValueError(f"the tensor-core expand reads the shrink's sums (one split of v), got {v.shape[0]} splits")
-    args.update(N_CHUNKS=cfg.n_chunks, DOT_PRECISION=dot_precision(y.dtype))
+    args.update(N_CHUNKS=cfg.n_chunks, DOT_PRECISION=dot_precision(y.dtype), PREFETCH=cfg.prefetch)
     return Relaunch(_lora_expand_kernel, grid, args, options, changing=("pool_ptr", "y_ptr"))
 
 

@@ -12,6 +12,7 @@ Exit status: 0 compiled, 1 a kernel failed, 3 this machine cannot compile for NV
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 from slora.kernels.settings import KernelSettings
-from slora.kernels.triton import pdl, rotary
+from slora.kernels.triton import lora_expand, pdl, rotary
 from slora.kernels.triton.gemm import gemm_launch
 from slora.kernels.triton.jit_stats import kernels_replaced
 from slora.kernels.triton.ops import TritonOps
@@ -42,6 +43,7 @@ POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp3
 POINTER[torch.int64] = "*i64"
 
 LLAMA_7B = Shape(4096, 11008, 32, 32, 128)
+LLAMA3_8B = Shape(4096, 14336, 32, 8, 128)
 
 
 class Launch:
@@ -182,6 +184,19 @@ def with_pdl(run: Callable[[], None]) -> Callable[[], None]:
     return run_with_pdl
 
 
+def with_expand_prefetch(run: Callable[[], None]) -> Callable[[], None]:
+    """`run` with the tensor-core expand reading its first Bᵀ chunk before the wait (ExpandConfig.prefetch)."""
+
+    def run_with_prefetch() -> None:
+        with (
+            mock.patch.object(lora_expand, "MIXED", dataclasses.replace(lora_expand.MIXED, prefetch=True)),
+            mock.patch.object(lora_expand, "PREFILL", dataclasses.replace(lora_expand.PREFILL, prefetch=True)),
+        ):
+            run()
+
+    return run_with_prefetch
+
+
 DECODE = [(0, 1), (1, 1), (2, 1), (None, 1), (1, 1)]
 PREFILL = [(1, 100), (None, 3), (0, 1)]
 SCENARIOS = {
@@ -189,6 +204,9 @@ SCENARIOS = {
     "lora-prefill-bf16": lambda: lora_layer(LLAMA_7B, torch.bfloat16, PREFILL),
     "lora-decode-pdl-bf16": lambda: with_pdl(lora_layer(LLAMA_7B, torch.bfloat16, DECODE)),
     "lora-prefill-pdl-bf16": lambda: with_pdl(lora_layer(LLAMA_7B, torch.bfloat16, PREFILL)),
+    "lora-mixed-prefetch-pdl-bf16": lambda: with_pdl(
+        with_expand_prefetch(lora_layer(LLAMA3_8B, torch.bfloat16, PREFILL))
+    ),  # fmt: skip
     "projections-1-pdl-bf16": lambda: with_pdl(projections(1)),
     "lora-decode-fp32": lambda: lora_layer(Shape(576, 1536, 9, 3, 64), torch.float32, DECODE),
     "attention-decode-split-bf16": lambda: attention(Heads(32, 8, 128), 16, torch.bfloat16, [(1, 4000)]),

@@ -295,7 +295,24 @@ def test_expand_programs_cover_each_modules_own_columns(step: str, monkeypatch: 
     assert lora_expand.column_blocks(widths, block_n * cfg.n_chunks) == tuple(itertools.accumulate(per_module))
 
 
+@pytest.mark.parametrize("n_chunks", [1, 3])
+@pytest.mark.parametrize("step", ["mixed", "prefill"])
+def test_tensor_core_expand_with_bt_read_before_the_wait(
+    step: str, n_chunks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ExpandConfig.prefetch: the first Bᵀ chunk of a program read ahead, the later chunks (ranks above the chunk's
+    16 rows, and further column blocks) read in the loop: every column still gets its delta once."""
+    for name in ("MIXED", "PREFILL"):
+        config = dataclasses.replace(getattr(lora_expand, name), block_n=(16,), n_chunks=n_chunks, prefetch=True)
+        monkeypatch.setattr(lora_expand, name, config)
+    case = build_case(TINY, torch.bfloat16, list(TINY_ADAPTERS), TINY_STEPS[step], seed=39)
+    assert max(max(r) for r in TINY_ADAPTERS) > lora_expand.MIXED.block_r, "ranks of several chunks"
+    check_layer(case, "triton", seed=40)
+
+
 def test_expand_config_rejects_column_blocks_it_cannot_run() -> None:
+    with pytest.raises(ValueError, match="prefetch"):
+        dataclasses.replace(lora_expand.DECODE, prefetch=True)
     with pytest.raises(ValueError, match="n_chunks"):
         dataclasses.replace(lora_expand.MIXED, n_chunks=0)
     with pytest.raises(ValueError, match="n_chunks"):
