@@ -850,6 +850,7 @@ def single_module_expand_variants() -> list[ExpandConfig]:
 
 SERVED_MIXED = "served mixed"
 SERVED_MIXED_EXPAND = "served mixed expand"  # its expand candidates on S1, S2 and S1 over 5 adapters, q/k/v and o
+SERVED_DECODE = "served decode"  # a saturated server's decode step (served_decode_case), q/k/v and o
 
 
 def served_mixed_sweep(gqa: Model, n: int) -> tuple[str, Callable[[], LoraCase]]:
@@ -883,6 +884,14 @@ def served_mixed_variants(gqa: Model, n: int) -> list[tuple[str, Callable[[], Lo
     ]
 
 
+def served_decode_case(gqa: Model, n: int) -> LoraCase:
+    """A saturated server's decode step on the GQA shape (S1 n = 2000 served, perf/RESULTS.md: ~370 sequences a
+    decode step, each on its own adapter): 6n - 12 decodes (n = 64: 372) as their CUDA graph replays them."""
+    decodes = 6 * n - 12
+    label = f"{SERVED_DECODE} {decodes} decode S1"
+    return as_decode_graph(lora_case(label, gqa, [S1] * decodes, [(i, 1) for i in range(decodes)]))
+
+
 def as_mixed_graph(case: LoraCase, seqs: int) -> LoraCase:
     """The case's step as a graph of steps with prompts replays it (executor/mixed_graphs.py): static buffers for
     its tokens and `seqs` sequences, 16-token tiles on the mixed configs."""
@@ -912,6 +921,9 @@ def tune(smoke: bool, only: str | None = None, lora_case_of: str | None = None) 
     if lora_case_of == SERVED_MIXED:
         label, make = served_mixed_sweep(gqa, n)
         return tune_lora(label, make())
+    if lora_case_of == SERVED_DECODE:
+        case = served_decode_case(gqa, n)
+        return tune_lora(case.name, case, 0) + tune_lora(case.name, case, 1)
     if lora_case_of == SERVED_MIXED_EXPAND:
         for label, make in served_mixed_variants(gqa, n):
             for call in (0, 1):  # q/k/v, o
@@ -989,10 +1001,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one call each (CPU: Triton interpreter)")
     parser.add_argument("--tune", action="store_true", help="also sweep the hot kernels' configs (about 3 more min)")
     parser.add_argument("--only", choices=("lora", "attention"), help="run only the LoRA or the attention cases")
-    parser.add_argument("--tune-case", choices=(SERVED_MIXED, SERVED_MIXED_EXPAND),
+    parser.add_argument("--tune-case", choices=(SERVED_MIXED, SERVED_MIXED_EXPAND, SERVED_DECODE),
                         help="sweep only this LoRA case's configs (a saturated server's step with prompts, GQA, "
                              "S1; 'expand': the mixed expand's candidates on it as S1, S2 and S1 over 5 adapters, "
-                             "q/k/v and o calls), no benchmark rows")  # fmt: skip
+                             "q/k/v and o calls; 'served decode': its decode step as a graph, q/k/v and o), no "
+                             "benchmark rows")  # fmt: skip
     parser.add_argument(
         "--flush",
         choices=FLUSH_MODES,

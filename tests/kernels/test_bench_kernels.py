@@ -84,3 +84,25 @@ def test_tune_case_sweeps_the_served_step_alone(monkeypatch: pytest.MonkeyPatch)
     ((label, tokens, call),) = swept
     assert label.startswith(bench_kernels.SERVED_MIXED) and call == 0
     assert tokens == 40 + 2 * 30  # the smoke shape: 7n + 12 decodes beside two prompts of 13n/2 + 4 tokens, n = 4
+
+
+def test_tune_case_sweeps_the_served_decode_step_as_its_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--tune-case "served decode": a saturated server's decode step, each request on its own S1 adapter, as its
+    CUDA graph replays it (the bucket's tokens, static metadata), swept on its q/k/v and o calls."""
+    from perf import bench_kernels
+    from slora.backend.executor.cuda_graphs import bucket_for, bucket_sizes
+
+    swept: list[tuple[str, int, int, str]] = []
+
+    def fake_tune(label: str, case: object, call: int = 0) -> list[dict[str, object]]:
+        meta = case.meta  # type: ignore[attr-defined]
+        swept.append((label, case.num_tokens, call, meta.whole().kind(bench_kernels.kernel_settings)))  # type: ignore[attr-defined]
+        assert meta.static is not None, "graph metadata"
+        return [{"kernel": label, "config": "c", "ms": 1.0, "vs_default": 1.0}]
+
+    monkeypatch.setattr(bench_kernels, "tune_lora", fake_tune)
+    monkeypatch.setattr(bench_kernels, "DEVICE", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    assert len(bench_kernels.tune(True, None, bench_kernels.SERVED_DECODE)) == 2
+    bucket = bucket_for(bucket_sizes(bench_kernels.GRAPH_MAX_SEQS), 12)  # the smoke shape: 6n - 12 decodes, n = 4
+    assert [(tokens, call, kind) for _, tokens, call, kind in swept] == [(bucket, 0, "decode"), (bucket, 1, "decode")]
+    assert swept[0][0].startswith(bench_kernels.SERVED_DECODE)
