@@ -57,6 +57,7 @@ from slora.kernels.reference.lora_padded import lora_padded_bmm
 from slora.kernels.settings import KernelSettings
 from slora.kernels.triton import lora_call, lora_expand, lora_shrink, paged_attention, paged_decode, pdl
 from slora.kernels.triton.lora_expand import ExpandConfig
+from slora.kernels.triton.lora_fused import fused_lora
 from slora.kernels.triton.lora_shrink import ShrinkConfig
 from slora.kernels.triton.ops import TritonOps
 from slora.kernels.triton.paged_attention import AttentionConfig
@@ -408,6 +409,20 @@ def bench_lora(case: LoraCase, device: Device) -> list[Row]:
     return rows
 
 
+def lora_fused_call(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    flat_layer: torch.Tensor,
+    meta: LoraMeta,
+    modules: tuple[int, ...],
+    offsets: tuple[int, ...],
+    widths: tuple[int, ...],
+) -> None:
+    """The call with kernels/triton/lora_fused.py, one launch per run of fused modules (not the engine's kernels)."""
+    for first, run_offsets, run_widths in lora_call.consecutive_runs(modules, offsets, widths):
+        fused_lora(y, x, flat_layer, meta, first, run_offsets, run_widths)
+
+
 def lora_split(y: torch.Tensor, *args: Any) -> None:
     """TritonOps.lora with the step's decodes and prompts launched apart (KernelSettings.lora_split)."""
     TritonOps(dataclasses.replace(kernel_settings, lora_split=True)).lora(y, *args)
@@ -455,6 +470,7 @@ def bench_lora_call(
     }
     if len(case.meta.groups(split=True)) > 1:  # decodes and prompts: also launched apart (lora_split)
         impls["triton_split"] = (lora_split, y0, args)
+    impls["triton_fused"] = (lora_fused_call, y0, args)  # a candidate: shrink and expand in one kernel
     graph = graph_meta(case)
     if graph is not None:  # a decode step: also as a CUDA graph replays it (padded to its bucket, static metadata)
         meta, size = graph

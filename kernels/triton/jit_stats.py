@@ -20,6 +20,7 @@ KERNELS = (  # (module, kernel)
     ("slora.kernels.triton.kv_write", "_kv_write_kernel"),
     ("slora.kernels.triton.lora_expand", "_lora_expand_kernel"),
     ("slora.kernels.triton.lora_expand", "_lora_expand_gemv_kernel"),
+    ("slora.kernels.triton.lora_fused", "_lora_fused_kernel"),
     ("slora.kernels.triton.gemm", "_gemm_kernel"),
     ("slora.kernels.triton.lora_shrink", "_lora_shrink_kernel"),
     ("slora.kernels.triton.lora_shrink", "_lora_shrink_gemv_kernel"),

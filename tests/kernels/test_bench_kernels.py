@@ -24,7 +24,8 @@ def test_bench_kernels_smoke(tmp_path: Path) -> None:
     kernels = {r["kernel"] for r in rows}
     assert {"lora_qkv", "lora_layer", "attention_decode", "attention_prefill", "kv_write"} <= kernels
     parts = {f"{impl}:{part}" for impl in ("triton", "triton_split") for part in ("shrink", "expand")}
-    assert {r["impl"] for r in rows} == {"triton", "torch_ref", "padded_bmm", "triton_split", "triton_graph"} | parts
+    impls = {"triton", "torch_ref", "padded_bmm", "triton_split", "triton_graph", "triton_fused"}
+    assert {r["impl"] for r in rows} == impls | parts
     split = [r for r in rows if r["impl"] == "triton_split"]  # the steps with decodes and prompts
     assert split and all("prompt" in r["case"] and r["kernel"].startswith("lora_") for r in split), split
     assert any(r["case"].startswith(bench_kernels.SERVED_MIXED) for r in split), "the served step with prompts"

@@ -1,0 +1,135 @@
+"""LoRA shrink and expand in one kernel, one token at a time: y_t[cols_m] += ((x_t · A_mᵀ) · B_m) · scale_m.
+
+A candidate for steps of many adapters with a token or a few each (a saturated server's decode steps, and the
+decodes of its steps with prompts), measured by perf/bench_kernels.py ("triton_fused") against the shrink and
+expand launch pair of lora_call.py; the engine does not launch it. One program takes one tile of up to BLOCK_M
+tokens of one segment (one adapter) and one module of the call (grid axis 1): for each token it reads the adapter's
+A rows along the input features (x_t · Aᵀ, kept in registers: the program's rank fits one BLOCK_R chunk), then
+its Bᵀ rows along the module's output columns, and adds the scaled product into y. The pair's partial sums v never
+go through memory, and a call is one launch instead of two; what it gives up is parallelism across K splits and
+column blocks, so a step of few tokens runs few, long programs.
+
+    x: [num_tokens, in]                         pool layer (flat): lora_A rows (in elements) and lora_Bᵀ rows
+    y: [num_tokens, ≥ Σ out_m]                  (out_m elements), anywhere in the pool (LoraMeta's row tables)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from slora.kernels.metadata import LoraMeta, SegmentGroup
+from slora.kernels.triton.launch import next_power_of_2
+from slora.kernels.triton.lora_expand import module_of_program
+from slora.kernels.triton.lora_shrink import MODULES, NUM_MODULES, tile_bounds
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    block_m: int  # tokens per tile: a decode's tile holds its one token, a prompt's up to block_m
+    block_k: int  # input features per step of the shrink loop
+    block_n: int  # output columns per step of the expand loop
+    num_warps: int
+    num_stages: int
+
+
+DEFAULT = FusedConfig(16, 512, 512, 4, 2)
+
+
+@triton.jit(do_not_specialize=["stride_x", "stride_y"])
+def _lora_fused_kernel(
+    x_ptr,  # [num_tokens, in_features], unit column stride
+    stride_x,
+    pool_ptr,  # one pool layer, flat
+    y_ptr,  # [num_tokens, ≥ Σ out_m], unit column stride (updated in place)
+    stride_y,
+    tiles_ptr,  # int32 [num_tiles, 4]: (segment, first token, segment end, adapter)
+    ranks_ptr,  # int32 [num_adapters, 7]
+    scales_ptr,  # float32 [num_adapters, 7]
+    row_start_ptr,  # int32 [num_adapters, 7]: each module's first entry in the row tables
+    a_rows_ptr,  # int64 [total_rows]: flat pool offset of each lora_A row
+    b_rows_ptr,  # int64 [total_rows]: flat pool offset of each lora_Bᵀ row
+    in_features,
+    offset0,  # first column in y of each module of the call, and its width
+    offset1,
+    offset2,
+    width0,
+    width1,
+    width2,
+    FIRST_MODULE: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # a power of two at least every module's rank
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    s = tl.program_id(1)
+    first, end, adapter = tile_bounds(tiles_ptr, tl.program_id(0))
+    rank, row0, scale, offset, width, _ = module_of_program(
+        ranks_ptr, scales_ptr, row_start_ptr, adapter * MODULES + FIRST_MODULE, s,
+        offset0, offset1, offset2, width0, width1, width2, NUM_SLICES,
+    )  # fmt: skip
+    if rank > 0:
+        j = tl.arange(0, BLOCK_R)
+        j_mask = j < rank
+        a_rows = tl.multiple_of(tl.load(a_rows_ptr + row0 + j, mask=j_mask, other=0), ROW_ALIGN)
+        b_rows = tl.multiple_of(tl.load(b_rows_ptr + row0 + j, mask=j_mask, other=0), ROW_ALIGN)
+        for i in range(0, tl.minimum(end - first, BLOCK_M)):  # the tile's tokens (rows first + i)
+            t = first.to(tl.int64) + i
+            v = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            for k0 in range(0, in_features, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = k < in_features
+                xt = tl.load(x_ptr + t * stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
+                at = tl.load(pool_ptr + a_rows[:, None] + k[None, :], mask=j_mask[:, None] & k_mask[None, :],
+                             other=0.0)  # fmt: skip
+                v += tl.sum(at.to(tl.float32) * xt[None, :], axis=1)
+            y_row = y_ptr + t * stride_y + offset
+            for n0 in range(0, width, BLOCK_N):
+                n = n0 + tl.arange(0, BLOCK_N)
+                n_mask = n < width
+                bt = tl.load(pool_ptr + b_rows[:, None] + n[None, :], mask=j_mask[:, None] & n_mask[None, :],
+                             other=0.0)  # fmt: skip
+                delta = tl.sum(v[:, None] * bt.to(tl.float32), axis=0)
+                yt = tl.load(y_row + n, mask=n_mask, other=0.0)
+                tl.store(y_row + n, (yt.to(tl.float32) + delta * scale).to(yt.dtype), mask=n_mask)
+
+
+def fused_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    flat_layer: torch.Tensor,
+    meta: LoraMeta,
+    first_module: int,
+    out_offsets: tuple[int, ...],
+    out_widths: tuple[int, ...],
+    group: SegmentGroup | None = None,
+    cfg: FusedConfig = DEFAULT,
+) -> None:
+    """y[:, out_offsets[i] : + out_widths[i]] += LoRA of module first_module + i, for every token of `group`
+    (default: the whole step), modules first_module .. + len(out_widths) - 1 (at most 3) in one launch."""
+    num_slices = len(out_widths)
+    if not 1 <= num_slices <= 3 or len(out_offsets) != num_slices:
+        raise ValueError(f"expected 1 to 3 modules, got offsets {out_offsets} and widths {out_widths}")
+    if first_module < 0 or first_module + num_slices > NUM_MODULES:
+        raise ValueError(f"modules {first_module}..{first_module + num_slices - 1} are not LoRA modules")
+    if x.dim() != 2 or x.stride(1) != 1 or y.dim() != 2 or y.stride(1) != 1 or x.shape[0] != y.shape[0]:
+        raise ValueError(f"x and y must be [num_tokens, features] with unit column stride, got {tuple(x.shape)} "
+                         f"and {tuple(y.shape)}")  # fmt: skip
+    group = meta.whole() if group is None else group
+    tiles = group.tiles(cfg.block_m)
+    if tiles.shape[0] == 0:
+        return
+    offsets = tuple(out_offsets) + (0,) * (3 - num_slices)
+    widths = tuple(out_widths) + (0,) * (3 - num_slices)
+    _lora_fused_kernel[(int(tiles.shape[0]), num_slices)](
+        x, x.stride(0), flat_layer, y, y.stride(0), tiles, meta.ranks, meta.scales, meta.row_start,
+        meta.a_rows, meta.b_rows, x.shape[1], *offsets, *widths,
+        FIRST_MODULE=first_module, NUM_SLICES=num_slices, ROW_ALIGN=meta.row_align, BLOCK_M=cfg.block_m,
+        BLOCK_R=max(next_power_of_2(meta.max_rank), 2), BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
