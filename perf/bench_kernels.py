@@ -55,9 +55,9 @@ from slora.kernels.reference.attention import paged_attention_ref, write_kv_ref
 from slora.kernels.reference.lora import lora_ref
 from slora.kernels.reference.lora_padded import lora_padded_bmm
 from slora.kernels.settings import KernelSettings
-from slora.kernels.triton import lora_call, lora_expand, lora_shrink, paged_attention, paged_decode, pdl
+from slora.kernels.triton import lora_call, lora_expand, lora_fused, lora_shrink, paged_attention, paged_decode, pdl
 from slora.kernels.triton.lora_expand import ExpandConfig
-from slora.kernels.triton.lora_fused import fused_lora
+from slora.kernels.triton.lora_fused import FusedConfig, fused_lora
 from slora.kernels.triton.lora_shrink import ShrinkConfig
 from slora.kernels.triton.ops import TritonOps
 from slora.kernels.triton.paged_attention import AttentionConfig
@@ -900,12 +900,26 @@ def served_mixed_variants(gqa: Model, n: int) -> list[tuple[str, Callable[[], Lo
     ]
 
 
-def served_decode_case(gqa: Model, n: int) -> LoraCase:
+def served_decode_case(gqa: Model, n: int, graph: bool = True) -> LoraCase:
     """A saturated server's decode step on the GQA shape (S1 n = 2000 served, perf/RESULTS.md: ~370 sequences a
-    decode step, each on its own adapter): 6n - 12 decodes (n = 64: 372) as their CUDA graph replays them."""
+    decode step, each on its own adapter): 6n - 12 decodes (n = 64: 372), as their CUDA graph replays them (graph)
+    or as an eager step's metadata."""
     decodes = 6 * n - 12
     label = f"{SERVED_DECODE} {decodes} decode S1"
-    return as_decode_graph(lora_case(label, gqa, [S1] * decodes, [(i, 1) for i in range(decodes)]))
+    case = lora_case(label, gqa, [S1] * decodes, [(i, 1) for i in range(decodes)])
+    return as_decode_graph(case) if graph else case
+
+
+def tune_fused(case: LoraCase, call: int) -> list[dict[str, Any]]:
+    """FusedConfig sweep of the fused LoRA kernel (a candidate, kernels/triton/lora_fused.py) on one call of `case`."""
+    name, modules, in_features = lora_calls(case.model)[call]
+    offsets, widths = call_outputs(case.model, modules)
+    x = torch.randn((case.num_tokens, in_features), device=DEVICE).to(torch.bfloat16)
+    y = torch.zeros((case.num_tokens, sum(widths)), device=DEVICE).to(torch.bfloat16)
+    variants = [FusedConfig(bm, bk, bn, w, 2) for bm in (1, 16) for bk, bn in ((256, 256), (512, 512), (1024, 1024))
+                for w in (2, 4, 8)]  # fmt: skip
+    run = functools.partial(lora_fused_call, y, x, case.flat_layer, case.meta, modules, offsets, widths)
+    return sweep(f"lora_fused ({case.name} {name})", lora_fused, "DEFAULT", variants, run)
 
 
 def as_mixed_graph(case: LoraCase, seqs: int) -> LoraCase:
@@ -939,7 +953,11 @@ def tune(smoke: bool, only: str | None = None, lora_case_of: str | None = None) 
         return tune_lora(label, make())
     if lora_case_of == SERVED_DECODE:
         case = served_decode_case(gqa, n)
-        return tune_lora(case.name, case, 0) + tune_lora(case.name, case, 1)
+        results = tune_lora(case.name, case, 0) + tune_lora(case.name, case, 1)
+        for make_case in (lambda: served_decode_case(gqa, n, graph=False), served_mixed_sweep(gqa, n)[1]):
+            eager = make_case()
+            results += tune_fused(eager, 0) + tune_fused(eager, 1)
+        return results
     if lora_case_of == SERVED_MIXED_EXPAND:
         for label, make in served_mixed_variants(gqa, n):
             for call in (0, 1):  # q/k/v, o

@@ -30,10 +30,18 @@ from slora.kernels.triton.lora_shrink import MODULES, NUM_MODULES, tile_bounds
 @dataclass(frozen=True)
 class FusedConfig:
     block_m: int  # tokens per tile: a decode's tile holds its one token, a prompt's up to block_m
-    block_k: int  # input features per step of the shrink loop
-    block_n: int  # output columns per step of the expand loop
+    block_k: int  # input features per step of the shrink loop, at most
+    block_n: int  # output columns per step of the expand loop, at most
     num_warps: int
     num_stages: int
+    # Elements of A or Bᵀ one loop step loads at most: a step's rows are the call's rank bound, so a larger rank
+    # takes narrower steps instead of more registers than the program's warps hold.
+    max_tile: int = 8192
+
+    def steps(self, block_r: int) -> tuple[int, int]:
+        """(block_k, block_n) for rank chunks of block_r rows."""
+        cap = max(self.max_tile // block_r, 16)
+        return min(self.block_k, cap), min(self.block_n, cap)
 
 
 DEFAULT = FusedConfig(16, 512, 512, 4, 2)
@@ -108,10 +116,12 @@ def fused_lora(
     out_offsets: tuple[int, ...],
     out_widths: tuple[int, ...],
     group: SegmentGroup | None = None,
-    cfg: FusedConfig = DEFAULT,
+    cfg: FusedConfig | None = None,
 ) -> None:
     """y[:, out_offsets[i] : + out_widths[i]] += LoRA of module first_module + i, for every token of `group`
-    (default: the whole step), modules first_module .. + len(out_widths) - 1 (at most 3) in one launch."""
+    (default: the whole step), modules first_module .. + len(out_widths) - 1 (at most 3) in one launch; cfg:
+    DEFAULT, looked up at each call (benchmark sweeps set it)."""
+    cfg = DEFAULT if cfg is None else cfg
     num_slices = len(out_widths)
     if not 1 <= num_slices <= 3 or len(out_offsets) != num_slices:
         raise ValueError(f"expected 1 to 3 modules, got offsets {out_offsets} and widths {out_widths}")
@@ -126,10 +136,11 @@ def fused_lora(
         return
     offsets = tuple(out_offsets) + (0,) * (3 - num_slices)
     widths = tuple(out_widths) + (0,) * (3 - num_slices)
+    block_r = max(next_power_of_2(meta.max_rank), 2)
+    block_k, block_n = cfg.steps(block_r)
     _lora_fused_kernel[(int(tiles.shape[0]), num_slices)](
         x, x.stride(0), flat_layer, y, y.stride(0), tiles, meta.ranks, meta.scales, meta.row_start,
         meta.a_rows, meta.b_rows, x.shape[1], *offsets, *widths,
         FIRST_MODULE=first_module, NUM_SLICES=num_slices, ROW_ALIGN=meta.row_align, BLOCK_M=cfg.block_m,
-        BLOCK_R=max(next_power_of_2(meta.max_rank), 2), BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -101,9 +101,18 @@ def test_tune_case_sweeps_the_served_decode_step_as_its_graph(monkeypatch: pytes
         assert meta.static is not None, "graph metadata"
         return [{"kernel": label, "config": "c", "ms": 1.0, "vs_default": 1.0}]
 
+    fused: list[tuple[int, int, bool]] = []
+
+    def fake_fused(case: object, call: int) -> list[dict[str, object]]:
+        fused.append((case.num_tokens, call, case.meta.static is None))  # type: ignore[attr-defined]
+        return []
+
     monkeypatch.setattr(bench_kernels, "tune_lora", fake_tune)
+    monkeypatch.setattr(bench_kernels, "tune_fused", fake_fused)
     monkeypatch.setattr(bench_kernels, "DEVICE", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     assert len(bench_kernels.tune(True, None, bench_kernels.SERVED_DECODE)) == 2
     bucket = bucket_for(bucket_sizes(bench_kernels.GRAPH_MAX_SEQS), 12)  # the smoke shape: 6n - 12 decodes, n = 4
     assert [(tokens, call, kind) for _, tokens, call, kind in swept] == [(bucket, 0, "decode"), (bucket, 1, "decode")]
     assert swept[0][0].startswith(bench_kernels.SERVED_DECODE)
+    # the fused candidate's configs, on the decode step's eager metadata and on the served step with prompts
+    assert fused == [(12, 0, True), (12, 1, True), (100, 0, True), (100, 1, True)]

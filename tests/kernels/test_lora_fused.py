@@ -39,6 +39,15 @@ def test_fused_lora_matches_reference(step: str, block_m: int) -> None:
         assert torch.equal(actual[keep], y0[keep]), f"modules {modules}: y changed where no adapter applies"
 
 
+def test_fused_steps_narrow_with_the_rank() -> None:
+    """A loop step loads at most max_tile elements of A or Bᵀ: rank 8 keeps the configured steps, rank 128 narrows
+    them, never below 16 columns."""
+    cfg = dataclasses.replace(DEFAULT, block_k=512, block_n=256, max_tile=8192)
+    assert cfg.steps(8) == (512, 256)
+    assert cfg.steps(128) == (64, 64)
+    assert cfg.steps(1024) == (16, 16)
+
+
 def test_fused_lora_rejects_calls_it_cannot_run() -> None:
     case = build_case(TINY, torch.bfloat16, list(TINY_ADAPTERS), TINY_STEPS["decode"], seed=43)
     x = torch.zeros((case.num_tokens, TINY.hidden), device=DEVICE).to(torch.bfloat16)
