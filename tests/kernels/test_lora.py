@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 import itertools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,19 +129,20 @@ def untouched(case: LayerCase, modules: tuple[int, ...], offsets: tuple[int, ...
     return keep.to(DEVICE)
 
 
-def check_layer(case: LayerCase, impl: str, seed: int, settings: KernelSettings = SETTINGS) -> None:
+def check_layer(
+    case: LayerCase, impl: str | Callable[..., None], seed: int, settings: KernelSettings = SETTINGS
+) -> None:
+    """Each of the layer's LoRA calls through `impl` ("triton", "bmm", or a function with TritonOps.lora's
+    arguments) against the torch reference."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    ops = TritonOps(settings)
+    run = {"triton": TritonOps(settings).lora, "bmm": lora_padded_bmm}[impl] if isinstance(impl, str) else impl
     for modules, offsets, widths, in_features in layer_calls(case.shape):
         x = torch.randn((case.num_tokens, in_features), generator=gen, device=DEVICE).to(case.dtype)
         y0 = torch.randn((case.num_tokens, sum(widths)), generator=gen, device=DEVICE).to(case.dtype)
         expected = y0.clone()
         lora_ref(expected, x, case.flat_layer, case.meta, modules, offsets, widths)
         actual = y0.clone()
-        if impl == "triton":
-            ops.lora(actual, x, case.flat_layer, case.meta, modules, offsets, widths)
-        else:
-            lora_padded_bmm(actual, x, case.flat_layer, case.meta, modules, offsets, widths)
+        run(actual, x, case.flat_layer, case.meta, modules, offsets, widths)
         magnitude = float((expected.float() - y0.float()).abs().max())
         assert magnitude > 0, f"modules {modules}: the step adds no LoRA delta (a broken test case)"
         assert_close(actual, expected, case.dtype, magnitude)
