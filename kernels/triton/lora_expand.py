@@ -324,6 +324,14 @@ def column_blocks(widths: tuple[int, ...], columns: int) -> tuple[int, int, int]
     return ends[0], ends[1], ends[2]
 
 
+def check_modules(first_module: int, out_offsets: tuple[int, ...], out_widths: tuple[int, ...]) -> None:
+    """ValueError unless the call is 1 to 3 consecutive LoRA modules from first_module, an offset and width each."""
+    if not 1 <= len(out_widths) <= 3 or len(out_offsets) != len(out_widths):
+        raise ValueError(f"expected 1 to 3 fused modules, got offsets {out_offsets} and widths {out_widths}")
+    if first_module < 0 or first_module + len(out_widths) > NUM_MODULES:
+        raise ValueError(f"modules {first_module}..{first_module + len(out_widths) - 1} are not LoRA modules")
+
+
 def _check(
     y: torch.Tensor,
     v: torch.Tensor,
@@ -333,10 +341,7 @@ def _check(
     out_offsets: tuple[int, ...],
     out_widths: tuple[int, ...],
 ) -> None:
-    if not 1 <= len(out_widths) <= 3 or len(out_offsets) != len(out_widths):
-        raise ValueError(f"expected 1 to 3 fused modules, got offsets {out_offsets} and widths {out_widths}")
-    if first_module < 0 or first_module + len(out_widths) > NUM_MODULES:
-        raise ValueError(f"modules {first_module}..{first_module + len(out_widths) - 1} are not LoRA modules")
+    check_modules(first_module, out_offsets, out_widths)
     if y.dim() != 2 or y.stride(1) != 1:
         raise ValueError(f"y must be [num_tokens, out] with unit column stride, got {tuple(y.shape)}")
     if max(o + w for o, w in zip(out_offsets, out_widths)) > y.shape[1]:

@@ -23,8 +23,8 @@ import triton.language as tl
 
 from slora.kernels.metadata import LoraMeta, SegmentGroup
 from slora.kernels.triton.launch import next_power_of_2
-from slora.kernels.triton.lora_expand import module_of_program
-from slora.kernels.triton.lora_shrink import MODULES, NUM_MODULES, tile_bounds
+from slora.kernels.triton.lora_expand import check_modules, module_of_program
+from slora.kernels.triton.lora_shrink import MODULES, tile_bounds
 
 
 @dataclass(frozen=True)
@@ -123,10 +123,7 @@ def fused_lora(
     DEFAULT, looked up at each call (benchmark sweeps set it)."""
     cfg = DEFAULT if cfg is None else cfg
     num_slices = len(out_widths)
-    if not 1 <= num_slices <= 3 or len(out_offsets) != num_slices:
-        raise ValueError(f"expected 1 to 3 modules, got offsets {out_offsets} and widths {out_widths}")
-    if first_module < 0 or first_module + num_slices > NUM_MODULES:
-        raise ValueError(f"modules {first_module}..{first_module + num_slices - 1} are not LoRA modules")
+    check_modules(first_module, out_offsets, out_widths)
     if x.dim() != 2 or x.stride(1) != 1 or y.dim() != 2 or y.stride(1) != 1 or x.shape[0] != y.shape[0]:
         raise ValueError(f"x and y must be [num_tokens, features] with unit column stride, got {tuple(x.shape)} "
                          f"and {tuple(y.shape)}")  # fmt: skip

@@ -45,7 +45,7 @@ def test_fused_lora_rejects_calls_it_cannot_run() -> None:
     case = build_case(TINY, torch.bfloat16, list(TINY_ADAPTERS), TINY_STEPS["decode"], seed=43)
     x = torch.zeros((case.num_tokens, TINY.hidden), device=DEVICE).to(torch.bfloat16)
     y = torch.zeros((case.num_tokens, 4 * TINY.hidden), device=DEVICE).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="1 to 3 modules"):
+    with pytest.raises(ValueError, match="1 to 3 fused modules"):
         fused_lora(y, x, case.flat_layer, case.meta, 0, (0, 1, 2, 3), (1, 1, 1, 1))
     with pytest.raises(ValueError, match="not LoRA modules"):
         fused_lora(y, x, case.flat_layer, case.meta, 6, (0, 8), (8, 8))
