@@ -873,10 +873,15 @@ def served_mixed_sweep(gqa: Model, n: int) -> tuple[str, Callable[[], LoraCase]]
     """A saturated server's step with prompts on the GQA shape (S1 n = 2000 served, perf/RESULTS.md: ~460
     sequences, ~840 prompt tokens, each request on its own adapter): 7n + 12 decodes beside two prompts of 13n/2 + 4
     tokens (n = 64: 460 and 420)."""
-    decodes, prompt = 7 * n + 12, 13 * n // 2 + 4
+    decodes, prompt = served_mixed_shape(n)
     step = [(i, 1) for i in range(decodes)] + [(decodes + i, prompt) for i in range(2)]
     label = f"{SERVED_MIXED} {decodes} decode + 2x{prompt} prompt S1"
     return label, lambda: lora_case(label, gqa, [S1] * (decodes + 2), step)
+
+
+def served_mixed_shape(n: int) -> tuple[int, int]:
+    """(decodes, tokens of each of its two prompts) of the served step with prompts (served_mixed_sweep)."""
+    return 7 * n + 12, 13 * n // 2 + 4
 
 
 def served_mixed_variants(gqa: Model, n: int) -> list[tuple[str, Callable[[], LoraCase]]]:
@@ -885,7 +890,7 @@ def served_mixed_variants(gqa: Model, n: int) -> list[tuple[str, Callable[[], Lo
     decodes alone over 5 adapters (KernelSettings.few_adapters: the same configs): a config for such steps must not
     lose on any of them, since one graph of steps with prompts serves them all."""
     label, s1 = served_mixed_sweep(gqa, n)
-    decodes, prompt = 7 * n + 12, 13 * n // 2 + 4
+    decodes, prompt = served_mixed_shape(n)
     many = [(i, 1) for i in range(decodes)] + [(decodes + i, prompt) for i in range(2)]
     few = [(i % 5, 1) for i in range(decodes)] + [(i, prompt) for i in range(2)]
     s2_label = label.replace(" S1", " S2 r64/32/16/8")
@@ -960,9 +965,11 @@ def tune(smoke: bool, only: str | None = None, lora_case_of: str | None = None) 
         return results
     if lora_case_of == SERVED_MIXED_EXPAND:
         for label, make in served_mixed_variants(gqa, n):
+            built: LoraCase | None = None  # once for both calls
             for call in (0, 1):  # q/k/v, o
                 try:
-                    results += tune_lora(label, make(), call, expand_only=True)
+                    built = make() if built is None else built
+                    results += tune_lora(label, built, call, expand_only=True)
                 except Exception as exc:  # noqa: BLE001 - one case that cannot run must not lose the others
                     logger.exception("%s: no sweep", label)
                     results.append({"kernel": f"lora_expand ({label} call {call})", "config": "-",
