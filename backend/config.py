@@ -82,6 +82,10 @@ class EngineConfig:
     # instead of one launch pair for both on decode-shaped tensor-core tiles. Off: the faster kernels did not pay
     # for the second launch pair's host time (perf/RESULTS.md).
     lora_split: bool = False
+    # A step's decodes of many adapters (decode graphs, and an eager step's decodes, launched apart from its
+    # prompts as with lora_split) on one fused LoRA kernel per call, shrink and expand together, for adapters of rank
+    # up to 16 (kernels/triton/lora_fused.py); steps of few adapters, prompts and larger ranks keep the pair.
+    lora_fused: bool = False
     # Base projections of steps of up to 64 rows (decodes of up to 64 requests) on the Triton GEMM of
     # kernels/triton/gemm.py, which lets the LoRA shrink behind it start early; larger steps stay on cuBLAS.
     triton_gemm: bool = True

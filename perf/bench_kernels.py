@@ -423,6 +423,11 @@ def lora_fused_call(
         fused_lora(y, x, flat_layer, meta, first, run_offsets, run_widths)
 
 
+def fused_settings() -> KernelSettings:
+    """The benchmark's kernel settings with lora_fused on."""
+    return dataclasses.replace(kernel_settings, lora_fused=True)
+
+
 def lora_split(y: torch.Tensor, *args: Any) -> None:
     """TritonOps.lora with the step's decodes and prompts launched apart (KernelSettings.lora_split)."""
     TritonOps(dataclasses.replace(kernel_settings, lora_split=True)).lora(y, *args)
@@ -470,15 +475,16 @@ def bench_lora_call(
     }
     if len(case.meta.groups(split=True)) > 1:  # decodes and prompts: also launched apart (lora_split)
         impls["triton_split"] = (lora_split, y0, args)
-    impls["triton_fused"] = (lora_fused_call, y0, args)  # a candidate: shrink and expand in one kernel
+    # The fused kernel (shrink and expand in one) on every token, whatever the step; then as the engine launches it
+    # (lora_fused: decodes of many adapters of rank up to its MAX_RANK, the rest on the pair)
+    impls["triton_fused"] = (lora_fused_call, y0, args)
+    impls["fused_engine"] = (TritonOps(fused_settings()).lora, y0, args)
     graph = graph_meta(case)
     if graph is not None:  # a decode step: also as a CUDA graph replays it (padded to its bucket, static metadata)
         meta, size = graph
-        impls["triton_graph"] = (
-            TritonOps(kernel_settings).lora,
-            padded(y0, size),
-            (padded(x, size), case.flat_layer, meta, *args[3:]),
-        )
+        graph_args = (padded(x, size), case.flat_layer, meta, *args[3:])
+        impls["triton_graph"] = (TritonOps(kernel_settings).lora, padded(y0, size), graph_args)
+        impls["fused_graph"] = (TritonOps(fused_settings()).lora, padded(y0, size), graph_args)
     nbytes, flops = lora_minimum(case, modules, in_features)
     if nbytes == 0:
         return []  # no adapter of the case targets these modules (S1 has no MLP adapters): nothing to time
@@ -505,8 +511,9 @@ def lora_part_rows(
     """The call's shrink launches alone and its expand launches alone ("<impl>:shrink", "<impl>:expand"), as `impl`
     launches them; no error column (neither writes the call's result alone)."""
     x, flat_layer, meta, modules, offsets, widths = args
-    settings = dataclasses.replace(kernel_settings, lora_split=impl == "triton_split")
-    calls = lora_call.lora_calls(y, x, flat_layer, meta, modules, offsets, widths, settings)
+    settings = dataclasses.replace(kernel_settings, lora_split=impl == "triton_split", lora_fused=False)
+    calls = [c for c in lora_call.lora_calls(y, x, flat_layer, meta, modules, offsets, widths, settings)
+             if isinstance(c, lora_call.LoraCall)]  # fmt: skip
 
     def shrinks() -> None:
         for c in calls:

@@ -12,7 +12,7 @@ from slora.backend.engine.llm_engine import LLMEngine
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.kernels.metadata import LoraMeta, SegmentGroup
 from slora.kernels.settings import triton_interpreted
-from slora.kernels.triton import projection
+from slora.kernels.triton import lora_call, projection
 from tests.factories import hf_reference
 from tests.model_fixtures import ModelWithAdapters
 from tests.reference import compare_greedy, hf_greedy
@@ -90,6 +90,18 @@ def test_llama_split_lora_launches_on_cpu(llama: ModelWithAdapters, monkeypatch:
         llama, _config(llama, target, page_size=8, max_batch_tokens=48, lora_split=True), prompt_lengths=[5, 30, 9, 21]
     )
     assert 2 in split_groups, split_groups
+
+
+def test_llama_fused_lora_on_cpu(llama: ModelWithAdapters, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decodes on the fused LoRA kernel (EngineConfig.lora_fused) serve the same tokens; the engine does launch it."""
+    launched: list[int] = []
+    fused_launch = lora_call.fused_launch
+    monkeypatch.setattr(lora_call, "fused_launch", lambda *a, **kw: launched.append(a[4]) or fused_launch(*a, **kw))
+    target = {"device": "cpu", "kernel_backend": "triton", "dtype": "float32"}
+    _check(
+        llama, _config(llama, target, page_size=8, max_batch_tokens=48, lora_fused=True), prompt_lengths=[5, 30, 9, 21]
+    )
+    assert launched, "no step launched the fused kernel"
 
 
 def test_llama3_rope_scaling_tied_embeddings(llama3_scaled: ModelWithAdapters, target: dict[str, str]) -> None:

@@ -36,10 +36,10 @@ def test_bucket_sizes() -> None:
     assert sizes[:6] == [1, 2, 4, 8, 16, 32] and sizes[-1] == 256 and sizes == sorted(set(sizes))
 
 
-def _engine(model: ModelWithAdapters, device: str) -> LLMEngine:
+def _engine(model: ModelWithAdapters, device: str, lora_fused: bool = False) -> LLMEngine:
     config = EngineConfig(model=str(model.base), adapter_root=str(model.adapter_root), device=device,
                           kernel_backend="triton", dtype="float32", page_size=8, pool_bytes=8 << 20,
-                          max_num_seqs=12, max_model_len=64, max_lora_rank=16)  # fmt: skip
+                          max_num_seqs=12, max_model_len=64, max_lora_rank=16, lora_fused=lora_fused)  # fmt: skip
     return LLMEngine(config)
 
 
@@ -113,6 +113,36 @@ def test_graphs_launch_the_lora_of_targeted_modules_only(
     keys = set(graphs._static)  # noqa: SLF001 - which graphs the steps used
     assert any(key.modules == frozenset({0, 1, 2, 3}) and key.max_rank == 16 for key in keys), keys
     assert launched and not {4, 5, 6} & set(launched), sorted(set(launched))
+
+
+@pytest.mark.parametrize("device", ["cuda" if torch.cuda.is_available() else "cpu"])
+def test_decode_graphs_on_the_fused_lora_kernel(
+    llama: ModelWithAdapters, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With lora_fused, decode graphs of many adapters launch the fused kernel over their static one-token tiles
+    (padding rows of the null adapter add nothing); tokens and logits equal the eager engine's on the pair."""
+    rng = random.Random(23)
+    names: list[str | None] = ["r16-all", "r1-qv", "r3-all", None, "r8-mlp", "r12-qkv", "r3-all"]
+    jobs = [([rng.randrange(150) for _ in range(rng.randint(3, 9))], names[i % len(names)]) for i in range(7)]
+    eager_tokens, eager_logits = _run(_engine(llama, device), jobs)
+    engine = _engine(llama, device, lora_fused=True)
+    launched: list[int] = []  # the modules of the fused launches with a graph's static metadata
+    fused_launch = lora_call.fused_launch
+    monkeypatch.setattr(lora_call, "fused_launch", lambda *a, **kw: (a[3].static is not None and launched.append(a[4]))
+                        or fused_launch(*a, **kw))  # fmt: skip
+    limits = GraphLimits(engine.config.max_num_seqs, engine.max_model_len, engine.config.max_lora_rank)
+    fused = engine.config.kernel_settings()
+    engine.runner.graphs = DecodeGraphs(engine.model, engine.pool, limits, settings=fused, capture=device == "cuda")
+    replays: list[int] = []
+    forward = engine.runner.graphs.forward
+    engine.runner.graphs.forward = lambda batch: replays.append(batch.num_tokens) or forward(batch)  # type: ignore[method-assign]
+    graph_tokens, graph_logits = _run(engine, jobs)
+    assert replays, "no decode step replayed a graph"
+    assert graph_tokens == eager_tokens
+    for got, want in zip(graph_logits, eager_logits, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert set(launched) == {0, 3, 4, 6}, sorted(set(launched))  # q/k/v, o, gate/up, down
+    engine.check_idle_integrity()
 
 
 @pytest.mark.parametrize("device", ["cuda" if torch.cuda.is_available() else "cpu"])

@@ -30,7 +30,7 @@ from slora.kernels.settings import KernelSettings
 from slora.kernels.triton import lora_expand, pdl, rotary
 from slora.kernels.triton.gemm import gemm_launch
 from slora.kernels.triton.jit_stats import kernels_replaced
-from slora.kernels.triton.lora_call import consecutive_runs
+from slora.kernels.triton.lora_call import consecutive_runs, lora_calls
 from slora.kernels.triton.lora_fused import fused_lora
 from slora.kernels.triton.ops import TritonOps
 from tests.kernels.builders import Shape, attention_step
@@ -188,6 +188,24 @@ def lora_fused(shape: Shape, step: list[tuple[int | None, int]]) -> Callable[[],
     return run
 
 
+def lora_fused_engine(shape: Shape, step: list[tuple[int | None, int]]) -> Callable[[], None]:
+    """A layer's calls as the engine launches them with lora_fused (ranks the fused kernel serves), each call built
+    as behind the Triton GEMM (pdl_shrink)."""
+    ranks = [(16, 8, 8, 16, 0, 0, 0), (4,) * 7, (1, 0, 1, 0, 3, 3, 3)]
+    case = build_case(shape, torch.bfloat16, ranks, step, seed=1)
+    settings = KernelSettings(lora_fused=True)
+
+    def run() -> None:
+        for modules, offsets, widths, in_features in layer_calls(shape):
+            x = torch.zeros((case.num_tokens, in_features), dtype=torch.bfloat16)
+            y = torch.zeros((case.num_tokens, sum(widths)), dtype=torch.bfloat16)
+            calls = lora_calls(y, x, case.flat_layer, case.meta, modules, offsets, widths, settings, pdl_shrink=True)
+            for call in calls:
+                call(y, x, case.flat_layer)
+
+    return run
+
+
 def with_pdl(run: Callable[[], None]) -> Callable[[], None]:
     """`run` with the launches an sm_90 GPU makes: PDL on (kernels/triton/pdl.py), which the CPU never turns on."""
 
@@ -226,6 +244,7 @@ SCENARIOS = {
     ),  # fmt: skip
     "projections-1-pdl-bf16": lambda: with_pdl(projections(1)),
     "lora-fused-bf16": lambda: lora_fused(LLAMA3_8B, PREFILL),
+    "lora-fused-engine-pdl-bf16": lambda: with_pdl(lora_fused_engine(LLAMA3_8B, DECODE + PREFILL)),
     "lora-decode-fp32": lambda: lora_layer(Shape(576, 1536, 9, 3, 64), torch.float32, DECODE),
     "attention-decode-split-bf16": lambda: attention(Heads(32, 8, 128), 16, torch.bfloat16, [(1, 4000)]),
     "attention-mixed-bf16": lambda: attention(Heads(32, 32, 128), 32, torch.bfloat16, [(100, 300), (1, 50)]),

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 from slora.kernels.reference.lora import lora_ref  # noqa: E402
 from slora.kernels.settings import KernelSettings  # noqa: E402
-from slora.kernels.triton import jit_stats, lora_expand, lora_shrink, pdl  # noqa: E402
+from slora.kernels.triton import jit_stats, lora_expand, lora_fused, lora_shrink, pdl  # noqa: E402
 from slora.kernels.triton import ops as triton_ops
 from slora.kernels.triton.ops import TritonOps  # noqa: E402
 from slora.kernels.triton.projection import MAX_ROWS, Projections  # noqa: E402
@@ -83,20 +83,23 @@ def test_lora_layer_matches_reference(kind: str, use_pdl: bool) -> None:
 
 
 @gpu_only
+@pytest.mark.parametrize("fused", [False, True], ids=["pair", "fused"])
 @pytest.mark.parametrize("use_pdl", [True, False], ids=["pdl", "no-pdl"])
 @pytest.mark.parametrize("decodes", [16, 64, 65], ids=["triton-gemm-16", "triton-gemm-64", "cublas"])
-def test_lora_right_behind_its_projection(decodes: int, use_pdl: bool) -> None:
+def test_lora_right_behind_its_projection(decodes: int, use_pdl: bool, fused: bool) -> None:
     """The engine's order, x from a norm, y = x·Wᵀ, then the LoRA into y, launched back to back for several inputs
     before one sync: launched with PDL, the shrink must not read x before the norm has written it nor let the
     expand read y before the GEMM has written it (on the Triton GEMM of small
-    steps, which lets the shrink start early; behind cuBLAS the shrink is launched without PDL)."""
+    steps, which lets the shrink start early; behind cuBLAS the shrink is launched without PDL). fused: the fused
+    kernel (lora_fused, ranks up to its MAX_RANK) in place of the shrink and expand, under the same rules."""
     if use_pdl and not hopper():
         pytest.skip("PDL needs compute capability 9 or later")
     shape = FULL_SHAPES[2]
     step: list[tuple[int | None, int]] = [(i % 4, 1) for i in range(decodes)]
-    case = build_case(shape, torch.bfloat16, [(64,) * 7, (16,) * 7, (8,) * 7, (1,) * 7], step, seed=31)
+    ranks = [(4 if fused else 64,) * 7, (16,) * 7, (8,) * 7, (1,) * 7]
+    case = build_case(shape, torch.bfloat16, ranks, step, seed=31)
     gen = torch.Generator(device=DEVICE).manual_seed(32)
-    ops = TritonOps(KernelSettings(triton_gemm=True, shrink_pdl=use_pdl))
+    ops = TritonOps(KernelSettings(triton_gemm=True, shrink_pdl=use_pdl, lora_fused=fused))
     for modules, offsets, widths, in_features in layer_calls(shape):
         weight = torch.randn((sum(widths), in_features), generator=gen, device=DEVICE).to(torch.bfloat16) / 64
         norm_weight = torch.rand(in_features, generator=gen, device=DEVICE).to(torch.bfloat16) + 0.5
@@ -114,7 +117,8 @@ def test_lora_right_behind_its_projection(decodes: int, use_pdl: bool) -> None:
             assert_close(actual, expected, torch.bfloat16, float(expected.float().abs().max()))
     behind_triton = decodes <= MAX_ROWS
     assert behind_triton == bool(ops.projections._launches), "steps of up to MAX_ROWS rows on the Triton GEMM"
-    assert (use_pdl and behind_triton) in launched_with_pdl(lora_shrink._lora_shrink_gemv_kernel)
+    first = lora_fused._lora_fused_kernel if fused else lora_shrink._lora_shrink_gemv_kernel
+    assert (use_pdl and behind_triton) in launched_with_pdl(first)
 
 
 def test_only_a_shrink_behind_the_triton_gemm_asks_for_pdl(monkeypatch: pytest.MonkeyPatch) -> None:
