@@ -25,8 +25,8 @@
 #   served-apis served S1 n=N_BIG through `slora` (gRPC), the OpenAI endpoint (perf/bench_openai.py), the `ensemble`,
 #               `slora` again: one server, one trace (issue 28's OpenAI / gRPC, issue 24's ensemble / slora) [~7 min]
 #   ensemble-alias  served S1 n=N_BIG through `slora` with the ensemble's text I/O, then through the `ensemble` [~4 min]
-#   defaults    served S1 n=N_BIG, base and n=5 (DEFAULTS_N5=0: not) with every engine option at its default, then
-#               n=N_BIG with ALT_OPTS
+#   defaults    served S1 n=N_BIG, base (DEFAULTS_BASE=0: not) and n=5 (DEFAULTS_N5=0: not) with every engine
+#               option at its default, then n=N_BIG with ALT_OPTS
 #               (issue 27's "no option within 3% of the best"; SHAPE=llama3-8b or qwen2.5-7b for today's shapes) [~8 min]
 #   disk-tier   served S2 over N_BIG adapters, then the same trace over DISK_FIT (700), on one server with the
 #               default host budget (DISK_BUDGET, auto): adapters beyond host memory against ones that fit  [~5 min]
@@ -132,6 +132,7 @@ KERNEL=${KERNEL:-triton}
 ENGINE_OPTS=${ENGINE_OPTS:-}
 ALT_OPTS=${ALT_OPTS:-}
 DEFAULTS_N5=${DEFAULTS_N5:-1}  # the defaults suite serves the n=5 trace after n=N_BIG and the base model
+DEFAULTS_BASE=${DEFAULTS_BASE:-1}  # 0: the defaults suite serves no base run (an A/B of ALT_OPTS alone, shorter)
 PEFT_REQUESTS=${PEFT_REQUESTS:-100}
 PEFT_LIMIT=${PEFT_LIMIT:-60}
 PROFILE=${PROFILE-20 100 3}
@@ -542,7 +543,8 @@ suite() {
     defaults)  # issue 27's fast defaults: S1 n=N_BIG and the base model served with every option at its default,
       # then n=N_BIG on a server started with ALT_OPTS ("key=value ...") as well: the defaults against a candidate
       # and n=5 last (DEFAULTS_N5=1): issue 27's n2000 / n5 from the same server
-      local runs=("$s1_big" "$s1_big@base")
+      local runs=("$s1_big")
+      (( DEFAULTS_BASE )) && runs+=("$s1_big@base")
       (( DEFAULTS_N5 )) && runs+=("$s1_5")
       if start_server S1; then
         serving slora "${runs[@]}"
