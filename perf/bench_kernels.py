@@ -653,6 +653,7 @@ def lora_cases(mha: Model, gqa: Model, n: int, prompt: int) -> list[Callable[[],
         ),  # fmt: skip
         lambda: lora_case(s2_name, mha, s2_adapters(2 + 2 * n), s2_step),
         served_mixed_sweep(gqa, n)[1],  # a saturated server's step with prompts: its calls also launched apart
+        lambda: served_decode_case(gqa, n, graph=False),  # its decode step: eager, and as its graph replays it
         # the launches' latency floor: one token of a rank-1 adapter reads next to nothing, so its time is what a
         # layer's LoRA launches cost however few bytes they move (4 launches on q,k,v,o; 8 on all seven projections)
         lambda: lora_case("floor: decode 1 req, 1 adapter r1 q,k,v,o", mha, [(1, 1, 1, 1, 0, 0, 0)], [(0, 1)]),

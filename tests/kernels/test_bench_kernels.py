@@ -24,7 +24,8 @@ def test_bench_kernels_smoke(tmp_path: Path) -> None:
     kernels = {r["kernel"] for r in rows}
     assert {"lora_qkv", "lora_layer", "attention_decode", "attention_prefill", "kv_write"} <= kernels
     parts = {f"{impl}:{part}" for impl in ("triton", "triton_split") for part in ("shrink", "expand")}
-    impls = {"triton", "torch_ref", "padded_bmm", "triton_split", "triton_graph", "triton_fused"}
+    impls = {"triton", "torch_ref", "padded_bmm", "triton_split", "triton_graph", "triton_fused", "fused_engine",
+             "fused_graph"}  # fmt: skip
     assert {r["impl"] for r in rows} == impls | parts
     split = [r for r in rows if r["impl"] == "triton_split"]  # the steps with decodes and prompts
     assert split and all("prompt" in r["case"] and r["kernel"].startswith("lora_") for r in split), split
@@ -40,6 +41,8 @@ def test_bench_kernels_smoke(tmp_path: Path) -> None:
     lora = [r for r in rows if r["impl"] == "triton" and r["kernel"].startswith("lora_")]
     decode = {r["case"] for r in lora if "decode" in r["case"] and "prompt" not in r["case"]}
     assert graph == decode and any(c.startswith("S2 decode 7 req") for c in graph), graph
+    assert {r["case"] for r in rows if r["impl"] == "fused_graph"} == graph, "lora_fused's graph of each decode step"
+    assert any(c.startswith(bench_kernels.SERVED_DECODE) for c in graph), "the served decode step"
     for r in rows:
         assert r["ms"] > 0 and r["min_bytes"] > 0 and math.isfinite(r["gbps"])
         if r["max_rel_err"] is not None:
