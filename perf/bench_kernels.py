@@ -716,7 +716,8 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_all(smoke: bool, only: str | None = None) -> tuple[Device, list[Row]]:
+def run_all(smoke: bool, only: str | None = None, case: str | None = None) -> tuple[Device, list[Row]]:
+    """Every case's rows (only: the LoRA or the attention cases; case: those whose name contains it)."""
     device = measure_device(smoke)
     if smoke:
         lcases, acases = lora_cases(TINY_MHA, TINY_GQA, 4, 20), attention_cases(TINY_MHA, TINY_GQA, 4, 64)
@@ -730,10 +731,14 @@ def run_all(smoke: bool, only: str | None = None) -> tuple[Device, list[Row]]:
     rows: list[Row] = []
     for make_lora in lcases:
         lcase = make_lora()
+        if case is not None and case not in lcase.name:
+            continue
         logger.info("lora: %s @%s", lcase.name, lcase.model.name)
         rows += tagged(bench_lora(lcase, device), lcase.model)
     for make_attention in acases:
         acase = make_attention()
+        if case is not None and case not in acase.name:
+            continue
         logger.info("attention: %s @%s", acase.name, acase.model.name)
         rows += tagged(bench_attention(acase, device) + bench_kv_write(acase, device), acase.model)
         del acase
@@ -1050,6 +1055,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one call each (CPU: Triton interpreter)")
     parser.add_argument("--tune", action="store_true", help="also sweep the hot kernels' configs (about 3 more min)")
     parser.add_argument("--only", choices=("lora", "attention"), help="run only the LoRA or the attention cases")
+    parser.add_argument("--case", help="run only the cases whose name contains this (e.g. 'served')")
     parser.add_argument("--tune-case", choices=(SERVED_MIXED, SERVED_MIXED_EXPAND, SERVED_DECODE),
                         help="sweep only this LoRA case's configs (a saturated server's step with prompts, GQA, "
                              "S1; 'expand': the mixed expand's candidates on it as S1, S2 and S1 over 5 adapters, "
@@ -1089,7 +1095,9 @@ def main(argv: list[str] | None = None) -> int:
         args.tune = True
         device = measure_device(args.smoke)
     else:
-        device, rows = run_all(args.smoke, args.only)
+        device, rows = run_all(args.smoke, args.only, args.case)
+        if not rows:
+            parser.error(f"no case's name contains {args.case!r}")
     checks = check_targets(rows)
     sys.stdout.write(table(rows))
     for check in checks:
