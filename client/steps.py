@@ -23,7 +23,9 @@ from slora.client.server_ttft import parse_buckets
 logger = logging.getLogger(__name__)
 
 KINDS = ("decode", "prompt")
-_SERIES = re.compile(r'^(slora_steps_total|slora_step_(?:seconds|requests|graphs)_total)\{kind="(\w+)"\}\s+(\S+)$')
+_SERIES = re.compile(
+    r'^(slora_steps_total|slora_step_(?:seconds|wall_seconds|requests|graphs)_total)\{kind="(\w+)"\}\s+(\S+)$'
+)
 _TOKENS = re.compile(r"^slora_step_prompt_tokens_total(?:\{\})?\s+(\S+)$")
 
 
@@ -80,8 +82,9 @@ def scrape_settled(metrics_url: str | None, interval_s: float = 0.25, tries: int
 
 
 def step_summary(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
-    """Per kind: steps, mean_ms, mean_requests and graph_share (of the steps, those replayed as CUDA graphs) over
-    the window between the two scrapes; with prompt_tokens_per_step for steps with prompts."""
+    """Per kind: steps, mean_ms, mean_wall_ms (their mean interval on the host; None from a server without the
+    counter), mean_requests and graph_share (of the steps, those replayed as CUDA graphs) over the window between
+    the two scrapes; with prompt_tokens_per_step for steps with prompts."""
     if before is None or after is None:
         return None
 
@@ -94,6 +97,11 @@ def step_summary(before: dict[str, float] | None, after: dict[str, float] | None
         out[kind] = {
             "steps": int(steps),
             "mean_ms": 1000.0 * grew(f"slora_step_seconds_total:{kind}") / steps if steps else None,
+            "mean_wall_ms": (
+                1000.0 * grew(f"slora_step_wall_seconds_total:{kind}") / steps
+                if steps and f"slora_step_wall_seconds_total:{kind}" in after
+                else None
+            ),
             "mean_requests": grew(f"slora_step_requests_total:{kind}") / steps if steps else None,
             "graph_share": grew(f"slora_step_graphs_total:{kind}") / steps if steps else None,
         }
@@ -106,12 +114,14 @@ def format_summary(summary: dict[str, Any] | None, window_s: float) -> str:
     """The summary as a small table (slora-client steps)."""
     if summary is None:
         return "no step counters on this metrics port (a server from before them?)\n"
-    header = f"{'kind':<8}{'steps':>8}{'mean ms':>10}{'requests':>10}{'prompt tokens':>15}{'graphs %':>10}"
+    header = (f"{'kind':<8}{'steps':>8}{'mean ms':>10}{'wall ms':>10}{'requests':>10}{'prompt tokens':>15}"
+              f"{'graphs %':>10}")  # fmt: skip
     lines = [f"steps in {window_s:g} s", header]
     for kind in KINDS:
         row = summary[kind]
         share = row["graph_share"]
-        cells = [f"{row['steps']:>8}", _cell(row["mean_ms"], 10, ".1f"), _cell(row["mean_requests"], 10, ".1f"),
+        cells = [f"{row['steps']:>8}", _cell(row["mean_ms"], 10, ".1f"), _cell(row.get("mean_wall_ms"), 10, ".1f"),
+                 _cell(row["mean_requests"], 10, ".1f"),
                  _cell(row.get("prompt_tokens_per_step"), 15, ".0f"),
                  _cell(None if share is None else 100 * share, 10, ".0f")]  # fmt: skip
         lines.append(f"{kind:<8}" + "".join(cells))

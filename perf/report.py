@@ -320,10 +320,12 @@ def steps_table(runs: list[Run]) -> list[str]:
 def served_steps_table(runs: list[Run]) -> list[str]:
     """Served runs' engine steps by kind, from the server's step counters around each run (client/steps.py):
     decode steps and steps with prompts, each with its count, mean time and mean batch, and the prompt tokens of a
-    step with prompts; and the share of each kind replayed as CUDA graphs."""
+    step with prompts; the share of each kind replayed as CUDA graphs; the seconds the GPU waited for the host
+    between steps (their wall time beyond their time on the device), and the steps' wall time against the run's."""
     lines = ["| run | decode steps: n, mean ms (requests) | steps with prompts: n, mean ms (requests, prompt tokens) "
-             "| as CUDA graphs: decode, with prompts |",
-             "|---|---|---|---|"]  # fmt: skip
+             "| as CUDA graphs: decode, with prompts | GPU waiting for the host, s: decode, with prompts "
+             "| steps' wall s / run s |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
     for run in runs:
         steps = run["metrics"].get("steps")
         if not steps:
@@ -331,6 +333,7 @@ def served_steps_table(runs: list[Run]) -> list[str]:
         decode, prompt = steps["decode"], steps["prompt"]
         cells = [_served_step_cell(decode, None), _served_step_cell(prompt, prompt.get("prompt_tokens_per_step"))]
         cells.append(", ".join(_share(kind.get("graph_share")) for kind in (decode, prompt)))
+        cells += _host_wait_cells(decode, prompt, run["metrics"].get("duration_s"))
         lines.append(f"| {run['name']} | {' | '.join(cells)} |")
     return lines if len(lines) > 2 else []
 
@@ -363,6 +366,18 @@ def _responder_cells(m: dict[str, Any]) -> list[str]:
     p50, p90 = responder.get("first_response_delay_p50_s"), responder.get("first_response_delay_p90_s")
     delay = f"{fmt(p50 and 1000 * p50, 1)} / {fmt(p90 and 1000 * p90, 1)}" if responder else "–"
     return [delay, _share(responder.get("busy_share")), _share(m.get("client_cpu_share"))]
+
+
+def _host_wait_cells(decode: dict[str, Any], prompt: dict[str, Any], duration_s: float | None) -> list[str]:
+    """The seconds each kind's wall time exceeded its device time, and all steps' wall seconds / the run's; "–"
+    from a server without the wall counter."""
+    kinds = (decode, prompt)
+    if any(kind["steps"] and kind.get("mean_wall_ms") is None for kind in kinds):
+        return ["–", "–"]
+    waits = [kind["steps"] * (kind["mean_wall_ms"] - kind["mean_ms"]) / 1000 if kind["steps"] else 0.0
+             for kind in kinds]  # fmt: skip
+    wall = sum(kind["steps"] * kind["mean_wall_ms"] / 1000 for kind in kinds if kind["steps"])
+    return [", ".join(f"{w:.1f}" for w in waits), f"{wall:.1f} / {fmt(duration_s, 1)}"]
 
 
 def _served_step_cell(kind: dict[str, Any], tokens: float | None) -> str:

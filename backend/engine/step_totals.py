@@ -9,6 +9,11 @@ A step's time is the step clock's (step_clock.py): on CUDA its own time on the d
 between its tokens and the previous step's. Steps replayed as CUDA graphs are counted apart as well: a step with
 prompts beyond the graphs' tokens (mixed_cuda_graph_tokens) is launched kernel by kernel, which on a fast GPU takes
 longer than running it.
+
+Each kind also sums its steps' wall time (Step.interval_s: from the previous step's tokens to its own, on the host;
+after a pause, from its own plan). Over a window, wall time beyond the steps' time on the device is time the GPU
+waited for the host between steps (launches, planning, copies it had to wait for); the window's time beyond the
+wall time is pauses, when the engine had nothing to run.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class KindTotals:
     seconds: float = 0.0
     requests: int = 0  # the steps' batch sizes, summed
     graphs: int = 0  # of the steps, those replayed as CUDA graphs
+    wall_seconds: float = 0.0  # the steps' host intervals (Step.interval_s), summed
 
 
 @dataclass
@@ -38,14 +44,16 @@ class StepTotals:
         totals.steps += 1
         totals.graphs += graph
         totals.seconds += step.seconds
+        totals.wall_seconds += step.interval_s
         totals.requests += step.seqs
         self.prompt_tokens += step.prompt_tokens
 
     def as_stats(self) -> dict[str, int | float]:
-        """The totals as EngineStats fields: steps_<kind>, step_seconds_<kind>, step_requests_<kind>,
-        step_graphs_<kind>, step_prompt_tokens."""
+        """The totals as EngineStats fields: steps_<kind>, step_seconds_<kind>, step_wall_seconds_<kind>,
+        step_requests_<kind>, step_graphs_<kind>, step_prompt_tokens."""
         out: dict[str, int | float] = {"step_prompt_tokens": self.prompt_tokens}
         for kind, totals in self.kinds.items():
             out.update({f"steps_{kind}": totals.steps, f"step_seconds_{kind}": totals.seconds,
-                        f"step_requests_{kind}": totals.requests, f"step_graphs_{kind}": totals.graphs})  # fmt: skip
+                        f"step_wall_seconds_{kind}": totals.wall_seconds, f"step_requests_{kind}": totals.requests,
+                        f"step_graphs_{kind}": totals.graphs})  # fmt: skip
         return out

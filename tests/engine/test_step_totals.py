@@ -41,15 +41,20 @@ def test_the_steps_add_up_to_the_requests_prompts_and_tokens(llama: ModelWithAda
     assert grew["step_requests_prompt"] >= len(prompts)  # each request's first token comes from a prompt step
     assert grew["steps_decode"] >= max(lengths) - 1
     assert stats.step_seconds_decode > before.step_seconds_decode and stats.step_seconds_prompt > 0
+    # on the CPU a step is timed on the host: its wall time is its time
+    assert stats.step_wall_seconds_decode - before.step_wall_seconds_decode == pytest.approx(
+        stats.step_seconds_decode - before.step_seconds_decode
+    )
 
 
 def test_a_step_counts_under_its_kind() -> None:
     totals = StepTotals()
     totals.add(Step(0.01, 0, 4))
-    totals.add(Step(0.03, 120, 5))
-    totals.add(Step(0.02, 0, 6))
+    totals.add(Step(0.03, 120, 5, wall_s=0.05))  # timed on the device: the GPU waited 20 ms for the host
+    totals.add(Step(0.02, 0, 6, wall_s=0.02))
     decode, prompt = totals.kinds["decode"], totals.kinds["prompt"]
     assert (decode.steps, decode.requests, prompt.steps, prompt.requests) == (2, 10, 1, 5)
     assert (decode.seconds, prompt.seconds, totals.prompt_tokens) == (pytest.approx(0.03), 0.03, 120)
+    assert (decode.wall_seconds, prompt.wall_seconds) == (pytest.approx(0.03), 0.05)
     # every total is an EngineStats counter, continued when an engine process is started again
     assert set(totals.as_stats()) <= set(STATS_COUNTERS) and totals.as_stats()["step_requests_decode"] == 10

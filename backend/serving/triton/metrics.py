@@ -43,6 +43,8 @@
     slora_steps_total{kind="decode|prompt"}          counter    engine steps: decode only, or computing prompt
                                                                tokens too (step_totals.py)
     slora_step_seconds_total{kind}                  counter    their time (on CUDA, on the device's stream)
+    slora_step_wall_seconds_total{kind}             counter    their intervals on the host (step_totals.py): beyond
+                                                               their time, the GPU waited for the host
     slora_step_requests_total{kind}                 counter    the requests they ran (batch sizes summed)
     slora_step_graphs_total{kind}                   counter    those of them replayed as CUDA graphs
     slora_step_prompt_tokens_total                  counter    prompt tokens they computed
@@ -224,6 +226,11 @@ class TritonMetrics(NullMetrics):
         seconds = self._family(
             "slora_step_seconds_total", "Time of the engine's steps by kind (on CUDA, on the device's stream)", counter
         )
+        wall = self._family(
+            "slora_step_wall_seconds_total",
+            "Host intervals of the engine's steps by kind (beyond their time: the GPU waited)",
+            counter,
+        )
         requests = self._family("slora_step_requests_total", "Requests the steps ran (batch sizes summed)", counter)
         graphs = self._family("slora_step_graphs_total", "Engine steps replayed as CUDA graphs, by kind", counter)
         out = {}
@@ -231,6 +238,7 @@ class TritonMetrics(NullMetrics):
             out[f"steps_{kind}"] = (steps, {"kind": kind})
             out[f"step_graphs_{kind}"] = (graphs, {"kind": kind})
             out[f"step_seconds_{kind}"] = (seconds, {"kind": kind})
+            out[f"step_wall_seconds_{kind}"] = (wall, {"kind": kind})
             out[f"step_requests_{kind}"] = (requests, {"kind": kind})
         out["step_prompt_tokens"] = (
             self._family("slora_step_prompt_tokens_total", "Prompt tokens the steps computed", counter),
