@@ -929,13 +929,15 @@ def served_decode_case(gqa: Model, n: int, graph: bool = True) -> LoraCase:
 
 
 def tune_fused(case: LoraCase, call: int) -> list[dict[str, Any]]:
-    """FusedConfig sweep of the fused LoRA kernel (a candidate, kernels/triton/lora_fused.py) on one call of `case`."""
+    """FusedConfig sweep of the fused LoRA kernel (kernels/triton/lora_fused.py) on one call of `case`."""
     name, modules, in_features = lora_calls(case.model)[call]
     offsets, widths = call_outputs(case.model, modules)
     x = torch.randn((case.num_tokens, in_features), device=DEVICE).to(torch.bfloat16)
     y = torch.zeros((case.num_tokens, sum(widths)), device=DEVICE).to(torch.bfloat16)
     variants = [FusedConfig(bm, bk, bn, w, 2) for bm in (1, 16) for bk, bn in ((256, 256), (512, 512), (1024, 1024))
                 for w in (2, 4, 8)]  # fmt: skip
+    # A graph's rank bound (16 for rank-8 adapters) halves the steps of the default max_tile: also twice the tile
+    variants += [FusedConfig(1, 1024, 1024, w, 2, max_tile=16384) for w in (2, 4, 8)]
     run = functools.partial(lora_fused_call, y, x, case.flat_layer, case.meta, modules, offsets, widths)
     return sweep(f"lora_fused ({case.name} {name})", lora_fused, "DEFAULT", variants, run)
 
@@ -972,6 +974,8 @@ def tune(smoke: bool, only: str | None = None, lora_case_of: str | None = None) 
     if lora_case_of == SERVED_DECODE:
         case = served_decode_case(gqa, n)
         results = tune_lora(case.name, case, 0) + tune_lora(case.name, case, 1)
+        graphed = dataclasses.replace(case, name=f"{case.name}, as a graph")  # as lora_fused's decode graphs run it
+        results += tune_fused(graphed, 0) + tune_fused(graphed, 1)
         for make_case in (lambda: served_decode_case(gqa, n, graph=False), served_mixed_sweep(gqa, n)[1]):
             eager = make_case()
             results += tune_fused(eager, 0) + tune_fused(eager, 1)

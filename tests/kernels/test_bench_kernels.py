@@ -117,5 +117,7 @@ def test_tune_case_sweeps_the_served_decode_step_as_its_graph(monkeypatch: pytes
     bucket = bucket_for(bucket_sizes(bench_kernels.GRAPH_MAX_SEQS), 12)  # the smoke shape: 6n - 12 decodes, n = 4
     assert [(tokens, call, kind) for _, tokens, call, kind in swept] == [(bucket, 0, "decode"), (bucket, 1, "decode")]
     assert swept[0][0].startswith(bench_kernels.SERVED_DECODE)
-    # the fused candidate's configs, on the decode step's eager metadata and on the served step with prompts
-    assert fused == [(12, 0, True), (12, 1, True), (100, 0, True), (100, 1, True)]
+    # the fused kernel's configs, on the decode step as its graph replays it and as an eager step, and on the
+    # served step with prompts
+    graphed = [(bucket, 0, False), (bucket, 1, False)]
+    assert fused == graphed + [(12, 0, True), (12, 1, True), (100, 0, True), (100, 1, True)]
