@@ -173,8 +173,8 @@ def test_client_cli(server: Server, reference: Any, capsys: pytest.CaptureFixtur
     assert cli.main([*urls, "metrics"]) == 0
     assert 'slora_pool_pages{kind="kv"}' in capsys.readouterr().out
     assert cli.main([*urls, "steps", "--window", "0.2"]) == 0
-    assert capsys.readouterr().out.splitlines()[1].split() == ["kind", "steps", "mean", "ms", "requests", "prompt",
-                                                               "tokens", "graphs", "%"]  # fmt: skip
+    header = ["kind", "steps", "mean", "ms", "wall", "ms", "requests", "prompt", "tokens", "graphs", "%"]
+    assert capsys.readouterr().out.splitlines()[1].split() == header
     assert cli.main([*urls, "steps", "--window", "0"]) == 1
     assert cli.main([*urls, "generate", "Hi", "--adapter", "nope"]) == 1
 
