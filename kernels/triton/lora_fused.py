@@ -128,9 +128,9 @@ def _lora_fused_kernel(
 
 
 def rank_block(meta: LoraMeta) -> int:
-    """The power of two of rows a program's v holds: the step's largest rank, a graph's rank bound."""
-    max_rank = meta.static.max_rank if meta.static is not None else meta.max_rank
-    return max(next_power_of_2(max_rank), 2)
+    """The power of two of rows a program's v holds: the step's largest rank (a graph's metadata holds its rank
+    bound there)."""
+    return max(next_power_of_2(meta.max_rank), 2)
 
 
 def fused_serves(group: SegmentGroup, meta: LoraMeta, settings: KernelSettings) -> bool:
