@@ -52,6 +52,9 @@ def test_a_request_past_its_slo_is_refused_and_nothing_leaks(fair: Launched) -> 
     stream of its own: a stream's errors name no request), the others finish, and no KV page stays held. The busy
     requests are long so that a slot cannot free within the deadline however late the running gauge is read."""
     busy = {f"busy-{i}": token_inputs(IDS, 160, sampling=_sampling("flood")) for i in range(2)}
+    # The gauge is published every 0.1 s: an earlier test's last requests could still show as running, and then
+    # the hurried request would race the busy ones (and, a light tenant under fair, go first).
+    wait_for_metric(fair.metrics_url, 'slora_requests{state="running"}', lambda n: n == 0)
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(run_streams, fair.grpc_url, "slora", busy)
         wait_for_metric(fair.metrics_url, 'slora_requests{state="running"}', lambda n: n >= 2)
