@@ -134,6 +134,7 @@ class AdapterStore:
         self._loading: dict[tuple[str, int], Future[HostAdapter]] = {}
         self._root_entries: dict[str, Path] = {}  # name → folder, as of the last listing of the root
         self._root_listed_at = -float("inf")
+        self._relisting = False  # a listing of the root for `counts` is under way in its own thread
         self._bad_entries: dict[str, str] = {}  # name → why it is skipped, as of the last listing of the root
         if registry_file:
             self.register_file(Path(registry_file))
@@ -390,7 +391,7 @@ class AdapterStore:
     def list(self) -> list[AdapterInfo]:
         """Every adapter known by registration, in host memory or found in the adapter root (listed now), sorted
         by name. Bad entries of the root are left out (see `bad_entries`)."""
-        root = self._list_root(max_age_s=0.0)
+        root = self._list_root()
         with self._lock:
             # A registration shadows a folder of the same name; an adapter in host memory is listed even if its
             # folder has gone since it was read.
@@ -406,18 +407,38 @@ class AdapterStore:
             return dict(self._bad_entries)
 
     def counts(self) -> tuple[int, int]:
-        """(adapters in host memory, adapters known); the root listing may be up to ROOT_LISTING_TTL_S old."""
-        root = self._list_root(max_age_s=ROOT_LISTING_TTL_S)
+        """(adapters in host memory, adapters known). The engine thread asks after every step, and listing a root
+        of thousands of folders takes tens of milliseconds: only the first listing is made here, an older one than
+        ROOT_LISTING_TTL_S is then redone in a thread of its own and counted once done."""
+        if self._root_listed_at == -float("inf"):
+            self._list_root()
+        elif time.monotonic() - self._root_listed_at > ROOT_LISTING_TTL_S:
+            self._relist_in_background()
         with self._lock:
-            return len(self._host), len(set(self._registered) | set(self._host) | set(root))
+            return len(self._host), len(self._registered.keys() | self._host.keys() | self._root_entries.keys())
 
-    def _list_root(self, max_age_s: float) -> dict[str, Path]:
-        """name → folder of every good adapter of the root; bad entries are recorded and warned of once."""
+    def _relist_in_background(self) -> None:
+        with self._lock:
+            if self._relisting:
+                return
+            self._relisting = True
+        threading.Thread(target=self._relist, name="slora-root-listing", daemon=True).start()
+
+    def _relist(self) -> None:
+        try:
+            self._list_root()
+        finally:
+            with self._lock:
+                self._relisting = False
+
+    def _list_root(self) -> dict[str, Path]:
+        """name → folder of every good adapter of the root, listed now; bad entries are recorded and warned of once.
+        A listing started before the one kept (a background one overtaken by `list`) is not kept."""
         now = time.monotonic()
-        if now - self._root_listed_at <= max_age_s:
-            return self._root_entries
         entries, bad = self._scan_root()
         with self._lock:
+            if now < self._root_listed_at:
+                return entries
             for name, reason in bad.items():
                 if self._bad_entries.get(name) != reason:
                     logger.warning("adapter root: entry %r skipped: %s", name, reason)

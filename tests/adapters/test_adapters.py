@@ -547,3 +547,34 @@ def test_per_layer_scales_that_overflow_the_dtype_are_refused(
     assert _load(path, spec, geometry).image.isfinite().all()  # float32 holds it
     with pytest.raises(AdapterError, match="v_proj.*beyond torch.float16"):
         load_peft_adapter("x", path, spec, geometry, torch.float16)
+
+
+def test_counts_relist_the_root_off_the_callers_thread(
+    llama: ModelWithAdapters, spec: ModelSpec, geometry: PoolGeometry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine thread asks for the counts after every step: once the root's listing is older than its TTL the
+    call returns the old count at once, and a new folder is counted when the listing made in another thread ends."""
+    root = tmp_path / "root"
+    shutil.copytree(llama.adapter_root / "r1-qv", root / "first")
+    store = _store(llama, spec, geometry, budget=1 << 30, root=root)
+    assert store.counts() == (0, 1)
+    shutil.copytree(llama.adapter_root / "r5-ko", root / "second")
+    assert store.counts() == (0, 1)  # within the TTL: the listing is not redone
+    listing, release = threading.Event(), threading.Event()
+    scan = store._scan_root
+
+    def slow_scan() -> tuple[dict[str, Path], dict[str, str]]:
+        listing.set()
+        release.wait(10)
+        return scan()
+
+    monkeypatch.setattr(store, "_scan_root", slow_scan)
+    monkeypatch.setattr("slora.backend.adapters.store.ROOT_LISTING_TTL_S", 0.0)
+    assert store.counts() == (0, 1)  # the listing is under way in its own thread, not this one
+    assert listing.wait(10)
+    assert store.counts() == (0, 1)  # one listing at a time
+    release.set()
+    deadline = time.monotonic() + 10
+    while store.counts() != (0, 2) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.counts() == (0, 2)
