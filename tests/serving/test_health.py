@@ -129,6 +129,9 @@ def test_a_hung_engine_is_killed_and_the_model_loaded_again(guarded: tuple[Launc
     assert _engine_pid(server) != hung
     assert _tokens(server, "runtime-one") == before  # its runtime registration came back with the new engine
     assert "restart 1 of 1" in server.log.read_text()
+    # Triton loads the alias again once slora is back, which takes seconds after slora reports ready
+    _wait(lambda: server.log.read_text().count("successfully loaded 'ensemble'") >= 2, 60, "the alias loaded again",
+          server)  # fmt: skip
     alias = run_one(
         server.grpc_url, "ensemble", text_inputs("Hi", True, {"temperature": 0, "max_tokens": 3, "ignore_eos": True})
     )
