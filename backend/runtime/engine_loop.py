@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from slora.backend.engine.llm_engine import LLMEngine
-from slora.backend.engine.outputs import EngineStats, RequestOutput, failed_output
+from slora.backend.engine.outputs import EngineStats, failed_output
 from slora.backend.engine.request import Request
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.errors import EngineOverloadedError
@@ -29,6 +29,11 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MAX_BATCH = 4096  # inbox items taken between two steps
+# The statistics are rebuilt at most this often while requests run, and after the step that leaves none: with
+# thousands of requests waiting, building them (adapter and tenant lists) and sending them to the server's process
+# after every step of a few milliseconds is host time the steps wait for, and Triton's metrics publish them every
+# 0.1 s anyway.
+STATS_INTERVAL_S = 0.05
 
 
 @dataclass
@@ -56,8 +61,9 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="slora-engine", daemon=True)
         self._stopping = threading.Event()
         self._stats = engine.stats()
+        self._stats_due = 0.0
         self._beat = time.monotonic()
-        self.step_listeners: list[Callable[[LLMEngine, list[RequestOutput]], None]] = []
+        self.stats_listeners: list[Callable[[EngineStats], None]] = []  # each new EngineStats, on the engine thread
 
     def start(self) -> None:
         self._thread.start()
@@ -102,7 +108,7 @@ class EngineLoop:
         return future.result(timeout)
 
     def stats(self) -> EngineStats:
-        """The statistics as of the last step (no wait)."""
+        """The statistics as of a step at most STATS_INTERVAL_S ago, or of the last one if none runs (no wait)."""
         return self._stats
 
     def beat_age(self) -> float:
@@ -159,6 +165,9 @@ class EngineLoop:
                 failed_output(rid, failure) for rid in list(self.engine.requests) if self.engine.abort(rid) is not None
             ]
         deliver_each(self._sink, outputs)
-        self._stats = self.engine.stats()
-        for listener in self.step_listeners:
-            listener(self.engine, outputs)
+        now = time.monotonic()
+        if now >= self._stats_due or not self.engine.has_unfinished():
+            self._stats = self.engine.stats()
+            self._stats_due = now + STATS_INTERVAL_S
+            for listener in self.stats_listeners:
+                listener(self._stats)

@@ -125,7 +125,7 @@ class LocalEngine:
         return self.loop.stats()
 
     def on_stats(self, listener: StatsListener) -> None:
-        self.loop.step_listeners.append(lambda _engine, _outputs: listener(self.loop.stats()))
+        self.loop.stats_listeners.append(listener)
 
     def stop(self) -> None:
         self._intake.shutdown(wait=True)
