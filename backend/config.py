@@ -84,7 +84,9 @@ class EngineConfig:
     lora_split: bool = False
     # A step's decodes of many adapters (decode graphs, and an eager step's decodes, launched apart from its
     # prompts as with lora_split) on one fused LoRA kernel per call, shrink and expand together, for adapters of rank
-    # up to 16 (kernels/triton/lora_fused.py); steps of few adapters, prompts and larger ranks keep the pair.
+    # up to 16 (kernels/triton/lora_fused.py); steps of few adapters, prompts and larger ranks keep the pair. Off:
+    # it only matches the pair on eager decode steps, loses in decode graphs (their rank bound narrows its steps),
+    # and gains less than lora_split on steps with prompts (perf/RESULTS.md).
     lora_fused: bool = False
     # Base projections of steps of up to 64 rows (decodes of up to 64 requests) on the Triton GEMM of
     # kernels/triton/gemm.py, which lets the LoRA shrink behind it start early; larger steps stay on cuBLAS.
