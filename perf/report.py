@@ -321,9 +321,10 @@ def served_steps_table(runs: list[Run]) -> list[str]:
     """Served runs' engine steps by kind, from the server's step counters around each run (client/steps.py):
     decode steps and steps with prompts, each with its count, mean time and mean batch, and the prompt tokens of a
     step with prompts; the share of each kind replayed as CUDA graphs; the seconds the GPU waited for the host
-    between steps (their wall time beyond their time on the device), and the steps' wall time against the run's."""
+    between steps (their wall time beyond their time on the device, over both kinds: see _host_wait_cells), and the
+    steps' wall time against the run's."""
     lines = ["| run | decode steps: n, mean ms (requests) | steps with prompts: n, mean ms (requests, prompt tokens) "
-             "| as CUDA graphs: decode, with prompts | GPU waiting for the host, s: decode, with prompts "
+             "| as CUDA graphs: decode, with prompts | GPU waiting for the host, s "
              "| steps' wall s / run s |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     for run in runs:
@@ -369,15 +370,18 @@ def _responder_cells(m: dict[str, Any]) -> list[str]:
 
 
 def _host_wait_cells(decode: dict[str, Any], prompt: dict[str, Any], duration_s: float | None) -> list[str]:
-    """The seconds each kind's wall time exceeded its device time, and all steps' wall seconds / the run's; "–"
-    from a server without the wall counter."""
-    kinds = (decode, prompt)
-    if any(kind["steps"] and kind.get("mean_wall_ms") is None for kind in kinds):
+    """The seconds all steps' wall time exceeded their device time, and their wall seconds / the run's; "–" from a
+    server without the wall counter.
+
+    Only the sum over both kinds means something: with overlapped steps the host launches a step before it reads the
+    previous one's tokens, so an eager step's launches delay that read, and the previous step's interval grows by as
+    much as the eager step's shrinks (a step with prompts can show less wall time than device time)."""
+    kinds = [kind for kind in (decode, prompt) if kind["steps"]]
+    if any(kind.get("mean_wall_ms") is None for kind in kinds):
         return ["–", "–"]
-    waits = [kind["steps"] * (kind["mean_wall_ms"] - kind["mean_ms"]) / 1000 if kind["steps"] else 0.0
-             for kind in kinds]  # fmt: skip
-    wall = sum(kind["steps"] * kind["mean_wall_ms"] / 1000 for kind in kinds if kind["steps"])
-    return [", ".join(f"{w:.1f}" for w in waits), f"{wall:.1f} / {fmt(duration_s, 1)}"]
+    wall = sum(kind["steps"] * kind["mean_wall_ms"] for kind in kinds) / 1000
+    device = sum(kind["steps"] * kind["mean_ms"] for kind in kinds) / 1000
+    return [f"{wall - device:.1f}", f"{wall:.1f} / {fmt(duration_s, 1)}"]
 
 
 def _served_step_cell(kind: dict[str, Any], tokens: float | None) -> str:

@@ -11,9 +11,11 @@ prompts beyond the graphs' tokens (mixed_cuda_graph_tokens) is launched kernel b
 longer than running it.
 
 Each kind also sums its steps' wall time (Step.interval_s: from the previous step's tokens to its own, on the host;
-after a pause, from its own plan). Over a window, wall time beyond the steps' time on the device is time the GPU
-waited for the host between steps (launches, planning, copies it had to wait for); the window's time beyond the
-wall time is pauses, when the engine had nothing to run.
+after a pause, from its own plan). Over a window, all steps' wall time beyond their time on the device is time the
+GPU waited for the host between steps (launches, planning, copies it had to wait for); the window's time beyond the
+wall time is pauses, when the engine had nothing to run. One kind's difference alone means little: the host launches
+a step before it reads the previous one's tokens, so an eager step's launches lengthen the previous step's interval
+and shorten its own.
 """
 
 from __future__ import annotations

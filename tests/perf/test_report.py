@@ -147,10 +147,18 @@ def test_served_runs_steps_are_tabled(tmp_path: Path) -> None:
         "decode": {"steps": 0, "mean_ms": None, "mean_requests": None},  # results from before graph shares
         "prompt": {"steps": 3, "mean_ms": 5.0, "mean_requests": 1.0, "prompt_tokens_per_step": 20.0},
     }
-    append_runs(path, [served, idle])
+    # overlapped steps: an eager step's launches delay the previous step's read, which moves wall time between kinds
+    shifted = _run("s-shift", "serving", 2000, "lora", 9.0, "s1-n2000", "serving-slora")
+    shifted["metrics"]["steps"] = {
+        "decode": {"steps": 100, "mean_ms": 11.0, "mean_wall_ms": 13.0, "mean_requests": 200.0},
+        "prompt": {"steps": 100, "mean_ms": 31.0, "mean_wall_ms": 30.0, "mean_requests": 200.0,
+                   "prompt_tokens_per_step": 500.0},
+    }  # fmt: skip
+    append_runs(path, [served, idle, shifted])
     table = report(path).split("## Served runs' engine steps by kind")[1]
-    # the GPU waited 900 x 1 ms and 450 x 4 ms; the steps' wall time, 900 x 12.26 + 450 x 35.04 ms, of the run's 30 s
-    assert "| s-n2000 | 900, 11.3 (247) | 450, 31.0 (251, 612) | 100%, 60% | 0.9, 1.8 | 26.8 / 30.0 |" in table
+    assert "| –, – | 0.1 | 4.3 / – |" in table
+    # the GPU waited 900 x 1 ms + 450 x 4 ms; the steps' wall time, 900 x 12.26 + 450 x 35.04 ms, of the run's 30 s
+    assert "| s-n2000 | 900, 11.3 (247) | 450, 31.0 (251, 612) | 100%, 60% | 2.7 | 26.8 / 30.0 |" in table
     assert "| s-base | 0 | 3, 5.0 (1, 20) | –, – | – | – |" in table  # results from before the wall counter
 
 
