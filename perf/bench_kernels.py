@@ -428,9 +428,11 @@ def fused_settings() -> KernelSettings:
     return dataclasses.replace(kernel_settings, lora_fused=True)
 
 
-def lora_split(y: torch.Tensor, *args: Any) -> None:
-    """TritonOps.lora with the step's decodes and prompts launched apart (KernelSettings.lora_split)."""
-    TritonOps(dataclasses.replace(kernel_settings, lora_split=True)).lora(y, *args)
+def other_grouping() -> tuple[str, KernelSettings]:
+    """The impl name and settings of a step with decodes and prompts launched the other way than the benchmark's
+    settings launch them: apart ("triton_split", KernelSettings.lora_split) or in one launch pair ("triton_pair")."""
+    split = not kernel_settings.lora_split
+    return ("triton_split" if split else "triton_pair"), dataclasses.replace(kernel_settings, lora_split=split)
 
 
 GRAPH_MAX_SEQS = AUTO_SEQS[1]  # the most max_num_seqs resolves to on CUDA: its graphs' buckets (cuda_graphs.py)
@@ -473,8 +475,9 @@ def bench_lora_call(
         "torch_ref": (lora_ref, y0, args),
         "padded_bmm": (lora_padded_bmm, y0, args),
     }
-    if len(case.meta.groups(split=True)) > 1:  # decodes and prompts: also launched apart (lora_split)
-        impls["triton_split"] = (lora_split, y0, args)
+    if len(case.meta.groups(split=True)) > 1:  # decodes and prompts: also launched the other way (lora_split)
+        name, settings = other_grouping()
+        impls[name] = (TritonOps(settings).lora, y0, args)
     # The fused kernel (shrink and expand in one) on every token, whatever the step; then as the engine launches it
     # (lora_fused: decodes of many adapters of rank up to its MAX_RANK, the rest on the pair)
     impls["triton_fused"] = (lora_fused_call, y0, args)
@@ -499,7 +502,7 @@ def bench_lora_call(
         row = Row(f"lora_{call}", case.name, impl, ms, nbytes, flops, max_rel_err=err, eager_ms=eager, timing=how)
         rows.append(finish(row, device))
     if not case.decode_only:  # a step with prompts: where its time goes, shrink or expand
-        for impl in ("triton", "triton_split"):
+        for impl in ("triton", other_grouping()[0]):
             if impl in impls:
                 rows += lora_part_rows(case, device, call, in_features, impl, y0.clone(), args)
     return rows
@@ -511,7 +514,8 @@ def lora_part_rows(
     """The call's shrink launches alone and its expand launches alone ("<impl>:shrink", "<impl>:expand"), as `impl`
     launches them; no error column (neither writes the call's result alone)."""
     x, flat_layer, meta, modules, offsets, widths = args
-    settings = dataclasses.replace(kernel_settings, lora_split=impl == "triton_split", lora_fused=False)
+    split = kernel_settings.lora_split if impl == "triton" else other_grouping()[1].lora_split
+    settings = dataclasses.replace(kernel_settings, lora_split=split, lora_fused=False)
     calls = [c for c in lora_call.lora_calls(y, x, flat_layer, meta, modules, offsets, widths, settings)
              if isinstance(c, lora_call.LoraCall)]  # fmt: skip
 
@@ -797,7 +801,9 @@ def tune_lora(label: str, case: LoraCase, call: int = 0, expand_only: bool = Fal
     offsets, widths = call_outputs(case.model, modules)
     x = torch.randn((case.num_tokens, in_features), device=DEVICE).to(torch.bfloat16)
     y = torch.zeros((case.num_tokens, sum(widths)), device=DEVICE).to(torch.bfloat16)
-    ops = TritonOps(kernel_settings)
+    # One launch pair for a step's decodes and prompts: the MIXED configs swept here are that pair's (with
+    # lora_split the step's decodes and prompts would take the DECODE and PREFILL configs instead).
+    ops = TritonOps(dataclasses.replace(kernel_settings, lora_split=False))
 
     def lora() -> None:
         case.meta.launches.clear()  # the launches a step keeps were built with the previous variant

@@ -23,17 +23,17 @@ def test_bench_kernels_smoke(tmp_path: Path) -> None:
     rows = result["rows"]
     kernels = {r["kernel"] for r in rows}
     assert {"lora_qkv", "lora_layer", "attention_decode", "attention_prefill", "kv_write"} <= kernels
-    parts = {f"{impl}:{part}" for impl in ("triton", "triton_split") for part in ("shrink", "expand")}
-    impls = {"triton", "torch_ref", "padded_bmm", "triton_split", "triton_graph", "triton_fused", "fused_engine",
+    parts = {f"{impl}:{part}" for impl in ("triton", "triton_pair") for part in ("shrink", "expand")}
+    impls = {"triton", "torch_ref", "padded_bmm", "triton_pair", "triton_graph", "triton_fused", "fused_engine",
              "fused_graph"}  # fmt: skip
     assert {r["impl"] for r in rows} == impls | parts
-    split = [r for r in rows if r["impl"] == "triton_split"]  # the steps with decodes and prompts
-    assert split and all("prompt" in r["case"] and r["kernel"].startswith("lora_") for r in split), split
-    assert any(r["case"].startswith(bench_kernels.SERVED_MIXED) for r in split), "the served step with prompts"
+    pair = [r for r in rows if r["impl"] == "triton_pair"]  # the steps with decodes and prompts, lora_split off
+    assert pair and all("prompt" in r["case"] and r["kernel"].startswith("lora_") for r in pair), pair
+    assert any(r["case"].startswith(bench_kernels.SERVED_MIXED) for r in pair), "the served step with prompts"
     # a step with prompts, shrink and expand timed apart: their minimum bytes are the whole call's, split in two
     whole = {(r["kernel"], r["case"], r["impl"]): r["min_bytes"] for r in rows}
-    for r in split:
-        for impl in ("triton", "triton_split"):
+    for r in pair:
+        for impl in ("triton", "triton_pair"):
             shrink, expand = (whole[(r["kernel"], r["case"], f"{impl}:{part}")] for part in ("shrink", "expand"))
             assert 0 < shrink < r["min_bytes"] and shrink + expand == r["min_bytes"], (r["kernel"], r["case"])
     # the decode steps, also as a CUDA graph replays them; the 7-token S2 step (3n/2 + 1) is padded to bucket 8

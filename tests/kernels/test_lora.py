@@ -423,8 +423,9 @@ def test_length_groups_put_decodes_apart_from_prompts() -> None:
 
 
 def test_lora_launches_decodes_and_prompts_together(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One shrink per run of fused modules whatever the step mixes (each launch costs host time on an eager step);
-    a step with any decode gets decode-shaped tiles, a step of prompts only prefill-shaped ones."""
+    """With lora_split off, one shrink per run of fused modules whatever the step mixes (fewer launches on an eager
+    step); a step with any decode gets decode-shaped tiles, a step of prompts only prefill-shaped ones."""
+    together = KernelSettings(lora_split=False)
     built: list[int] = []
     shrink = lora_call.shrink_launch
     monkeypatch.setattr(
@@ -434,7 +435,7 @@ def test_lora_launches_decodes_and_prompts_together(monkeypatch: pytest.MonkeyPa
     cases = {"mixed": (TINY_STEPS["mixed"], 16), "decode": (TINY_STEPS["decode"], 3), "prompts": (long_prompts, 70)}
     for name, (step, tile_len) in cases.items():  # decode: one adapter has three tokens
         built.clear()
-        check_layer(build_case(TINY, torch.float32, list(TINY_ADAPTERS), step, seed=3), "triton", seed=4)
+        check_layer(build_case(TINY, torch.float32, list(TINY_ADAPTERS), step, seed=3), "triton", 4, together)
         assert built == [tile_len] * 4, (name, built)  # q/k/v, o, gate/up, down: one launch pair each
 
 
@@ -442,10 +443,10 @@ def test_lora_launches_decodes_and_prompts_together(monkeypatch: pytest.MonkeyPa
 def test_split_steps_launch_decodes_apart_from_prompts(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
     """Split launches (EngineConfig.lora_split): a step with decodes and prompts launches its decodes on the GEMV
     kernels and its prompts on prompt tiles, one pair each, and still matches the reference; a step of one kind keeps
-    one pair. The setting is what turns it on (off by default)."""
-    assert not EngineConfig().kernel_settings().lora_split
-    split = EngineConfig.from_dict({"lora_split": "true"}).kernel_settings()
+    one pair. The setting's default (lora_split=false turns it off)."""
+    split = EngineConfig().kernel_settings()
     assert split.lora_split
+    assert not EngineConfig.from_dict({"lora_split": "false"}).kernel_settings().lora_split
     configs: list[tuple[object, int]] = []
     shrink = lora_call.shrink_launch
 

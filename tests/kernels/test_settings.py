@@ -16,18 +16,18 @@ FIELDS = (
 
 
 def test_defaults_are_the_engines() -> None:
-    """Few adapters: 32 tokens over at most 8 adapters; lora_split and lora_fused off; the Triton GEMM and PDL on."""
+    """Few adapters: 32 tokens over at most 8 adapters; lora_split on, lora_fused off; the Triton GEMM and PDL on."""
     settings = EngineConfig().kernel_settings()
     assert settings == KernelSettings()
-    assert dataclasses.astuple(settings) == (32, 8, False, False, True, True, True)
+    assert dataclasses.astuple(settings) == (32, 8, True, False, True, True, True)
     assert tuple(f.name for f in dataclasses.fields(KernelSettings)) == FIELDS
 
 
 def test_every_field_is_an_engine_option() -> None:
     """Strings as slora-serve --engine-option and config.pbtxt parameters give them."""
-    values = {"few_adapters_min_tokens": "64", "few_adapters_max": "4", "lora_split": "true", "lora_fused": "1",
+    values = {"few_adapters_min_tokens": "64", "few_adapters_max": "4", "lora_split": "false", "lora_fused": "1",
               "triton_gemm": "false", "lora_pdl": "0", "shrink_pdl": "False"}  # fmt: skip
-    assert EngineConfig.from_dict(values).kernel_settings() == KernelSettings(64, 4, True, True, False, False, False)
+    assert EngineConfig.from_dict(values).kernel_settings() == KernelSettings(64, 4, False, True, False, False, False)
 
 
 @pytest.mark.parametrize(
