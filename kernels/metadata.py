@@ -67,8 +67,9 @@ class SegmentGroup:
 
     A segment is a run of rows: one sequence's new tokens (attention) or one adapter's tokens (LoRA). Attention
     splits a step that mixes decodes (one token each) with prompts (hundreds) into two groups (length_groups):
-    tiles sized for the prompts would spend a 64-row tile, and its programs, on each single decode token. LoRA
-    launches all its segments together with decode-shaped tiles instead (fewer launches: see tile_len).
+    tiles sized for the prompts would spend a 64-row tile, and its programs, on each single decode token. LoRA does
+    the same by default (KernelSettings.lora_split); without it, all its segments go together on decode-shaped
+    tiles (fewer launches: see tile_len).
     """
 
     segments: list[tuple[int, int, int, int]]  # (segment g, start row, end row, tag: its adapter for LoRA)

@@ -71,10 +71,10 @@ def lora_calls(
     pdl_shrink: y was just written by the Triton projection GEMM, so the
     shrinks may be launched with PDL behind it (kernels/triton/pdl.py)."""
     calls: list[LoraCall | FusedCall] = []
-    # By default one launch pair for decodes and prompts together (SegmentGroup.tile_len picks decode-shaped tiles
-    # when a step has both): each launch costs host time on an eager step. settings.lora_split splits them: the
-    # decodes on the GEMV kernels, the prompts on prompt tiles, one launch pair each; so does settings.lora_fused,
-    # whose kernel serves the decodes.
+    # settings.lora_split (the default) launches a step's decodes and prompts apart: the decodes on the GEMV
+    # kernels, the prompts on prompt tiles, one launch pair each; so does settings.lora_fused, whose kernel serves
+    # the decodes. Off: one launch pair for both (SegmentGroup.tile_len picks decode-shaped tiles when a step has
+    # both), which saves the host a launch pair on an eager step but spends a 16-row tile on each decode.
     groups = meta.groups(settings.lora_split or settings.lora_fused)
     for first, offsets, widths in consecutive_runs(modules, out_offsets, out_widths):
         if meta.fused_rank(first, len(widths)) == 0:
