@@ -505,6 +505,9 @@ def bench_lora_call(
         for impl in ("triton", other_grouping()[0]):
             if impl in impls:
                 rows += lora_part_rows(case, device, call, in_features, impl, y0.clone(), args)
+    elif graph is not None and case.name.startswith(SERVED_DECODE):  # the served decode steps, as their graph
+        _, y_graph, graph_args = impls["triton_graph"]
+        rows += lora_part_rows(case, device, call, in_features, "triton_graph", y_graph.clone(), graph_args)
     return rows
 
 
@@ -514,7 +517,7 @@ def lora_part_rows(
     """The call's shrink launches alone and its expand launches alone ("<impl>:shrink", "<impl>:expand"), as `impl`
     launches them; no error column (neither writes the call's result alone)."""
     x, flat_layer, meta, modules, offsets, widths = args
-    split = kernel_settings.lora_split if impl == "triton" else other_grouping()[1].lora_split
+    split = other_grouping()[1].lora_split if impl in ("triton_pair", "triton_split") else kernel_settings.lora_split
     settings = dataclasses.replace(kernel_settings, lora_split=split, lora_fused=False)
     calls = [c for c in lora_call.lora_calls(y, x, flat_layer, meta, modules, offsets, widths, settings)
              if isinstance(c, lora_call.LoraCall)]  # fmt: skip
@@ -658,6 +661,7 @@ def lora_cases(mha: Model, gqa: Model, n: int, prompt: int) -> list[Callable[[],
         lambda: lora_case(s2_name, mha, s2_adapters(2 + 2 * n), s2_step),
         served_mixed_sweep(gqa, n)[1],  # a saturated server's step with prompts: its calls also launched apart
         lambda: served_decode_case(gqa, n, graph=False),  # its decode step: eager, and as its graph replays it
+        lambda: served_decode_case(gqa, n, graph=False, adapters=5),  # S1 n = 5's: the LoRA launches' fixed cost
         # the launches' latency floor: one token of a rank-1 adapter reads next to nothing, so its time is what a
         # layer's LoRA launches cost however few bytes they move (4 launches on q,k,v,o; 8 on all seven projections)
         lambda: lora_case("floor: decode 1 req, 1 adapter r1 q,k,v,o", mha, [(1, 1, 1, 1, 0, 0, 0)], [(0, 1)]),
@@ -924,13 +928,15 @@ def served_mixed_variants(gqa: Model, n: int) -> list[tuple[str, Callable[[], Lo
     ]
 
 
-def served_decode_case(gqa: Model, n: int, graph: bool = True) -> LoraCase:
+def served_decode_case(gqa: Model, n: int, graph: bool = True, adapters: int | None = None) -> LoraCase:
     """A saturated server's decode step on the GQA shape (S1 n = 2000 served, perf/RESULTS.md: ~370 sequences a
     decode step, each on its own adapter): 6n - 12 decodes (n = 64: 372), as their CUDA graph replays them (graph)
-    or as an eager step's metadata."""
+    or as an eager step's metadata. adapters: the decodes spread over that many adapters instead (S1 n = 5's step,
+    whose adapters' bytes are negligible next to its x and y)."""
     decodes = 6 * n - 12
-    label = f"{SERVED_DECODE} {decodes} decode S1"
-    case = lora_case(label, gqa, [S1] * decodes, [(i, 1) for i in range(decodes)])
+    count = decodes if adapters is None else adapters
+    label = f"{SERVED_DECODE} {decodes} decode S1" + ("" if adapters is None else f", {adapters} adapters")
+    case = lora_case(label, gqa, [S1] * count, [(i % count, 1) for i in range(decodes)])
     return as_decode_graph(case) if graph else case
 
 

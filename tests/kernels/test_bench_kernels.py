@@ -23,7 +23,7 @@ def test_bench_kernels_smoke(tmp_path: Path) -> None:
     rows = result["rows"]
     kernels = {r["kernel"] for r in rows}
     assert {"lora_qkv", "lora_layer", "attention_decode", "attention_prefill", "kv_write"} <= kernels
-    parts = {f"{impl}:{part}" for impl in ("triton", "triton_pair") for part in ("shrink", "expand")}
+    parts = {f"{impl}:{part}" for impl in ("triton", "triton_pair", "triton_graph") for part in ("shrink", "expand")}
     impls = {"triton", "torch_ref", "padded_bmm", "triton_pair", "triton_graph", "triton_fused", "fused_engine",
              "fused_graph"}  # fmt: skip
     assert {r["impl"] for r in rows} == impls | parts
@@ -43,6 +43,10 @@ def test_bench_kernels_smoke(tmp_path: Path) -> None:
     assert graph == decode and any(c.startswith("S2 decode 7 req") for c in graph), graph
     assert {r["case"] for r in rows if r["impl"] == "fused_graph"} == graph, "lora_fused's graph of each decode step"
     assert any(c.startswith(bench_kernels.SERVED_DECODE) for c in graph), "the served decode step"
+    # the served decode steps (an adapter a request, and 5 adapters) as their graphs replay them: shrink and expand
+    served_parts = {r["case"] for r in rows if r["impl"] == "triton_graph:shrink"}
+    assert served_parts == {c for c in graph if c.startswith(bench_kernels.SERVED_DECODE)}, served_parts
+    assert any(", 5 adapters @" in c for c in served_parts), served_parts
     for r in rows:
         assert r["ms"] > 0 and r["min_bytes"] > 0 and math.isfinite(r["gbps"])
         if r["max_rel_err"] is not None:
