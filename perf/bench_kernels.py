@@ -659,7 +659,7 @@ def lora_cases(mha: Model, gqa: Model, n: int, prompt: int) -> list[Callable[[],
             f"mixed 4x{prompt} prompt + {n // 2} decode, mixed r1-128", mha, adapters(mixed[: 4 + n // 2]), mixed_step
         ),  # fmt: skip
         lambda: lora_case(s2_name, mha, s2_adapters(2 + 2 * n), s2_step),
-        served_mixed_sweep(gqa, n)[1],  # a saturated server's step with prompts: its calls also launched apart
+        served_mixed_sweep(gqa, n)[1],  # a saturated server's step with prompts: its calls also the other way
         lambda: served_decode_case(gqa, n, graph=False),  # its decode step: eager, and as its graph replays it
         lambda: served_decode_case(gqa, n, graph=False, adapters=5),  # S1 n = 5's: the LoRA launches' fixed cost
         # the launches' latency floor: one token of a rank-1 adapter reads next to nothing, so its time is what a
