@@ -475,9 +475,14 @@ def bench_lora_call(
         "torch_ref": (lora_ref, y0, args),
         "padded_bmm": (lora_padded_bmm, y0, args),
     }
+    # The launches whose shrink and expand are also timed apart: (impl, its settings, y before the call, arguments)
+    parts: list[tuple[str, KernelSettings, torch.Tensor, tuple[Any, ...]]] = []
+    if not case.decode_only:  # a step with prompts: where its time goes, shrink or expand
+        parts.append(("triton", kernel_settings, y0, args))
     if len(case.meta.groups(split=True)) > 1:  # decodes and prompts: also launched the other way (lora_split)
         name, settings = other_grouping()
         impls[name] = (TritonOps(settings).lora, y0, args)
+        parts.append((name, settings, y0, args))
     # The fused kernel (shrink and expand in one) on every token, whatever the step; then as the engine launches it
     # (lora_fused: decodes of many adapters of rank up to its MAX_RANK, the rest on the pair)
     impls["triton_fused"] = (lora_fused_call, y0, args)
@@ -488,6 +493,8 @@ def bench_lora_call(
         graph_args = (padded(x, size), case.flat_layer, meta, *args[3:])
         impls["triton_graph"] = (TritonOps(kernel_settings).lora, padded(y0, size), graph_args)
         impls["fused_graph"] = (TritonOps(fused_settings()).lora, padded(y0, size), graph_args)
+        if case.name.startswith(SERVED_DECODE):  # the served decode steps, as their graph replays them
+            parts.append(("triton_graph", kernel_settings, impls["triton_graph"][1], graph_args))
     nbytes, flops = lora_minimum(case, modules, in_features)
     if nbytes == 0:
         return []  # no adapter of the case targets these modules (S1 has no MLP adapters): nothing to time
@@ -501,24 +508,26 @@ def bench_lora_call(
         ms, eager, how = timed(functools.partial(fn, y, *fn_args))
         row = Row(f"lora_{call}", case.name, impl, ms, nbytes, flops, max_rel_err=err, eager_ms=eager, timing=how)
         rows.append(finish(row, device))
-    if not case.decode_only:  # a step with prompts: where its time goes, shrink or expand
-        for impl in ("triton", other_grouping()[0]):
-            if impl in impls:
-                rows += lora_part_rows(case, device, call, in_features, impl, y0.clone(), args)
-    elif graph is not None and case.name.startswith(SERVED_DECODE):  # the served decode steps, as their graph
-        _, y_graph, graph_args = impls["triton_graph"]
-        rows += lora_part_rows(case, device, call, in_features, "triton_graph", y_graph.clone(), graph_args)
+    for impl, settings, y_start, part_args in parts:
+        rows += lora_part_rows(case, device, call, in_features, impl, settings, y_start.clone(), part_args)
     return rows
 
 
 def lora_part_rows(
-    case: LoraCase, device: Device, call: str, in_features: int, impl: str, y: torch.Tensor, args: tuple[Any, ...]
+    case: LoraCase,
+    device: Device,
+    call: str,
+    in_features: int,
+    impl: str,
+    settings: KernelSettings,
+    y: torch.Tensor,
+    args: tuple[Any, ...],
 ) -> list[Row]:
     """The call's shrink launches alone and its expand launches alone ("<impl>:shrink", "<impl>:expand"), as `impl`
-    launches them; no error column (neither writes the call's result alone)."""
+    launches them with `settings` (the launch pairs: lora_fused off); no error column (neither writes the call's
+    result alone)."""
     x, flat_layer, meta, modules, offsets, widths = args
-    split = other_grouping()[1].lora_split if impl in ("triton_pair", "triton_split") else kernel_settings.lora_split
-    settings = dataclasses.replace(kernel_settings, lora_split=split, lora_fused=False)
+    settings = dataclasses.replace(settings, lora_fused=False)
     calls = [c for c in lora_call.lora_calls(y, x, flat_layer, meta, modules, offsets, widths, settings)
              if isinstance(c, lora_call.LoraCall)]  # fmt: skip
 
