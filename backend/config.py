@@ -78,11 +78,11 @@ class EngineConfig:
     # few_adapters_max partial tiles beyond its full ones (executor/static_lora.py). few_adapters_max=0: never.
     few_adapters_min_tokens: int = 32  # adapter tokens in the step at least
     few_adapters_max: int = 8  # adapters in the step at most
-    # An eager step's decodes in LoRA launches of their own (GEMV kernels), apart from its prompts (prompt tiles),
-    # instead of one launch pair for both on decode-shaped tensor-core tiles, which spend a 16-row tile on each
-    # decode. On: the step's LoRA kernels take less GPU time than the second launch pair costs the host, which an
-    # eager step's GPU time hides (perf/RESULTS.md). Graphs of steps with prompts keep one launch pair (their tiles
-    # are static: static_lora.mixed_tiling).
+    # A step's decodes in LoRA launches of their own (GEMV kernels), apart from its prompts (prompt tiles), instead
+    # of one launch pair for both on decode-shaped tensor-core tiles, which spend a 16-row tile on each decode. On:
+    # the step's LoRA kernels take less GPU time than the second launch pair costs the host, which an eager step's
+    # GPU time hides (perf/RESULTS.md). Graphs of steps with prompts follow it, with a static tile buffer per
+    # launch group (static_lora.mixed_tiling).
     lora_split: bool = True
     # A step's decodes of many adapters (decode graphs, and an eager step's decodes, launched apart from its
     # prompts as with lora_split) on one fused LoRA kernel per call, shrink and expand together, for adapters of rank

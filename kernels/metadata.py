@@ -30,6 +30,14 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def upload(view: torch.Tensor, host: torch.Tensor) -> None:
+    """Copy a host tensor into a device view without making the host wait (to_device says why)."""
+    if view.device.type == "cuda":
+        view.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        view.copy_(host)
+
+
 def tiles_of(segments: list[tuple[int, int, int, int]], block: int, device: torch.device) -> torch.Tensor:
     """int32 [num_tiles, 4]: (segment g, first row, end, tag) of every run of up to `block` rows of each
     (g, start row, end row, tag) segment, in their order.
@@ -229,6 +237,9 @@ class LoraMeta:
     row_start_host: list[list[int]]
     row_align: int = 1
     static: StaticBounds | None = None  # set for a CUDA-graph step: launch shapes come from here, not the step
+    # A graph's launch groups when it launches decodes apart from prompts (executor/static_lora.py): static tile
+    # buffers of their own, refilled before each replay; `static` then holds the rank bound and modules.
+    static_groups: list[SegmentGroup] | None = None
     # Built on first use and kept for the step (every layer asks the same): no per-layer Python loops.
     _fused_rank: dict[tuple[int, int], int] = field(default_factory=dict, repr=False, compare=False)
     # Kernel launches built by the first layer of the step, reused by the others (kernels/triton/lora_call.py).
@@ -279,8 +290,11 @@ class LoraMeta:
         return length_groups(self.whole().segments, self.seg_start.device, split=True)
 
     def groups(self, split: bool) -> list[SegmentGroup]:
-        """The groups the LoRA kernels launch: the whole step, or (split, not in a CUDA graph) its segments of up
-        to SHORT_SEGMENT tokens apart from the longer ones when it has both (length_groups)."""
+        """The groups the LoRA kernels launch: a graph's static groups when it has them (whatever `split`: its
+        buffers were filled for them), else the whole step, or (split, not in a CUDA graph) its segments of up to
+        SHORT_SEGMENT tokens apart from the longer ones when it has both (length_groups)."""
+        if self.static_groups is not None:
+            return self.static_groups
         if not split or self.static is not None:
             return [self.whole()]
         return self._split

@@ -33,7 +33,7 @@ class KernelSettings:
 
     few_adapters_min_tokens: int = 32  # a step of at least this many adapter tokens ...
     few_adapters_max: int = 8  # ... over at most this many adapters gets the tensor-core LoRA tiles (few_adapters)
-    lora_split: bool = True  # an eager step's decodes in LoRA launches apart from its prompts
+    lora_split: bool = True  # a step's decodes in LoRA launches apart from its prompts (graphs too)
     lora_fused: bool = False  # decodes of many adapters on the fused LoRA kernel (triton/lora_fused.py)
     triton_gemm: bool = True  # base projections of steps of up to 64 rows on the Triton GEMM (triton/projection.py)
     lora_pdl: bool = True  # programmatic dependent launch of the LoRA kernels where the GPU allows (triton/pdl.py)

@@ -46,6 +46,7 @@ from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.executor.batch import ScheduledSeq, build_batch, build_lora_meta, order_by_adapter
 from slora.backend.executor.cuda_graphs import bucket_for, bucket_sizes
 from slora.backend.executor.graph_families import rank_bound
+from slora.backend.executor.mixed_graphs import seq_buckets
 from slora.backend.executor.static_lora import StaticLora, decode_tiling, mixed_tiling
 from slora.backend.memory.adapter_cache import AdapterCache, ResidentAdapter
 from slora.backend.memory.page_pool import PageKind, PagePool, PoolGeometry
@@ -311,6 +312,7 @@ class LoraCase:
     meta: LoraMeta
     num_tokens: int
     decode_only: bool  # one token per sequence: a step the engine replays as a CUDA graph
+    num_seqs: int  # sequences of the step
 
 
 # --spread-pages: the LoRA cases' one-layer pool gets at least this many pages, the adapters' pages scattered over
@@ -344,7 +346,7 @@ def lora_case(
     q_start = list(itertools.accumulate([s.num_tokens for s in seqs], initial=0))
     meta = build_lora_meta(seqs, q_start, DEVICE)
     assert meta is not None
-    return LoraCase(name, model, pool.flat_layer(0), meta, q_start[-1], all(n == 1 for _, n in step))
+    return LoraCase(name, model, pool.flat_layer(0), meta, q_start[-1], all(n == 1 for _, n in step), len(step))
 
 
 def lora_calls(model: Model) -> list[tuple[str, tuple[int, ...], int]]:
@@ -455,6 +457,19 @@ def graph_meta(case: LoraCase) -> tuple[LoraMeta, int] | None:
     return static.meta, size
 
 
+def served_mixed_graphs(case: LoraCase) -> list[tuple[str, LoraMeta]]:
+    """A saturated server's step with prompts (an eager case named SERVED_MIXED) as a graph of steps with prompts
+    replays it (executor/mixed_graphs.py), with the LoRA launch groups the settings give it ("triton_graph") and the
+    other way ("split_graph": decodes apart, lora_split; "pair_graph": one launch group): its graph's sequence
+    bucket, the step's own tokens (a token bucket's padding adds tiles of no token only). None for other cases."""
+    if not case.name.startswith(SERVED_MIXED) or case.decode_only or case.meta.static is not None:
+        return []
+    seqs = bucket_for(seq_buckets(GRAPH_MAX_SEQS), case.num_seqs)
+    own = kernel_settings.lora_split
+    return [("triton_graph" if split == own else ("split_graph" if split else "pair_graph"),
+             as_mixed_graph(case, seqs, split).meta) for split in (own, not own)]  # fmt: skip
+
+
 def padded(t: torch.Tensor, rows: int) -> torch.Tensor:
     """t with zero rows appended up to `rows` (a graph bucket's padding)."""
     out = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
@@ -495,6 +510,10 @@ def bench_lora_call(
         impls["fused_graph"] = (TritonOps(fused_settings()).lora, padded(y0, size), graph_args)
         if case.name.startswith(SERVED_DECODE):  # the served decode steps, as their graph replays them
             parts.append(("triton_graph", kernel_settings, impls["triton_graph"][1], graph_args))
+    for name, mixed_meta in served_mixed_graphs(case):  # the served step with prompts as its graph replays it
+        graph_args = (x, case.flat_layer, mixed_meta, *args[3:])
+        impls[name] = (TritonOps(kernel_settings).lora, y0, graph_args)
+        parts.append((name, kernel_settings, y0, graph_args))
     nbytes, flops = lora_minimum(case, modules, in_features)
     if nbytes == 0:
         return []  # no adapter of the case targets these modules (S1 has no MLP adapters): nothing to time
@@ -669,6 +688,7 @@ def lora_cases(mha: Model, gqa: Model, n: int, prompt: int) -> list[Callable[[],
         ),  # fmt: skip
         lambda: lora_case(s2_name, mha, s2_adapters(2 + 2 * n), s2_step),
         served_mixed_sweep(gqa, n)[1],  # a saturated server's step with prompts: its calls also the other way
+        lambda: served_mixed_five(gqa, n),  # S1 n = 5's: also as its graph replays it, both ways
         lambda: served_decode_case(gqa, n, graph=False),  # its decode step: eager, and as its graph replays it
         lambda: served_decode_case(gqa, n, graph=False, adapters=5),  # S1 n = 5's: the LoRA launches' fixed cost
         # the launches' latency floor: one token of a rank-1 adapter reads next to nothing, so its time is what a
@@ -905,10 +925,29 @@ def served_mixed_sweep(gqa: Model, n: int) -> tuple[str, Callable[[], LoraCase]]
     """A saturated server's step with prompts on the GQA shape (S1 n = 2000 served, perf/RESULTS.md: ~460
     sequences, ~840 prompt tokens, each request on its own adapter): 7n + 12 decodes beside two prompts of 13n/2 + 4
     tokens (n = 64: 460 and 420)."""
+    decodes, _ = served_mixed_shape(n)
+    label = served_mixed_label(n)
+    return label, lambda: lora_case(label, gqa, [S1] * (decodes + 2), served_mixed_steps(n)[0])
+
+
+def served_mixed_label(n: int) -> str:
     decodes, prompt = served_mixed_shape(n)
-    step = [(i, 1) for i in range(decodes)] + [(decodes + i, prompt) for i in range(2)]
-    label = f"{SERVED_MIXED} {decodes} decode + 2x{prompt} prompt S1"
-    return label, lambda: lora_case(label, gqa, [S1] * (decodes + 2), step)
+    return f"{SERVED_MIXED} {decodes} decode + 2x{prompt} prompt S1"
+
+
+def served_mixed_steps(n: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The served step with prompts' (adapter, tokens) sequences with an adapter a request, and over 5 adapters
+    (S1 n = 5's: every decode of an adapter in one segment with its prompt)."""
+    decodes, prompt = served_mixed_shape(n)
+    many = [(i, 1) for i in range(decodes)] + [(decodes + i, prompt) for i in range(2)]
+    few = [(i % 5, 1) for i in range(decodes)] + [(i, prompt) for i in range(2)]
+    return many, few
+
+
+def served_mixed_five(gqa: Model, n: int) -> LoraCase:
+    """The served step with prompts over 5 adapters, eager (S1 n = 5's)."""
+    label = served_mixed_label(n).replace(" S1", " S1, 5 adapters")
+    return lora_case(label, gqa, [S1] * 5, served_mixed_steps(n)[1])
 
 
 def served_mixed_shape(n: int) -> tuple[int, int]:
@@ -922,17 +961,17 @@ def served_mixed_variants(gqa: Model, n: int) -> list[tuple[str, Callable[[], Lo
     decodes alone over 5 adapters (KernelSettings.few_adapters: the same configs): a config for such steps must not
     lose on any of them, since one graph of steps with prompts serves them all."""
     label, s1 = served_mixed_sweep(gqa, n)
-    decodes, prompt = served_mixed_shape(n)
-    many = [(i, 1) for i in range(decodes)] + [(decodes + i, prompt) for i in range(2)]
-    few = [(i % 5, 1) for i in range(decodes)] + [(i, prompt) for i in range(2)]
+    decodes, _ = served_mixed_shape(n)
+    many, few = served_mixed_steps(n)
     s2_label = label.replace(" S1", " S2 r64/32/16/8")
-    # Eager, a step of few adapters has long segments (prompt tiles); graphs replay it on the mixed configs.
+    # Eager, a step of few adapters has long segments (prompt tiles); graphs with one LoRA launch group (lora_split
+    # off: these sweeps tune that group's mixed configs) replay it on the mixed configs.
     five_label = label.replace(" S1", " S1, 5 adapters, as a graph")
     decode_label = f"{SERVED_MIXED} {decodes} decode S1, 5 adapters, as a graph"
     return [
         (label, s1),
         (s2_label, lambda: lora_case(s2_label, gqa, s2_adapters(decodes + 2), many)),
-        (five_label, lambda: as_mixed_graph(lora_case(five_label, gqa, [S1] * 5, few), len(few))),
+        (five_label, lambda: as_mixed_graph(lora_case(five_label, gqa, [S1] * 5, few), len(few), split=False)),
         (decode_label, lambda: as_decode_graph(lora_case(decode_label, gqa, [S1] * 5, few[:decodes]))),
     ]
 
@@ -963,12 +1002,13 @@ def tune_fused(case: LoraCase, call: int) -> list[dict[str, Any]]:
     return sweep(f"lora_fused ({case.name} {name})", lora_fused, "DEFAULT", variants, run)
 
 
-def as_mixed_graph(case: LoraCase, seqs: int) -> LoraCase:
+def as_mixed_graph(case: LoraCase, seqs: int, split: bool | None = None) -> LoraCase:
     """The case's step as a graph of steps with prompts replays it (executor/mixed_graphs.py): static buffers for
-    its tokens and `seqs` sequences, 16-token tiles on the mixed configs."""
+    its tokens and `seqs` sequences, its LoRA in the launch groups of static_lora.mixed_tiling (split: the
+    benchmark's settings' lora_split when None)."""
     meta = case.meta
     bound = rank_bound(meta.max_rank, GRAPH_MAX_RANK)
-    tiling = mixed_tiling(case.num_tokens, seqs)
+    tiling = mixed_tiling(case.num_tokens, seqs, kernel_settings.lora_split if split is None else split)
     static = StaticLora(case.num_tokens, seqs, meta.targeted_modules(), bound, meta.row_align,
                         meta.token_adapter.device, tiling)  # fmt: skip
     static.fill(meta, case.num_tokens)

@@ -177,8 +177,8 @@ def _mixed_graphs(
         return None
     assert config.mixed_cuda_graph_tokens is not None and config.max_num_seqs is not None  # resolved (defaults.py)
     limits = MixedLimits(config.mixed_cuda_graph_tokens, config.max_num_seqs, max_model_len, config.max_lora_rank)
-    mixed = MixedGraphs(model, pool, limits, row_align=graphs.row_align, pool_handle=graphs.pool_handle(),
-                        logits=graphs.logits_buffer())  # fmt: skip
+    mixed = MixedGraphs(model, pool, limits, row_align=graphs.row_align, settings=graphs.settings,
+                        pool_handle=graphs.pool_handle(), logits=graphs.logits_buffer())  # fmt: skip
     mixed.capture_all()
     return mixed
 

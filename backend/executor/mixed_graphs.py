@@ -15,9 +15,11 @@ sequences is padded to its bucket (`tokens`, `seqs`):
 Attention runs in two launches, as an eager step with decodes and prompts does (metadata.length_groups): sequences
 of up to SHORT_SEGMENT new tokens on short query tiles, one each, and longer ones on prompt-sized tiles. Each group's
 tile buffer holds the most tiles a step of the bucket can have; the tiles past the step's name the null sequence
-(row `max seqs` of the buffers: no token, no context), whose programs exit at once. LoRA runs on 16-token
-tensor-core tiles (static_lora.mixed_tiling). Logits are copied into one buffer that every graph shares, so that no
-graph keeps a [seqs, vocab] output of its own.
+(row `max seqs` of the buffers: no token, no context), whose programs exit at once. LoRA runs in two launch groups
+too, as an eager step's does (KernelSettings.lora_split): adapters of up to SHORT_SEGMENT tokens in the step (their
+decodes) on the GEMV kernels, the others on prompt tiles; without lora_split, in one group on 16-token tensor-core
+tiles (static_lora.mixed_tiling). Logits are copied into one buffer that every graph shares, so that no graph keeps
+a [seqs, vocab] output of its own.
 
 Token, sequence and tile buffers are shared by all graphs (views of the largest bucket's): graphs replay one at a
 time on one stream, and each step fills what its graph reads. Graphs are keyed by bucket and LoRA family
@@ -41,7 +43,8 @@ from slora.backend.executor.graph_families import NO_MODULES, GraphFamilies, Mod
 from slora.backend.executor.static_lora import StaticLora, mixed_tiling
 from slora.backend.memory.page_pool import PagePool
 from slora.backend.model.decoder import DecoderModel
-from slora.kernels.metadata import SHORT_SEGMENT, AttentionMeta, SegmentGroup, StaticBounds
+from slora.kernels.metadata import SHORT_SEGMENT, AttentionMeta, SegmentGroup, StaticBounds, upload
+from slora.kernels.settings import KernelSettings
 from slora.kernels.triton.launch import cdiv
 
 logger = logging.getLogger(__name__)
@@ -199,22 +202,15 @@ class MixedBuffers:
         return torch.from_numpy(short), torch.from_numpy(long)
 
 
-def upload(view: torch.Tensor, host: torch.Tensor) -> None:
-    """Copy a host tensor into a device view without making the host wait (metadata.to_device says why)."""
-    if view.device.type == "cuda":
-        view.copy_(host.pin_memory(), non_blocking=True)
-    else:
-        view.copy_(host)
-
-
 class MixedStatic:
     """The ForwardBatch a graph of one key is captured with, and its own LoRA buffers."""
 
-    def __init__(self, key: MixedKey, buffers: MixedBuffers, pool: PagePool, row_align: int) -> None:
+    def __init__(self, key: MixedKey, buffers: MixedBuffers, pool: PagePool, row_align: int, split: bool) -> None:
+        """split: the LoRA's short segments launched apart from its long ones (static_lora.mixed_tiling)."""
         self.key = key
         lora = None
         if key.modules:
-            tiling = mixed_tiling(key.tokens, key.seqs)
+            tiling = mixed_tiling(key.tokens, key.seqs, split)
             lora = StaticLora(key.tokens, key.seqs, key.modules, key.max_rank, row_align, buffers.device, tiling)
         self._lora = lora
         self.batch = ForwardBatch(
@@ -243,17 +239,21 @@ class MixedGraphs:
         limits: MixedLimits,
         *,
         row_align: int,
+        settings: KernelSettings,
         pool_handle: Any = None,
         logits: torch.Tensor | None = None,
         capture: bool = True,
     ) -> None:
-        """row_align: the decode graphs' (every LoRA row offset is a multiple of it); pool_handle: the decode
+        """row_align: the decode graphs' (every LoRA row offset is a multiple of it); settings: the kernels' (the
+        model's ops'), whose lora_split (or lora_fused, which launches decodes apart too) picks the graphs' LoRA
+        groups; pool_handle: the decode
         graphs' memory pool (DecodeGraphs.pool_handle), or None for one of their own; logits: the decode graphs'
         logits buffer (DecodeGraphs.logits_buffer, at least limits.max_seqs rows), or None for one of their own."""
         self.model = model
         self.pool = pool
         self.limits = limits
         self.row_align = row_align
+        self.split_lora = settings.lora_split or settings.lora_fused
         self.capture = capture  # False: run the static batches eagerly (tests the padding on any device)
         self.token_sizes = token_buckets(limits.max_tokens)
         self.seq_sizes = seq_buckets(limits.max_seqs)
@@ -332,7 +332,7 @@ class MixedGraphs:
 
     def _buffers(self, key: MixedKey) -> MixedStatic:
         if key not in self._static:
-            self._static[key] = MixedStatic(key, self.buffers, self.pool, self.row_align)
+            self._static[key] = MixedStatic(key, self.buffers, self.pool, self.row_align, self.split_lora)
         return self._static[key]
 
     def _capture(self, key: MixedKey) -> None:

@@ -9,37 +9,56 @@ LoraMeta is copied into buffers sized for the bucket (its tokens and adapters) a
     token_adapter                  the step's tokens, -1 (no adapter) for the padding rows
 
 A decode graph (one token a sequence, so `size` tokens of at most `size` adapters) is cuda_graphs.py's; a graph of
-steps with prompts (mixed_graphs.py) holds more tokens than adapters and always runs 16-token tensor-core tiles.
+steps with prompts (mixed_graphs.py) holds more tokens than adapters.
 
 A graph for steps of many adapters launches the GEMV kernels on one-token tiles (`size` of them at most); one for
 steps of at most `few_adapters` adapters (KernelSettings.few_adapters) the tensor-core kernels on 16-token tiles of
 one adapter, at most size / 16 + few_adapters of them, so its grids stay sized for its tiles instead of one per
 token.
+
+A graph of steps with prompts launches, as an eager step does by default (KernelSettings.lora_split), its short
+segments (up to SHORT_SEGMENT tokens: adapters with only decodes) on the GEMV kernels and its long ones on prompt
+tiles: two static groups (LoraMeta.static_groups), each with its own rows of one tile buffer, refilled from the
+step's segments on the host. A step of few adapters has long segments only (each adapter's decodes and prompts are
+one segment), so its second group takes them all. Without lora_split, one group on 16-token tensor-core tiles.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import numpy as np
 import torch
 
 from slora.backend.model.spec import LORA_MODULES
-from slora.kernels.metadata import TILE_COLUMNS, LoraMeta, StaticBounds
+from slora.kernels.metadata import SHORT_SEGMENT, TILE_COLUMNS, LoraMeta, SegmentGroup, StaticBounds, upload
 from slora.kernels.triton.launch import cdiv
 
 
-def tile_blocks() -> tuple[int, int]:
-    """Tokens per tile of a graph for many adapters (the LoRA kernels' decode configs) and of one for few adapters
-    (their mixed configs). Graphs run the Triton kernels only, so their configs are imported here, when one is
-    built: the engine without graphs runs without the triton package."""
+class Tiling(NamedTuple):
+    """One static launch group's tiles: `block` tokens a tile at most, the LoRA kernels' configs of `kind`
+    (metadata.SegmentGroup.kind), room for `max_tiles` tiles."""
+
+    block: int
+    kind: str
+    max_tiles: int
+
+
+def tile_blocks() -> tuple[int, int, int]:
+    """Tokens per tile of the LoRA kernels' decode (GEMV), mixed (16-token tensor-core) and prompt configs. Graphs
+    run the Triton kernels only, so their configs are imported here, when one is built: the engine without graphs
+    runs without the triton package."""
     from slora.kernels.triton import lora_shrink
 
-    return lora_shrink.DECODE.block_m, lora_shrink.MIXED.block_m
+    return lora_shrink.DECODE.block_m, lora_shrink.MIXED.block_m, lora_shrink.PREFILL.block_m
 
 
 class StaticLora:
     """`meta`: the LoraMeta a graph is captured with; `fill` copies a step's metadata into it before a replay.
 
-    Buffers for `tokens` tokens of at most `adapters` adapters, `max_tiles` tiles of `tile_block` tokens run on the
-    LoRA kernels' configs of `kind` (metadata.SegmentGroup.kind); the null adapter is row `adapters`."""
+    Buffers for `tokens` tokens of at most `adapters` adapters, and a tile buffer for each of `tilings`: one, the
+    step's segments in one launch group (meta.static), or two, its short segments apart from its long ones
+    (meta.static_groups, see the module's docstring); the null adapter is row `adapters`."""
 
     def __init__(
         self,
@@ -49,12 +68,18 @@ class StaticLora:
         max_rank: int,
         row_align: int,
         device: torch.device,
-        tiling: tuple[int, str, int],
+        tilings: list[Tiling],
     ) -> None:
-        """tiling: (tile_block, kind, max_tiles), from decode_tiling or mixed_tiling."""
+        """tilings: from decode_tiling or mixed_tiling."""
+        if len(tilings) not in (1, 2):
+            raise ValueError(f"a graph's LoRA runs in one launch group or two, not {len(tilings)}")
         self.size = tokens
         self.adapters = adapters
-        self.meta = self._empty_meta(modules, max_rank, row_align, device, tiling)
+        self.tilings = tilings
+        # every group's tiles: consecutive rows of one buffer, so that a step's are uploaded in one copy
+        self._tiles = torch.zeros((sum(t.max_tiles for t in tilings), TILE_COLUMNS), dtype=torch.int32, device=device)
+        self._tiles[:, 3] = adapters
+        self.meta = self._empty_meta(modules, max_rank, row_align, device)
         self._filled: tuple[LoraMeta, int] | None = None  # the step metadata the buffers hold now
 
     def fill(self, meta: LoraMeta, n: int) -> None:
@@ -62,17 +87,15 @@ class StaticLora:
         if self._filled is not None and self._filled[0] is meta and self._filled[1] == n:
             return  # a decode step of the same requests reuses its predecessor's LoraMeta (decode_batch.py)
         static = self.meta
-        assert static.static is not None
-        tiles = static.static.tiles
         adapters = meta.ranks.shape[0]
         rows = meta.a_rows.shape[0]
         if adapters > self.adapters or rows > static.a_rows.shape[0]:
             raise ValueError(f"a step of {adapters} adapters ({rows} rows) does not fit a graph of {self.adapters} "
                              f"({static.a_rows.shape[0]} rows)")  # fmt: skip
-        step_tiles = meta.tiles(static.static.tile_block)
-        count = step_tiles.shape[0]
-        if count > tiles.shape[0]:
-            raise ValueError(f"a step of {count} LoRA tiles does not fit a graph of {tiles.shape[0]}")
+        if len(self.tilings) == 1:
+            self._fill_tiles(meta)
+        else:
+            upload(self._tiles, self.split_tiles(meta.seg_start_host, meta.seg_adapter_host))
         self._filled = (meta, n)
         static.ranks[:adapters].copy_(meta.ranks)
         static.scales[:adapters].copy_(meta.scales)
@@ -81,16 +104,54 @@ class StaticLora:
         static.b_rows[:rows].copy_(meta.b_rows)
         static.token_adapter[:n].copy_(meta.token_adapter)
         static.token_adapter[n:].fill_(-1)
+
+    def _fill_tiles(self, meta: LoraMeta) -> None:
+        """One launch group: the step's tiles, then tiles of the null adapter covering no token."""
+        tiles = self._tiles
+        step_tiles = meta.tiles(self.tilings[0].block)
+        count = step_tiles.shape[0]
+        if count > tiles.shape[0]:
+            raise ValueError(f"a step of {count} LoRA tiles does not fit a graph of {tiles.shape[0]}")
         tiles[:count].copy_(step_tiles)
         tiles[count:, 1:3].zero_()
         tiles[count:, 3].fill_(self.adapters)
 
-    def _empty_meta(self, modules: frozenset[int], max_rank: int, row_align: int, device: torch.device,
-                    tiling: tuple[int, str, int]) -> LoraMeta:  # fmt: skip
-        tile_block, kind, max_tiles = tiling
+    def split_tiles(self, seg_start: list[int], seg_adapter: list[int]) -> torch.Tensor:
+        """Host int32 rows of the tile buffer of two launch groups: a one-token tile for each token of a segment of
+        up to SHORT_SEGMENT tokens, then the long segments' tiles of the second group's block, each group padded to
+        its rows with tiles of the null adapter (no token). The same tiles, in the same order, as an eager step's
+        groups (metadata.length_groups, tiles_of)."""
+        short, long = self.tilings
+        starts = np.asarray(seg_start[:-1], dtype=np.int64)
+        ends = np.asarray(seg_start[1:], dtype=np.int64)
+        lengths = ends - starts
+        is_short = lengths <= SHORT_SEGMENT
+        groups = []
+        for tiling, chosen in ((short, np.flatnonzero(is_short)), (long, np.flatnonzero(~is_short))):
+            counts = -(-lengths[chosen] // tiling.block)
+            tile_seg = np.repeat(chosen, counts)
+            if tile_seg.shape[0] > tiling.max_tiles:
+                raise ValueError(f"a step of {tile_seg.shape[0]} LoRA tiles of {tiling.block} tokens does not fit "
+                                 f"the graph's {tiling.max_tiles}")  # fmt: skip
+            within = np.arange(tile_seg.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
+            rows = np.zeros((tiling.max_tiles, TILE_COLUMNS), dtype=np.int32)
+            rows[:, 3] = self.adapters
+            firsts = starts[tile_seg] + within * tiling.block
+            adapters = np.asarray(seg_adapter, dtype=np.int64)[tile_seg]
+            rows[: tile_seg.shape[0]] = np.stack([tile_seg, firsts, ends[tile_seg], adapters], 1)
+            groups.append(rows)
+        return torch.from_numpy(np.concatenate(groups))
+
+    def _empty_meta(self, modules: frozenset[int], max_rank: int, row_align: int, device: torch.device) -> LoraMeta:
         columns = len(LORA_MODULES)
-        tiles = torch.zeros((max_tiles, TILE_COLUMNS), dtype=torch.int32, device=device)
-        tiles[:, 3] = self.adapters
+        bounds = []
+        first = 0
+        for tiling in self.tilings:
+            tiles = self._tiles[first : first + tiling.max_tiles]
+            segment_len = 1 if tiling.kind == "decode" else SHORT_SEGMENT + 1
+            bounds.append(StaticBounds(max_rank, tiles, tiling.block, modules, tiling.kind, segment_len))
+            first += tiling.max_tiles
+        groups = [SegmentGroup([], device, b) for b in bounds] if len(bounds) > 1 else None
         return LoraMeta(
             token_adapter=torch.full((self.size,), -1, dtype=torch.int32, device=device),
             seg_start=torch.zeros(self.adapters + 1, dtype=torch.int32, device=device),
@@ -107,22 +168,34 @@ class StaticLora:
             scales_host=[],
             row_start_host=[],
             row_align=row_align,
-            static=StaticBounds(max_rank, tiles, tile_block, modules, kind),
+            static=bounds[-1],
+            static_groups=groups,
         )
 
 
-def decode_tiling(size: int, few_adapters: int | None) -> tuple[int, str, int]:
-    """(tile_block, kind, max_tiles) of a decode graph of `size` sequences: one-token GEMV tiles, or with
-    few_adapters (the most adapters of the steps it replays) 16-token tensor-core tiles: a full tile per 16 tokens
-    and a partial one per adapter at most."""
-    decode_block, few_block = tile_blocks()
+def decode_tiling(size: int, few_adapters: int | None) -> list[Tiling]:
+    """The tiling of a decode graph of `size` sequences: one-token GEMV tiles, or with few_adapters (the most
+    adapters of the steps it replays) 16-token tensor-core tiles: a full tile per 16 tokens and a partial one per
+    adapter at most."""
+    decode_block, few_block, _ = tile_blocks()
     if few_adapters is None:
-        return decode_block, "decode", size
-    return few_block, "mixed", cdiv(size, few_block) + few_adapters
+        return [Tiling(decode_block, "decode", size)]
+    return [Tiling(few_block, "mixed", cdiv(size, few_block) + few_adapters)]
 
 
-def mixed_tiling(tokens: int, adapters: int) -> tuple[int, str, int]:
-    """(tile_block, kind, max_tiles) of a graph of steps with prompts: 16-token tensor-core tiles (the configs an
-    eager step of decodes and prompts runs), a full tile per 16 tokens and a partial one per adapter at most."""
-    _, few_block = tile_blocks()
-    return few_block, "mixed", cdiv(tokens, few_block) + adapters
+def mixed_tiling(tokens: int, adapters: int, split: bool) -> list[Tiling]:
+    """The tilings of a graph of steps with prompts of `tokens` tokens over at most `adapters` adapters.
+
+    split (KernelSettings.lora_split): two groups, as an eager step launches them. Short segments (up to
+    SHORT_SEGMENT tokens, so at most SHORT_SEGMENT x adapters tokens) on one-token GEMV tiles; long segments on
+    prompt tiles, a full tile per prompt-tile of tokens and a partial one per long segment (more than SHORT_SEGMENT
+    tokens each, and one per adapter) at most. Else one group on 16-token tensor-core tiles, a full tile per 16
+    tokens and a partial one per adapter at most."""
+    decode_block, few_block, prompt_block = tile_blocks()
+    if not split:
+        return [Tiling(few_block, "mixed", cdiv(tokens, few_block) + adapters)]
+    long_segments = min(adapters, tokens // (SHORT_SEGMENT + 1))
+    return [
+        Tiling(decode_block, "decode", min(tokens, SHORT_SEGMENT * adapters)),
+        Tiling(prompt_block, "prompts", cdiv(tokens, prompt_block) + long_segments),
+    ]

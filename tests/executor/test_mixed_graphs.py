@@ -47,7 +47,8 @@ def _graphs(engine: LLMEngine, capture: bool) -> MixedGraphs:
     c = engine.config
     assert c.max_batch_tokens is not None and c.max_num_seqs is not None
     limits = MixedLimits(c.max_batch_tokens, c.max_num_seqs, engine.max_model_len, c.max_lora_rank)
-    return MixedGraphs(engine.model, engine.pool, limits, row_align=1, capture=capture)
+    settings = engine.config.kernel_settings()
+    return MixedGraphs(engine.model, engine.pool, limits, row_align=1, settings=settings, capture=capture)
 
 
 def test_keys_cover_every_step_shape(llama: ModelWithAdapters) -> None:
@@ -96,7 +97,7 @@ def test_prompt_tiles_never_exceed_the_bound() -> None:
         assert needed <= shapes.long_tiles(tokens, seqs)
 
 
-def _engine(model: ModelWithAdapters, device: str, **options: int) -> LLMEngine:
+def _engine(model: ModelWithAdapters, device: str, **options: int | bool) -> LLMEngine:
     values = dict(page_size=8, pool_bytes=8 << 20, max_num_seqs=12, max_batch_tokens=40, max_model_len=128,
                   max_lora_rank=16)  # fmt: skip
     values.update(options)
@@ -124,12 +125,14 @@ def _jobs(seed: int, count: int) -> tuple[list[list[int]], list[str | None], lis
 
 
 @pytest.mark.parametrize("device", [DEVICE])
-def test_static_mixed_batches_match_eager(llama: ModelWithAdapters, device: str) -> None:
+@pytest.mark.parametrize("lora_split", [True, False])
+def test_static_mixed_batches_match_eager(llama: ModelWithAdapters, device: str, lora_split: bool) -> None:
     """Prompts of 3-70 tokens in chunks of a 40-token budget beside decodes of other requests, with and without
     adapters of every kind: every step with prompts runs through the padded buffers, and tokens and logits equal
     the eager engine's, also in steps of as many sequences as the buffers hold (the null sequence then reads the last
-    one's end); the pool's pages all come back."""
-    engine = _engine(llama, device, max_num_seqs=5)
+    one's end); the pool's pages all come back. The graphs' LoRA runs in two launch groups (lora_split, the
+    default: short segments on the GEMV kernels, long ones on prompt tiles) or in one."""
+    engine = _engine(llama, device, max_num_seqs=5, lora_split=lora_split)
     prompts, adapters, params = _jobs(seed=5, count=10)
     eager_tokens, eager_logits = _run(engine, prompts, adapters, params)
     eager = engine.stats()
@@ -152,6 +155,12 @@ def test_static_mixed_batches_match_eager(llama: ModelWithAdapters, device: str)
     assert any(seqs == graphs.seq_sizes[-1] for _, seqs in shapes), "a step filled the largest sequence bucket"
     keys = set(graphs._static)  # noqa: SLF001 - which graphs the steps used
     assert any(key.modules for key in keys) and any(not key.modules for key in keys), keys
+    for key in keys:
+        lora = graphs._static[key].batch.lora  # noqa: SLF001 - the graph's LoRA launch groups
+        assert (lora is not None) == bool(key.modules)
+        if lora is not None:
+            want = ["decode", "prompts"] if lora_split else ["mixed"]
+            assert [g.kind(engine.config.kernel_settings()) for g in lora.groups(split=True)] == want, key
     engine.check_idle_integrity()
 
 

@@ -23,8 +23,9 @@ def test_bench_kernels_smoke(tmp_path: Path) -> None:
     rows = result["rows"]
     kernels = {r["kernel"] for r in rows}
     assert {"lora_qkv", "lora_layer", "attention_decode", "attention_prefill", "kv_write"} <= kernels
-    parts = {f"{impl}:{part}" for impl in ("triton", "triton_pair", "triton_graph") for part in ("shrink", "expand")}
-    impls = {"triton", "torch_ref", "padded_bmm", "triton_pair", "triton_graph", "triton_fused", "fused_engine",
+    graphs = ("triton_graph", "pair_graph")
+    parts = {f"{impl}:{part}" for impl in ("triton", "triton_pair", *graphs) for part in ("shrink", "expand")}
+    impls = {"triton", "torch_ref", "padded_bmm", "triton_pair", *graphs, "triton_fused", "fused_engine",
              "fused_graph"}  # fmt: skip
     assert {r["impl"] for r in rows} == impls | parts
     pair = [r for r in rows if r["impl"] == "triton_pair"]  # the steps with decodes and prompts, lora_split off
@@ -40,11 +41,19 @@ def test_bench_kernels_smoke(tmp_path: Path) -> None:
     graph = {r["case"] for r in rows if r["impl"] == "triton_graph"}
     lora = [r for r in rows if r["impl"] == "triton" and r["kernel"].startswith("lora_")]
     decode = {r["case"] for r in lora if "decode" in r["case"] and "prompt" not in r["case"]}
+    # the served steps with prompts (an adapter a request, and 5 adapters) as their graph replays them, both ways
+    mixed = {c for c in graph if c.startswith(bench_kernels.SERVED_MIXED)}
+    assert mixed == {r["case"] for r in rows if r["impl"] == "pair_graph"} and len(mixed) == 2, mixed
+    for case in mixed:
+        for impl in graphs:
+            shrink, expand = (whole[("lora_qkv", case, f"{impl}:{part}")] for part in ("shrink", "expand"))
+            assert shrink + expand == whole[("lora_qkv", case, impl)], (case, impl)
+    graph -= mixed
     assert graph == decode and any(c.startswith("S2 decode 7 req") for c in graph), graph
     assert {r["case"] for r in rows if r["impl"] == "fused_graph"} == graph, "lora_fused's graph of each decode step"
     assert any(c.startswith(bench_kernels.SERVED_DECODE) for c in graph), "the served decode step"
     # the served decode steps (an adapter a request, and 5 adapters) as their graphs replay them: shrink and expand
-    served_parts = {r["case"] for r in rows if r["impl"] == "triton_graph:shrink"}
+    served_parts = {r["case"] for r in rows if r["impl"] == "triton_graph:shrink"} - mixed
     assert served_parts == {c for c in graph if c.startswith(bench_kernels.SERVED_DECODE)}, served_parts
     assert any(", 5 adapters @" in c for c in served_parts), served_parts
     for r in rows:
