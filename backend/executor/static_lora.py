@@ -17,10 +17,11 @@ one adapter, at most size / 16 + few_adapters of them, so its grids stay sized f
 token.
 
 A graph of steps with prompts launches, as an eager step does by default (KernelSettings.lora_split), its short
-segments (up to SHORT_SEGMENT tokens: adapters with only decodes) on the GEMV kernels and its long ones on prompt
-tiles: two static groups (LoraMeta.static_groups), each with its own rows of one tile buffer, refilled from the
-step's segments on the host. A step of few adapters has long segments only (each adapter's decodes and prompts are
-one segment), so its second group takes them all. Without lora_split, one group on 16-token tensor-core tiles.
+segments (adapters of up to SHORT_SEGMENT tokens in the step: their decodes) on the GEMV kernels and its long ones
+on prompt tiles: two static groups (LoraMeta.static_groups), each with its own rows of one tile buffer, refilled
+from the step's segments on the host. A step of few adapters has long segments only (each adapter's decodes and
+prompts are one segment), so its second group takes them all. Without lora_split, one group on 16-token tensor-core
+tiles.
 """
 
 from __future__ import annotations
@@ -117,10 +118,10 @@ class StaticLora:
         tiles[count:, 3].fill_(self.adapters)
 
     def split_tiles(self, seg_start: list[int], seg_adapter: list[int]) -> torch.Tensor:
-        """Host int32 rows of the tile buffer of two launch groups: a one-token tile for each token of a segment of
-        up to SHORT_SEGMENT tokens, then the long segments' tiles of the second group's block, each group padded to
-        its rows with tiles of the null adapter (no token). The same tiles, in the same order, as an eager step's
-        groups (metadata.length_groups, tiles_of)."""
+        """Host int32 rows of the tile buffer of two launch groups: the tiles of the segments of up to SHORT_SEGMENT
+        tokens (of the first group's block: one token, the GEMV kernels'), then those of the long segments (of the
+        second group's block), each group padded to its rows with tiles of the null adapter (no token). The same tiles,
+        in the same order, as an eager step's groups (metadata.length_groups, tiles_of)."""
         short, long = self.tilings
         starts = np.asarray(seg_start[:-1], dtype=np.int64)
         ends = np.asarray(seg_start[1:], dtype=np.int64)
