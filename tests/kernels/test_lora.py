@@ -338,12 +338,13 @@ def test_lora_kernel_kind_follows_the_step() -> None:
     assert lora_shrink.DECODE.gemv and lora_expand.DECODE.gemv and not lora_shrink.MIXED.gemv
     assert lora_shrink.DECODE_ONE.gemv and lora_expand.DECODE_ONE.gemv
     # decode graphs fill one static tile table that every decode kernel reads (and one for few adapters, which
-    # every mixed kernel reads)
+    # every mixed kernel reads); graphs of steps with prompts one for their decodes and one for the prompt kernels
     decode = (lora_shrink.DECODE, lora_expand.DECODE, lora_shrink.DECODE_ONE, lora_expand.DECODE_ONE)
     blocks = {c.block_m for c in decode}
-    decode_block, few_block = static_lora.tile_blocks()
+    decode_block, few_block, prompt_block = static_lora.tile_blocks()
     assert blocks == {decode_block}
     assert {lora_shrink.MIXED.block_m, lora_expand.MIXED.block_m} == {few_block}
+    assert {lora_shrink.PREFILL.block_m, lora_expand.PREFILL.block_m} == {prompt_block}
 
 
 def test_decodes_of_few_adapters_get_tensor_core_tiles() -> None:
