@@ -78,12 +78,16 @@ class EngineConfig:
     # few_adapters_max partial tiles beyond its full ones (executor/static_lora.py). few_adapters_max=0: never.
     few_adapters_min_tokens: int = 32  # adapter tokens in the step at least
     few_adapters_max: int = 8  # adapters in the step at most
-    # A step's decodes in LoRA launches of their own (GEMV kernels), apart from its prompts (prompt tiles), instead
-    # of one launch pair for both on decode-shaped tensor-core tiles, which spend a 16-row tile on each decode. On:
-    # the step's LoRA kernels take less GPU time than the second launch pair costs the host, which an eager step's
-    # GPU time hides (perf/RESULTS.md). Graphs of steps with prompts follow it, with a static tile buffer per
-    # launch group (static_lora.mixed_tiling).
+    # An eager step's decodes in LoRA launches of their own (GEMV kernels), apart from its prompts (prompt tiles),
+    # instead of one launch pair for both on decode-shaped tensor-core tiles, which spend a 16-row tile on each
+    # decode. On: the step's LoRA kernels take less GPU time than the second launch pair costs the host, which an
+    # eager step's GPU time hides (perf/RESULTS.md).
     lora_split: bool = True
+    # The same two launch groups in graphs of steps with prompts, each on a static tile buffer sized for any step of
+    # the bucket (static_lora.mixed_tiling). Off: one launch pair on 16-token tensor-core tiles, which takes as long
+    # on a step of an adapter a request and less on one of few adapters, whose split graph launches an empty decode
+    # group and leaves the prompts' K unsplit (perf/RESULTS.md, session 41).
+    graph_lora_split: bool = False
     # A step's decodes of many adapters (decode graphs, and an eager step's decodes, launched apart from its
     # prompts as with lora_split) on one fused LoRA kernel per call, shrink and expand together, for adapters of rank
     # up to 16 (kernels/triton/lora_fused.py); steps of few adapters, prompts and larger ranks keep the pair. Off:

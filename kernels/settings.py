@@ -33,7 +33,8 @@ class KernelSettings:
 
     few_adapters_min_tokens: int = 32  # a step of at least this many adapter tokens ...
     few_adapters_max: int = 8  # ... over at most this many adapters gets the tensor-core LoRA tiles (few_adapters)
-    lora_split: bool = True  # a step's decodes in LoRA launches apart from its prompts (graphs too)
+    lora_split: bool = True  # an eager step's decodes in LoRA launches apart from its prompts
+    graph_lora_split: bool = False  # a graph of steps with prompts' LoRA launched as lora_split launches it
     lora_fused: bool = False  # decodes of many adapters on the fused LoRA kernel (triton/lora_fused.py)
     triton_gemm: bool = True  # base projections of steps of up to 64 rows on the Triton GEMM (triton/projection.py)
     lora_pdl: bool = True  # programmatic dependent launch of the LoRA kernels where the GPU allows (triton/pdl.py)
@@ -44,7 +45,7 @@ class KernelSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        for name in ("lora_split", "lora_fused", "triton_gemm", "lora_pdl", "shrink_pdl"):
+        for name in ("lora_split", "graph_lora_split", "lora_fused", "triton_gemm", "lora_pdl", "shrink_pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 

@@ -460,12 +460,12 @@ def graph_meta(case: LoraCase) -> tuple[LoraMeta, int] | None:
 def served_mixed_graphs(case: LoraCase) -> list[tuple[str, LoraMeta]]:
     """A saturated server's step with prompts (an eager case named SERVED_MIXED) as a graph of steps with prompts
     replays it (executor/mixed_graphs.py), with the LoRA launch groups the settings give it ("triton_graph") and the
-    other way ("split_graph": decodes apart, lora_split; "pair_graph": one launch group): its graph's sequence
+    other way ("split_graph": decodes apart, graph_lora_split; "pair_graph": one launch group): its graph's sequence
     bucket, the step's own tokens (a token bucket's padding adds tiles of no token only). None for other cases."""
     if not case.name.startswith(SERVED_MIXED) or case.decode_only or case.meta.static is not None:
         return []
     seqs = bucket_for(seq_buckets(GRAPH_MAX_SEQS), case.num_seqs)
-    own = kernel_settings.lora_split
+    own = kernel_settings.graph_lora_split
     return [("triton_graph" if split == own else ("split_graph" if split else "pair_graph"),
              as_mixed_graph(case, seqs, split).meta) for split in (own, not own)]  # fmt: skip
 
@@ -964,8 +964,8 @@ def served_mixed_variants(gqa: Model, n: int) -> list[tuple[str, Callable[[], Lo
     decodes, _ = served_mixed_shape(n)
     many, few = served_mixed_steps(n)
     s2_label = label.replace(" S1", " S2 r64/32/16/8")
-    # Eager, a step of few adapters has long segments (prompt tiles); graphs with one LoRA launch group (lora_split
-    # off: these sweeps tune that group's mixed configs) replay it on the mixed configs.
+    # Eager, a step of few adapters has long segments (prompt tiles); graphs with one LoRA launch group (the
+    # default, graph_lora_split off: these sweeps tune that group's mixed configs) replay it on the mixed configs.
     five_label = label.replace(" S1", " S1, 5 adapters, as a graph")
     decode_label = f"{SERVED_MIXED} {decodes} decode S1, 5 adapters, as a graph"
     return [
@@ -1005,10 +1005,10 @@ def tune_fused(case: LoraCase, call: int) -> list[dict[str, Any]]:
 def as_mixed_graph(case: LoraCase, seqs: int, split: bool | None = None) -> LoraCase:
     """The case's step as a graph of steps with prompts replays it (executor/mixed_graphs.py): static buffers for
     its tokens and `seqs` sequences, its LoRA in the launch groups of static_lora.mixed_tiling (split: the
-    benchmark's settings' lora_split when None)."""
+    benchmark's settings' graph_lora_split when None)."""
     meta = case.meta
     bound = rank_bound(meta.max_rank, GRAPH_MAX_RANK)
-    tiling = mixed_tiling(case.num_tokens, seqs, kernel_settings.lora_split if split is None else split)
+    tiling = mixed_tiling(case.num_tokens, seqs, kernel_settings.graph_lora_split if split is None else split)
     static = StaticLora(case.num_tokens, seqs, meta.targeted_modules(), bound, meta.row_align,
                         meta.token_adapter.device, tiling)  # fmt: skip
     static.fill(meta, case.num_tokens)

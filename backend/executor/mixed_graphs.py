@@ -16,10 +16,10 @@ Attention runs in two launches, as an eager step with decodes and prompts does (
 of up to SHORT_SEGMENT new tokens on short query tiles, one each, and longer ones on prompt-sized tiles. Each group's
 tile buffer holds the most tiles a step of the bucket can have; the tiles past the step's name the null sequence
 (row `max seqs` of the buffers: no token, no context), whose programs exit at once. LoRA runs in two launch groups
-too, as an eager step's does (KernelSettings.lora_split): adapters of up to SHORT_SEGMENT tokens in the step (their
-decodes) on the GEMV kernels, the others on prompt tiles; without lora_split, in one group on 16-token tensor-core
-tiles (static_lora.mixed_tiling). Logits are copied into one buffer that every graph shares, so that no graph keeps
-a [seqs, vocab] output of its own.
+too with KernelSettings.graph_lora_split, as an eager step's does with lora_split: adapters of up to SHORT_SEGMENT
+tokens in the step (their decodes) on the GEMV kernels, the others on prompt tiles; by default in one group on
+16-token tensor-core tiles (static_lora.mixed_tiling). Logits are copied into one buffer that every graph shares, so
+that no graph keeps a [seqs, vocab] output of its own.
 
 Token, sequence and tile buffers are shared by all graphs (views of the largest bucket's): graphs replay one at a
 time on one stream, and each step fills what its graph reads. Graphs are keyed by bucket and LoRA family
@@ -245,15 +245,14 @@ class MixedGraphs:
         capture: bool = True,
     ) -> None:
         """row_align: the decode graphs' (every LoRA row offset is a multiple of it); settings: the kernels' (the
-        model's ops'), whose lora_split (or lora_fused, which launches decodes apart too) picks the graphs' LoRA
-        groups; pool_handle: the decode
+        model's ops'), whose graph_lora_split picks the graphs' LoRA groups; pool_handle: the decode
         graphs' memory pool (DecodeGraphs.pool_handle), or None for one of their own; logits: the decode graphs'
         logits buffer (DecodeGraphs.logits_buffer, at least limits.max_seqs rows), or None for one of their own."""
         self.model = model
         self.pool = pool
         self.limits = limits
         self.row_align = row_align
-        self.split_lora = settings.lora_split or settings.lora_fused
+        self.split_lora = settings.graph_lora_split
         self.capture = capture  # False: run the static batches eagerly (tests the padding on any device)
         self.token_sizes = token_buckets(limits.max_tokens)
         self.seq_sizes = seq_buckets(limits.max_seqs)

@@ -16,12 +16,12 @@ steps of at most `few_adapters` adapters (KernelSettings.few_adapters) the tenso
 one adapter, at most size / 16 + few_adapters of them, so its grids stay sized for its tiles instead of one per
 token.
 
-A graph of steps with prompts launches, as an eager step does by default (KernelSettings.lora_split), its short
-segments (adapters of up to SHORT_SEGMENT tokens in the step: their decodes) on the GEMV kernels and its long ones
-on prompt tiles: two static groups (LoraMeta.static_groups), each with its own rows of one tile buffer, refilled
-from the step's segments on the host. A step of few adapters has long segments only (each adapter's decodes and
-prompts are one segment), so its second group takes them all. Without lora_split, one group on 16-token tensor-core
-tiles.
+With KernelSettings.graph_lora_split, a graph of steps with prompts launches, as an eager step does with lora_split,
+its short segments (adapters of up to SHORT_SEGMENT tokens in the step: their decodes) on the GEMV kernels and its
+long ones on prompt tiles: two static groups (LoraMeta.static_groups), each with its own rows of one tile buffer,
+refilled from the step's segments on the host. A step of few adapters has long segments only (each adapter's decodes
+and prompts are one segment), so its second group takes them all. Without it (the default), one group on 16-token
+tensor-core tiles.
 """
 
 from __future__ import annotations

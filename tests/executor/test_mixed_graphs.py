@@ -125,14 +125,14 @@ def _jobs(seed: int, count: int) -> tuple[list[list[int]], list[str | None], lis
 
 
 @pytest.mark.parametrize("device", [DEVICE])
-@pytest.mark.parametrize("lora_split", [True, False])
-def test_static_mixed_batches_match_eager(llama: ModelWithAdapters, device: str, lora_split: bool) -> None:
+@pytest.mark.parametrize("graph_lora_split", [False, True])
+def test_static_mixed_batches_match_eager(llama: ModelWithAdapters, device: str, graph_lora_split: bool) -> None:
     """Prompts of 3-70 tokens in chunks of a 40-token budget beside decodes of other requests, with and without
     adapters of every kind: every step with prompts runs through the padded buffers, and tokens and logits equal
     the eager engine's, also in steps of as many sequences as the buffers hold (the null sequence then reads the last
-    one's end); the pool's pages all come back. The graphs' LoRA runs in two launch groups (lora_split, the
-    default: short segments on the GEMV kernels, long ones on prompt tiles) or in one."""
-    engine = _engine(llama, device, max_num_seqs=5, lora_split=lora_split)
+    one's end); the pool's pages all come back. The graphs' LoRA runs in one launch group (the default) or in two
+    (graph_lora_split: short segments on the GEMV kernels, long ones on prompt tiles)."""
+    engine = _engine(llama, device, max_num_seqs=5, graph_lora_split=graph_lora_split)
     prompts, adapters, params = _jobs(seed=5, count=10)
     eager_tokens, eager_logits = _run(engine, prompts, adapters, params)
     eager = engine.stats()
@@ -159,7 +159,7 @@ def test_static_mixed_batches_match_eager(llama: ModelWithAdapters, device: str,
         lora = graphs._static[key].batch.lora  # noqa: SLF001 - the graph's LoRA launch groups
         assert (lora is not None) == bool(key.modules)
         if lora is not None:
-            want = ["decode", "prompts"] if lora_split else ["mixed"]
+            want = ["decode", "prompts"] if graph_lora_split else ["mixed"]
             assert [g.kind(engine.config.kernel_settings()) for g in lora.groups(split=True)] == want, key
     engine.check_idle_integrity()
 

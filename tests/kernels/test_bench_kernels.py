@@ -23,7 +23,7 @@ def test_bench_kernels_smoke(tmp_path: Path) -> None:
     rows = result["rows"]
     kernels = {r["kernel"] for r in rows}
     assert {"lora_qkv", "lora_layer", "attention_decode", "attention_prefill", "kv_write"} <= kernels
-    graphs = ("triton_graph", "pair_graph")
+    graphs = ("triton_graph", "split_graph")
     parts = {f"{impl}:{part}" for impl in ("triton", "triton_pair", *graphs) for part in ("shrink", "expand")}
     impls = {"triton", "torch_ref", "padded_bmm", "triton_pair", *graphs, "triton_fused", "fused_engine",
              "fused_graph"}  # fmt: skip
@@ -43,7 +43,7 @@ def test_bench_kernels_smoke(tmp_path: Path) -> None:
     decode = {r["case"] for r in lora if "decode" in r["case"] and "prompt" not in r["case"]}
     # the served steps with prompts (an adapter a request, and 5 adapters) as their graph replays them, both ways
     mixed = {c for c in graph if c.startswith(bench_kernels.SERVED_MIXED)}
-    assert mixed == {r["case"] for r in rows if r["impl"] == "pair_graph"} and len(mixed) == 2, mixed
+    assert mixed == {r["case"] for r in rows if r["impl"] == "split_graph"} and len(mixed) == 2, mixed
     for case in mixed:
         for impl in graphs:
             shrink, expand = (whole[("lora_qkv", case, f"{impl}:{part}")] for part in ("shrink", "expand"))

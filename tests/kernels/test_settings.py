@@ -11,29 +11,33 @@ from slora.backend.config import EngineConfig
 from slora.kernels.settings import RETIRED_ENVIRONMENT, KernelSettings, warn_retired_environment
 
 FIELDS = (
-    "few_adapters_min_tokens", "few_adapters_max", "lora_split", "lora_fused", "triton_gemm", "lora_pdl", "shrink_pdl",
+    "few_adapters_min_tokens", "few_adapters_max", "lora_split", "graph_lora_split", "lora_fused", "triton_gemm",
+    "lora_pdl", "shrink_pdl",
 )  # fmt: skip
 
 
 def test_defaults_are_the_engines() -> None:
-    """Few adapters: 32 tokens over at most 8 adapters; lora_split on, lora_fused off; the Triton GEMM and PDL on."""
+    """Few adapters: 32 tokens over at most 8 adapters; lora_split on, graph_lora_split and lora_fused off; the
+    Triton GEMM and PDL on."""
     settings = EngineConfig().kernel_settings()
     assert settings == KernelSettings()
-    assert dataclasses.astuple(settings) == (32, 8, True, False, True, True, True)
+    assert dataclasses.astuple(settings) == (32, 8, True, False, False, True, True, True)
     assert tuple(f.name for f in dataclasses.fields(KernelSettings)) == FIELDS
 
 
 def test_every_field_is_an_engine_option() -> None:
     """Strings as slora-serve --engine-option and config.pbtxt parameters give them."""
-    values = {"few_adapters_min_tokens": "64", "few_adapters_max": "4", "lora_split": "false", "lora_fused": "1",
-              "triton_gemm": "false", "lora_pdl": "0", "shrink_pdl": "False"}  # fmt: skip
-    assert EngineConfig.from_dict(values).kernel_settings() == KernelSettings(64, 4, False, True, False, False, False)
+    values = {"few_adapters_min_tokens": "64", "few_adapters_max": "4", "lora_split": "false",
+              "graph_lora_split": "true", "lora_fused": "1", "triton_gemm": "false", "lora_pdl": "0",
+              "shrink_pdl": "False"}  # fmt: skip
+    assert EngineConfig.from_dict(values).kernel_settings() == KernelSettings(64, 4, False, True, True, False, False,
+                                                                              False)  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("field", "value"),
     [("few_adapters_min_tokens", -1), ("few_adapters_max", 2.5), ("few_adapters_max", True), ("lora_split", "yes"),
-     ("lora_fused", 1), ("triton_gemm", 1), ("lora_pdl", None), ("shrink_pdl", "true")],
+     ("graph_lora_split", "no"), ("lora_fused", 1), ("triton_gemm", 1), ("lora_pdl", None), ("shrink_pdl", "true")],
 )  # fmt: skip
 def test_invalid_values_are_refused_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
