@@ -104,7 +104,8 @@ class SegmentGroup:
         """What the group's segments are, which picks the LoRA kernels' configs: "decode" (every segment of up to
         SHORT_SEGMENT rows: GEMV kernels), "mixed" (some of them, or all of them but for few adapters with many
         rows each, settings.few_adapters: 16-row tensor-core tiles) or "prompts" (none: prompt-sized tiles). A
-        graph's: its bounds'."""
+        graph's: its bounds', where "short" (graphs of steps with prompts, static_lora.mixed_tiling) is the GEMV
+        kernels on tiles of a whole segment of up to SHORT_SEGMENT rows."""
         if self.static is not None:
             return self.static.kind
         if self.max_segment_len <= SHORT_SEGMENT:
@@ -206,6 +207,10 @@ class StaticBounds:
     # The segment length the launchers pick their configs by (SegmentGroup.max_segment_len): 1 for decode tiles;
     # an attention group of prompts gets a prompt's (above SHORT_SEGMENT: prompt-sized query tiles).
     segment_len: int = 1
+    # The tiles the LoRA shrink's K split is planned for (lora_shrink.shrink_grid), when a step of the graph usually
+    # fills far fewer than the buffer holds; 0: the buffer's rows. Tiles past the step's exit at once, so planning
+    # for all of them would leave the step's own tiles without a K split.
+    grid_tiles: int = 0
 
 
 @dataclass

@@ -1005,10 +1005,12 @@ def tune_fused(case: LoraCase, call: int) -> list[dict[str, Any]]:
 def as_mixed_graph(case: LoraCase, seqs: int, split: bool | None = None) -> LoraCase:
     """The case's step as a graph of steps with prompts replays it (executor/mixed_graphs.py): static buffers for
     its tokens and `seqs` sequences, its LoRA in the launch groups of static_lora.mixed_tiling (split: the
-    benchmark's settings' graph_lora_split when None)."""
+    benchmark's settings' graph_lora_split when None; a split step of few adapters gets their variant)."""
     meta = case.meta
     bound = rank_bound(meta.max_rank, GRAPH_MAX_RANK)
-    tiling = mixed_tiling(case.num_tokens, seqs, kernel_settings.graph_lora_split if split is None else split)
+    split = kernel_settings.graph_lora_split if split is None else split
+    few = kernel_settings.few_adapters_max if split and meta.of_few_adapters(kernel_settings) else None
+    tiling = mixed_tiling(case.num_tokens, seqs, split, few)
     static = StaticLora(case.num_tokens, seqs, meta.targeted_modules(), bound, meta.row_align,
                         meta.token_adapter.device, tiling)  # fmt: skip
     static.fill(meta, case.num_tokens)

@@ -77,6 +77,7 @@ class MixedKey(NamedTuple):
     seqs: int  # bucket: sequences of the step (and sampled rows), padded up to it
     modules: Modules  # LoRA modules some adapter of the step targets (empty: no adapter)
     max_rank: int  # bound on the step's adapter ranks
+    few: bool = False  # graph_lora_split: a step of few adapters (KernelSettings.few_adapters), prompt tiles alone
 
 
 @dataclass(frozen=True)
@@ -205,12 +206,16 @@ class MixedBuffers:
 class MixedStatic:
     """The ForwardBatch a graph of one key is captured with, and its own LoRA buffers."""
 
-    def __init__(self, key: MixedKey, buffers: MixedBuffers, pool: PagePool, row_align: int, split: bool) -> None:
-        """split: the LoRA's short segments launched apart from its long ones (static_lora.mixed_tiling)."""
+    def __init__(
+        self, key: MixedKey, buffers: MixedBuffers, pool: PagePool, row_align: int, settings: KernelSettings
+    ) -> None:
+        """settings: graph_lora_split, the LoRA's short segments launched apart from its long ones, and the most
+        adapters of a step of few adapters (static_lora.mixed_tiling)."""
         self.key = key
         lora = None
         if key.modules:
-            tiling = mixed_tiling(key.tokens, key.seqs, split)
+            few = settings.few_adapters_max if key.few else None
+            tiling = mixed_tiling(key.tokens, key.seqs, settings.graph_lora_split, few)
             lora = StaticLora(key.tokens, key.seqs, key.modules, key.max_rank, row_align, buffers.device, tiling)
         self._lora = lora
         self.batch = ForwardBatch(
@@ -252,7 +257,7 @@ class MixedGraphs:
         self.pool = pool
         self.limits = limits
         self.row_align = row_align
-        self.split_lora = settings.graph_lora_split
+        self.settings = settings
         self.capture = capture  # False: run the static batches eagerly (tests the padding on any device)
         self.token_sizes = token_buckets(limits.max_tokens)
         self.seq_sizes = seq_buckets(limits.max_seqs)
@@ -269,11 +274,17 @@ class MixedGraphs:
 
     def keys(self, modules: Modules, max_rank: int) -> list[MixedKey]:
         """Every bucket of one family, largest first: each token bucket with the sequence buckets its steps can
-        have (no more sequences than tokens)."""
+        have (no more sequences than tokens); with graph_lora_split and LoRA, also each bucket's variant for steps
+        of few adapters where its tokens can make one (at least few_adapters_min_tokens)."""
         keys = []
+        few = bool(modules) and self.settings.graph_lora_split and self.settings.few_adapters_max > 0
         for tokens in reversed(self.token_sizes):
             most = bucket_for(self.seq_sizes, min(tokens, self.seq_sizes[-1]))
-            keys += [MixedKey(tokens, seqs, modules, max_rank) for seqs in reversed(self.seq_sizes) if seqs <= most]
+            for seqs in reversed(self.seq_sizes):
+                if seqs <= most:
+                    keys.append(MixedKey(tokens, seqs, modules, max_rank))
+                    if few and tokens >= self.settings.few_adapters_min_tokens:
+                        keys.append(MixedKey(tokens, seqs, modules, max_rank, few=True))
         return keys
 
     def capture_all(self) -> None:
@@ -302,7 +313,8 @@ class MixedGraphs:
         if batch.lora is None:
             return MixedKey(tokens, seqs, NO_MODULES, 0)
         modules, bound = self.families.of_step(batch.lora)
-        return MixedKey(tokens, seqs, modules, bound)
+        few = self.settings.graph_lora_split and batch.lora.of_few_adapters(self.settings)
+        return MixedKey(tokens, seqs, modules, bound, few)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [num_sampled, vocab] of a step with prompts, from the smallest bucket that holds it."""
@@ -331,7 +343,7 @@ class MixedGraphs:
 
     def _buffers(self, key: MixedKey) -> MixedStatic:
         if key not in self._static:
-            self._static[key] = MixedStatic(key, self.buffers, self.pool, self.row_align, self.split_lora)
+            self._static[key] = MixedStatic(key, self.buffers, self.pool, self.row_align, self.settings)
         return self._static[key]
 
     def _capture(self, key: MixedKey) -> None:

@@ -17,11 +17,11 @@ one adapter, at most size / 16 + few_adapters of them, so its grids stay sized f
 token.
 
 With KernelSettings.graph_lora_split, a graph of steps with prompts launches, as an eager step does with lora_split,
-its short segments (adapters of up to SHORT_SEGMENT tokens in the step: their decodes) on the GEMV kernels and its
-long ones on prompt tiles: two static groups (LoraMeta.static_groups), each with its own rows of one tile buffer,
-refilled from the step's segments on the host. A step of few adapters has long segments only (each adapter's decodes
-and prompts are one segment), so its second group takes them all. Without it (the default), one group on 16-token
-tensor-core tiles.
+its short segments (adapters of up to SHORT_SEGMENT tokens in the step: their decodes) on the GEMV kernels, a tile
+a segment, and its long ones on prompt tiles: two static groups (LoraMeta.static_groups), each with its own rows of
+one tile buffer, refilled from the step's segments on the host. A step of few adapters has long segments only (each
+adapter's decodes and prompts are one segment): its graph (a variant of its own) has the prompt group alone. Without
+it (the default), one group on 16-token tensor-core tiles.
 """
 
 from __future__ import annotations
@@ -38,11 +38,13 @@ from slora.kernels.triton.launch import cdiv
 
 class Tiling(NamedTuple):
     """One static launch group's tiles: `block` tokens a tile at most, the LoRA kernels' configs of `kind`
-    (metadata.SegmentGroup.kind), room for `max_tiles` tiles."""
+    (metadata.SegmentGroup.kind), room for `max_tiles` tiles, the shrink's K split planned for `grid_tiles` of them
+    (StaticBounds.grid_tiles; 0: all)."""
 
     block: int
     kind: str
     max_tiles: int
+    grid_tiles: int = 0
 
 
 def tile_blocks() -> tuple[int, int, int]:
@@ -119,9 +121,9 @@ class StaticLora:
 
     def split_tiles(self, seg_start: list[int], seg_adapter: list[int]) -> torch.Tensor:
         """Host int32 rows of the tile buffer of two launch groups: the tiles of the segments of up to SHORT_SEGMENT
-        tokens (of the first group's block: one token, the GEMV kernels'), then those of the long segments (of the
-        second group's block), each group padded to its rows with tiles of the null adapter (no token). The same tiles,
-        in the same order, as an eager step's groups (metadata.length_groups, tiles_of)."""
+        tokens (of the first group's block), then those of the long segments (of the second group's block), each
+        group padded to its rows with tiles of the null adapter (no token). The same tiles, in the same order, as an
+        eager step's groups (metadata.length_groups, tiles_of) at these blocks."""
         short, long = self.tilings
         starts = np.asarray(seg_start[:-1], dtype=np.int64)
         ends = np.asarray(seg_start[1:], dtype=np.int64)
@@ -149,8 +151,9 @@ class StaticLora:
         first = 0
         for tiling in self.tilings:
             tiles = self._tiles[first : first + tiling.max_tiles]
-            segment_len = 1 if tiling.kind == "decode" else SHORT_SEGMENT + 1
-            bounds.append(StaticBounds(max_rank, tiles, tiling.block, modules, tiling.kind, segment_len))
+            segment_len = {"decode": 1, "short": SHORT_SEGMENT}.get(tiling.kind, SHORT_SEGMENT + 1)
+            bounds.append(StaticBounds(max_rank, tiles, tiling.block, modules, tiling.kind, segment_len,
+                                       tiling.grid_tiles))  # fmt: skip
             first += tiling.max_tiles
         groups = [SegmentGroup([], device, b) for b in bounds] if len(bounds) > 1 else None
         return LoraMeta(
@@ -184,19 +187,24 @@ def decode_tiling(size: int, few_adapters: int | None) -> list[Tiling]:
     return [Tiling(few_block, "mixed", cdiv(size, few_block) + few_adapters)]
 
 
-def mixed_tiling(tokens: int, adapters: int, split: bool) -> list[Tiling]:
+def mixed_tiling(tokens: int, adapters: int, split: bool, few_adapters: int | None = None) -> list[Tiling]:
     """The tilings of a graph of steps with prompts of `tokens` tokens over at most `adapters` adapters.
 
-    split (KernelSettings.lora_split): two groups, as an eager step launches them. Short segments (up to
-    SHORT_SEGMENT tokens, so at most SHORT_SEGMENT x adapters tokens) on one-token GEMV tiles; long segments on
-    prompt tiles, a full tile per prompt-tile of tokens and a partial one per long segment (more than SHORT_SEGMENT
-    tokens each, and one per adapter) at most. Else one group on 16-token tensor-core tiles, a full tile per 16
-    tokens and a partial one per adapter at most."""
-    decode_block, few_block, prompt_block = tile_blocks()
+    split (KernelSettings.graph_lora_split): two groups, as an eager step launches them. Short segments (up to
+    SHORT_SEGMENT tokens) on the GEMV kernels, a tile each (kind "short"), so at most one per adapter; long segments
+    on prompt tiles, a full tile per prompt-tile of tokens and a partial one per long segment (more than
+    SHORT_SEGMENT tokens each, and one per adapter) at most, the K split planned for the full tiles alone. With
+    few_adapters (the most adapters of the steps it replays, KernelSettings.few_adapters): their segments are long,
+    so one group of prompt tiles, as an eager step of few adapters has. Without split, one group on 16-token
+    tensor-core tiles, a full tile per 16 tokens and a partial one per adapter at most."""
+    _, few_block, prompt_block = tile_blocks()
     if not split:
         return [Tiling(few_block, "mixed", cdiv(tokens, few_block) + adapters)]
+    full = cdiv(tokens, prompt_block)
+    if few_adapters is not None:
+        return [Tiling(prompt_block, "prompts", full + few_adapters, full)]
     long_segments = min(adapters, tokens // (SHORT_SEGMENT + 1))
     return [
-        Tiling(decode_block, "decode", min(tokens, SHORT_SEGMENT * adapters)),
-        Tiling(prompt_block, "prompts", cdiv(tokens, prompt_block) + long_segments),
+        Tiling(SHORT_SEGMENT, "short", min(tokens, adapters)),
+        Tiling(prompt_block, "prompts", full + long_segments, full),
     ]

@@ -18,6 +18,7 @@ adapter's own rank; modules an adapter does not target (rank 0) cost nothing.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from slora.kernels.metadata import LoraMeta, SegmentGroup
+from slora.kernels.metadata import SHORT_SEGMENT, LoraMeta, SegmentGroup
 from slora.kernels.settings import DEFAULT_SETTINGS, KernelSettings
 from slora.kernels.triton.launch import cdiv, dot_precision, next_power_of_2
 from slora.kernels.triton.lora_shrink import MODULES, NUM_MODULES, tile_bounds
@@ -70,8 +71,9 @@ PREFILL = ExpandConfig(64, 16, (128,), 512, 4, 2)
 def expand_config(group: SegmentGroup, num_slices: int, settings: KernelSettings = DEFAULT_SETTINGS) -> ExpandConfig:
     """The config of a call of num_slices fused modules, picked as the shrink's (shrink_config)."""
     kind = group.kind(settings)
-    if kind == "decode":
-        return DECODE_ONE if num_slices == 1 else DECODE
+    if kind in ("decode", "short"):
+        cfg = DECODE_ONE if num_slices == 1 else DECODE
+        return cfg if kind == "decode" else dataclasses.replace(cfg, block_m=SHORT_SEGMENT)
     return MIXED if kind == "mixed" else PREFILL
 
 

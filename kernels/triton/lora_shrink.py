@@ -23,6 +23,7 @@ module) re-read and summed every split, a chain of split_k dependent loads per r
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from slora.kernels.metadata import LoraMeta, SegmentGroup, to_device
+from slora.kernels.metadata import SHORT_SEGMENT, LoraMeta, SegmentGroup, to_device
 from slora.kernels.settings import DEFAULT_SETTINGS, KernelSettings
 from slora.kernels.triton.launch import cdiv, dot_precision
 from slora.kernels.triton.pdl import pdl_enabled, shrink_pdl
@@ -71,8 +72,10 @@ PREFILL = ShrinkConfig(64, 16, 64, 512, 4, 3)
 def shrink_config(group: SegmentGroup, num_slices: int, settings: KernelSettings = DEFAULT_SETTINGS) -> ShrinkConfig:
     """The config of a call of num_slices fused modules on the group's segments (their kind: settings' rule)."""
     kind = group.kind(settings)
-    if kind == "decode":
-        return DECODE_ONE if num_slices == 1 else DECODE
+    if kind in ("decode", "short"):
+        cfg = DECODE_ONE if num_slices == 1 else DECODE
+        # a graph's short segments: a tile of a whole segment, whose tokens the GEMV kernel runs one after another
+        return cfg if kind == "decode" else dataclasses.replace(cfg, block_m=SHORT_SEGMENT)
     return MIXED if kind == "mixed" else PREFILL
 
 
@@ -269,7 +272,8 @@ def shrink_launch(
     tiles = group.tiles(cfg.block_m)
     num_tiles = int(tiles.shape[0])
     in_features = int(x.shape[1])
-    rank_programs, split_k, k_per_split = shrink_grid(cfg, num_tiles, fused_rank, in_features)
+    planned = group.static.grid_tiles if group.static is not None and group.static.grid_tiles else num_tiles
+    rank_programs, split_k, k_per_split = shrink_grid(cfg, planned, fused_rank, in_features)
     v = torch.empty((split_k, x.shape[0], max(fused_rank, 1)), dtype=torch.float32, device=x.device)
     if num_tiles == 0 or fused_rank == 0:
         return v, None

@@ -65,6 +65,21 @@ def test_keys_cover_every_step_shape(llama: ModelWithAdapters) -> None:
             assert key in keys, (tokens, seqs)
 
 
+def test_split_graphs_have_a_variant_for_steps_of_few_adapters(llama: ModelWithAdapters) -> None:
+    """With graph_lora_split, every LoRA bucket of at least few_adapters_min_tokens tokens also gets a graph for
+    steps of few adapters; buckets without LoRA and graphs without the split do not."""
+    engine = _engine(llama, DEVICE, max_batch_tokens=300, max_num_seqs=40, graph_lora_split=True)
+    graphs = _graphs(engine, capture=False)
+    keys = graphs.keys(frozenset({0, 1}), 8)
+    plain = [key for key in keys if not key.few]
+    few = {key._replace(few=False) for key in keys if key.few}
+    assert plain == [key._replace(modules=frozenset({0, 1}), max_rank=8) for key in graphs.keys(NO_MODULES, 0)]
+    assert few == {key for key in plain if key.tokens >= engine.config.few_adapters_min_tokens} and few
+    assert not any(key.few for key in graphs.keys(NO_MODULES, 0))
+    pair = _graphs(_engine(llama, DEVICE, max_batch_tokens=300, max_num_seqs=40), capture=False)
+    assert not any(key.few for key in pair.keys(frozenset({0, 1}), 8))
+
+
 def test_attention_tiles_of_a_step() -> None:
     """Short sequences (decodes, short chunks) get one short tile each, prompts tiles of the long group's size;
     the rest of each buffer names the null sequence; a step of more tiles than its graph holds is refused."""
@@ -131,7 +146,8 @@ def test_static_mixed_batches_match_eager(llama: ModelWithAdapters, device: str,
     adapters of every kind: every step with prompts runs through the padded buffers, and tokens and logits equal
     the eager engine's, also in steps of as many sequences as the buffers hold (the null sequence then reads the last
     one's end); the pool's pages all come back. The graphs' LoRA runs in one launch group (the default) or in two
-    (graph_lora_split: short segments on the GEMV kernels, long ones on prompt tiles)."""
+    (graph_lora_split: short segments on the GEMV kernels, long ones on prompt tiles; a step of few adapters in its
+    own graph of prompt tiles alone)."""
     engine = _engine(llama, device, max_num_seqs=5, graph_lora_split=graph_lora_split)
     prompts, adapters, params = _jobs(seed=5, count=10)
     eager_tokens, eager_logits = _run(engine, prompts, adapters, params)
@@ -158,9 +174,12 @@ def test_static_mixed_batches_match_eager(llama: ModelWithAdapters, device: str,
     for key in keys:
         lora = graphs._static[key].batch.lora  # noqa: SLF001 - the graph's LoRA launch groups
         assert (lora is not None) == bool(key.modules)
+        assert not key.few or graph_lora_split
         if lora is not None:
-            want = ["decode", "prompts"] if graph_lora_split else ["mixed"]
+            want = (["prompts"] if key.few else ["short", "prompts"]) if graph_lora_split else ["mixed"]
             assert [g.kind(engine.config.kernel_settings()) for g in lora.groups(split=True)] == want, key
+    if graph_lora_split:  # steps of few adapters (32 adapter tokens over at most 8) and of more
+        assert {key.few for key in keys if key.modules} == {False, True}, keys
     engine.check_idle_integrity()
 
 

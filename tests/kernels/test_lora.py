@@ -181,6 +181,32 @@ def test_lora_split_k(step: str, monkeypatch: pytest.MonkeyPatch) -> None:
     check_layer(case, "triton", seed=21)
 
 
+@pytest.mark.parametrize("few_adapters", [None, 8])
+def test_lora_of_a_split_graph(few_adapters: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step with decodes and prompts through a graph's static split groups (executor/static_lora.py): its short
+    segments on the GEMV kernels a tile each, its long ones on prompt tiles whose K split is planned for fewer tiles
+    than the buffer holds; or, as a graph for steps of few adapters, all on prompt tiles. K is split as on real
+    widths. Every call matches the reference of the step's own metadata."""
+    for name in ("DECODE", "DECODE_ONE", "MIXED", "PREFILL"):
+        config = getattr(lora_shrink, name)
+        monkeypatch.setattr(lora_shrink, name, dataclasses.replace(config, block_k=16, target_programs=4096))
+    case = build_case(TINY, torch.float32, list(TINY_ADAPTERS), TINY_STEPS["mixed"], seed=31)
+    seqs = len(TINY_STEPS["mixed"])
+    tiling = static_lora.mixed_tiling(case.num_tokens, seqs, split=True, few_adapters=few_adapters)
+    meta = case.meta
+    static = static_lora.StaticLora(case.num_tokens, seqs, meta.targeted_modules(), meta.max_rank, meta.row_align,
+                                    meta.token_adapter.device, tiling)  # fmt: skip
+    static.fill(meta, case.num_tokens)
+    kinds = [g.kind(SETTINGS) for g in static.meta.groups(split=True)]
+    assert kinds == (["prompts"] if few_adapters else ["short", "prompts"])
+    ops = TritonOps(SETTINGS)
+
+    def through_graph(y, x, flat_layer, _meta, modules, offsets, widths):  # type: ignore[no-untyped-def]
+        ops.lora(y, x, flat_layer, static.meta, modules, offsets, widths)
+
+    check_layer(case, through_graph, seed=32)
+
+
 def test_split_and_unsplit_steps_share_compiled_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step of many tiles (K unsplit) and one of few (K split, summed by the shrink's last split) launch the same
     constexprs: one compiled variant serves both, so a server warmed up on either compiles nothing for the other
