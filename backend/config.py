@@ -85,9 +85,8 @@ class EngineConfig:
     lora_split: bool = True
     # The same two launch groups in graphs of steps with prompts, each on a static tile buffer sized for any step of
     # the bucket, and a graph of prompt tiles alone for steps of few adapters (static_lora.mixed_tiling). Off: one
-    # launch pair on 16-token tensor-core tiles. Off by default until a served A/B shows the split faster: its
-    # first grids took as long as the pair on a step of an adapter a request and longer on one of few adapters
-    # (perf/RESULTS.md, session 41).
+    # launch pair on 16-token tensor-core tiles. Off by default until a served A/B shows the split faster than the
+    # pair (perf/RESULTS.md, session 41).
     graph_lora_split: bool = False
     # A step's decodes of many adapters (decode graphs, and an eager step's decodes, launched apart from its
     # prompts as with lora_split) on one fused LoRA kernel per call, shrink and expand together, for adapters of rank

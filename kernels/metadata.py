@@ -50,6 +50,17 @@ def tiles_of(segments: list[tuple[int, int, int, int]], block: int, device: torc
     return to_device(torch.tensor(tiles, dtype=torch.int32).view(-1, TILE_COLUMNS), device)
 
 
+def tile_rows(segments: np.ndarray, block: int) -> np.ndarray:
+    """tiles_of's rows on the host, from an int64 [n, 4] array of (g, start row, end row, tag) segments: for the
+    static tile buffers of a CUDA graph, refilled from each step's segments before its replay."""
+    counts = -(-(segments[:, 2] - segments[:, 1]) // block)
+    seg = np.repeat(np.arange(segments.shape[0]), counts)
+    within = np.arange(seg.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
+    rows = segments[seg]
+    rows[:, 1] += within * block
+    return rows
+
+
 def row_alignment(rows: torch.Tensor, cap: int = 16) -> int:
     """The largest power of two up to `cap` that divides every offset in `rows` (lets kernels vectorize loads)."""
     return alignment_of(offsets_or(rows.numpy(force=True)), cap)

@@ -461,7 +461,7 @@ def served_mixed_graphs(case: LoraCase) -> list[tuple[str, LoraMeta]]:
     """A saturated server's step with prompts (an eager case named SERVED_MIXED) as a graph of steps with prompts
     replays it (executor/mixed_graphs.py), with the LoRA launch groups the settings give it ("triton_graph") and the
     other way ("split_graph": decodes apart, graph_lora_split; "pair_graph": one launch group): its graph's sequence
-    bucket, the step's own tokens (a token bucket's padding adds tiles of no token only). None for other cases."""
+    bucket, the step's own tokens (a token bucket's padding adds tiles of no token only). Nothing for other cases."""
     if not case.name.startswith(SERVED_MIXED) or case.decode_only or case.meta.static is not None:
         return []
     seqs = bucket_for(seq_buckets(GRAPH_MAX_SEQS), case.num_seqs)

@@ -43,7 +43,7 @@ from slora.backend.executor.graph_families import NO_MODULES, GraphFamilies, Mod
 from slora.backend.executor.static_lora import StaticLora, mixed_tiling
 from slora.backend.memory.page_pool import PagePool
 from slora.backend.model.decoder import DecoderModel
-from slora.kernels.metadata import SHORT_SEGMENT, AttentionMeta, SegmentGroup, StaticBounds, upload
+from slora.kernels.metadata import SHORT_SEGMENT, AttentionMeta, SegmentGroup, StaticBounds, tile_rows, upload
 from slora.kernels.settings import KernelSettings
 from slora.kernels.triton.launch import cdiv
 
@@ -182,24 +182,21 @@ class MixedBuffers:
     def tiles(self, q_start: list[int], key: MixedKey) -> tuple[torch.Tensor, torch.Tensor]:
         """Host int32 tiles (sequence, first row, end row, sequence) of the short and the long group, each padded
         with null tiles to its graph's rows."""
-        null, block = self.null, self.shapes.long
         starts = np.asarray(q_start, dtype=np.int64)
-        lengths = np.diff(starts)
-        seqs = np.arange(lengths.shape[0])
-        short_seqs, long_seqs = seqs[lengths <= SHORT_SEGMENT], seqs[lengths > SHORT_SEGMENT]
-        counts = -(-lengths[long_seqs] // block)  # tiles of each prompt
-        tile_seq = np.repeat(long_seqs, counts)
-        within = np.arange(tile_seq.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
+        seqs = np.arange(starts.shape[0] - 1)
+        segments = np.stack([seqs, starts[:-1], starts[1:], seqs], 1)
+        is_short = segments[:, 2] - segments[:, 1] <= SHORT_SEGMENT
+        short_tiles = segments[is_short]  # a tile each
+        long_tiles = tile_rows(segments[~is_short], self.shapes.long)
         rows = self.shapes.long_tiles(key.tokens, key.seqs)
-        if tile_seq.shape[0] > rows or short_seqs.shape[0] > key.seqs:
-            raise ValueError(f"a step of {tile_seq.shape[0]} prompt tiles and {short_seqs.shape[0]} short sequences "
-                             f"does not fit the graph of {rows} and {key.seqs}")  # fmt: skip
-        null_tile = np.array([[null, 0, 0, null]], dtype=np.int32)
+        if long_tiles.shape[0] > rows or short_tiles.shape[0] > key.seqs:
+            raise ValueError(f"a step of {long_tiles.shape[0]} prompt tiles and {short_tiles.shape[0]} short "
+                             f"sequences does not fit the graph of {rows} and {key.seqs}")  # fmt: skip
+        null_tile = np.array([[self.null, 0, 0, self.null]], dtype=np.int32)
         short = np.repeat(null_tile, key.seqs, axis=0)
-        short[: short_seqs.shape[0]] = np.stack([short_seqs, starts[short_seqs], starts[short_seqs + 1], short_seqs], 1)
+        short[: short_tiles.shape[0]] = short_tiles
         long = np.repeat(null_tile, rows, axis=0)
-        firsts = starts[tile_seq] + within * block
-        long[: tile_seq.shape[0]] = np.stack([tile_seq, firsts, starts[tile_seq + 1], tile_seq], 1)
+        long[: long_tiles.shape[0]] = long_tiles
         return torch.from_numpy(short), torch.from_numpy(long)
 
 

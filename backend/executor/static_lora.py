@@ -32,7 +32,15 @@ import numpy as np
 import torch
 
 from slora.backend.model.spec import LORA_MODULES
-from slora.kernels.metadata import SHORT_SEGMENT, TILE_COLUMNS, LoraMeta, SegmentGroup, StaticBounds, upload
+from slora.kernels.metadata import (
+    SHORT_SEGMENT,
+    TILE_COLUMNS,
+    LoraMeta,
+    SegmentGroup,
+    StaticBounds,
+    tile_rows,
+    upload,
+)
 from slora.kernels.triton.launch import cdiv
 
 
@@ -124,24 +132,19 @@ class StaticLora:
         tokens (of the first group's block), then those of the long segments (of the second group's block), each
         group padded to its rows with tiles of the null adapter (no token). The same tiles, in the same order, as an
         eager step's groups (metadata.length_groups, tiles_of) at these blocks."""
-        short, long = self.tilings
-        starts = np.asarray(seg_start[:-1], dtype=np.int64)
-        ends = np.asarray(seg_start[1:], dtype=np.int64)
-        lengths = ends - starts
-        is_short = lengths <= SHORT_SEGMENT
+        starts = np.asarray(seg_start, dtype=np.int64)
+        count = starts.shape[0] - 1
+        segments = np.stack([np.arange(count), starts[:-1], starts[1:], np.asarray(seg_adapter, dtype=np.int64)], 1)
+        is_short = segments[:, 2] - segments[:, 1] <= SHORT_SEGMENT
         groups = []
-        for tiling, chosen in ((short, np.flatnonzero(is_short)), (long, np.flatnonzero(~is_short))):
-            counts = -(-lengths[chosen] // tiling.block)
-            tile_seg = np.repeat(chosen, counts)
-            if tile_seg.shape[0] > tiling.max_tiles:
-                raise ValueError(f"a step of {tile_seg.shape[0]} LoRA tiles of {tiling.block} tokens does not fit "
+        for tiling, chosen in zip(self.tilings, (segments[is_short], segments[~is_short]), strict=True):
+            tiles = tile_rows(chosen, tiling.block)
+            if tiles.shape[0] > tiling.max_tiles:
+                raise ValueError(f"a step of {tiles.shape[0]} LoRA tiles of {tiling.block} tokens does not fit "
                                  f"the graph's {tiling.max_tiles}")  # fmt: skip
-            within = np.arange(tile_seg.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
             rows = np.zeros((tiling.max_tiles, TILE_COLUMNS), dtype=np.int32)
             rows[:, 3] = self.adapters
-            firsts = starts[tile_seg] + within * tiling.block
-            adapters = np.asarray(seg_adapter, dtype=np.int64)[tile_seg]
-            rows[: tile_seg.shape[0]] = np.stack([tile_seg, firsts, ends[tile_seg], adapters], 1)
+            rows[: tiles.shape[0]] = tiles
             groups.append(rows)
         return torch.from_numpy(np.concatenate(groups))
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 
-from slora.kernels.metadata import tiles_of
+from slora.kernels.metadata import tile_rows, tiles_of
 
 CPU = torch.device("cpu")
 
@@ -26,7 +27,8 @@ def test_tiles_of_a_step() -> None:
 
 
 def test_tiles_of_random_steps() -> None:
-    """Any mix of empty, decode, short and long segments, at the kernels' tile sizes."""
+    """Any mix of empty, decode, short and long segments, at the kernels' tile sizes; a graph's host rows
+    (tile_rows) are the same."""
     rng = random.Random(5)
     for _ in range(500):
         segments, row = [], 0
@@ -36,3 +38,5 @@ def test_tiles_of_random_steps() -> None:
             row += length
         for block in (1, 16, 64):
             assert tiles_of(segments, block, CPU).tolist() == _runs(segments, block), (segments, block)
+            host = tile_rows(np.array(segments, dtype=np.int64).reshape(-1, 4), block)
+            assert host.tolist() == _runs(segments, block), (segments, block)
