@@ -808,12 +808,25 @@ def sweep(
 
     A variant that cannot run (e.g. too much shared memory) is recorded with its error instead of a time.
     """
-    original = getattr(module, attr)
+    return sweep_tables(kernel, [(module, attr)], [(v,) for v in variants], run, lambda v: shown(v[0]))
+
+
+def sweep_tables(
+    kernel: str,
+    tables: list[tuple[Any, str]],
+    variants: list[tuple[Any, ...]],
+    run: Callable[[], object],
+    shown: Callable[[tuple[Any, ...]], Any] = lambda v: v,
+) -> list[dict[str, Any]]:
+    """sweep with several config tables (module, attr) set together, one value each per variant (a shrink and the
+    expand that must read its output); the originals are restored."""
+    originals = [getattr(module, attr) for module, attr in tables]
     baseline = timed(run)[0]
     results: list[dict[str, Any]] = []
     try:
         for variant in variants:
-            setattr(module, attr, variant)
+            for (module, attr), value in zip(tables, variant, strict=True):
+                setattr(module, attr, value)
             entry: dict[str, Any] = {"kernel": kernel, "config": repr(shown(variant))}
             try:
                 entry["ms"] = timed(run)[0]
@@ -822,7 +835,8 @@ def sweep(
                 entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             results.append(entry)
     finally:
-        setattr(module, attr, original)
+        for (module, attr), value in zip(tables, originals, strict=True):
+            setattr(module, attr, value)
     return sorted(results, key=lambda r: r.get("ms", float("inf")))
 
 
@@ -830,18 +844,7 @@ def tune_lora(label: str, case: LoraCase, call: int = 0, expand_only: bool = Fal
     """Shrink and expand config sweeps of one LoRA call of `case` (lora_calls: 0 = q/k/v, 1 = o, 3 = down), each
     variant's launches built afresh. Calls of one module sweep their own decode configs (DECODE_ONE). expand_only:
     the mixed expand's candidates alone (mixed_expand_variants), for any call of a step with prompts and decodes."""
-    name, modules, in_features = lora_calls(case.model)[call]
-    offsets, widths = call_outputs(case.model, modules)
-    x = torch.randn((case.num_tokens, in_features), device=DEVICE).to(torch.bfloat16)
-    y = torch.zeros((case.num_tokens, sum(widths)), device=DEVICE).to(torch.bfloat16)
-    # One launch pair for a step's decodes and prompts: the MIXED configs swept here are that pair's (with
-    # lora_split the step's decodes and prompts would take the DECODE and PREFILL configs instead).
-    ops = TritonOps(dataclasses.replace(kernel_settings, lora_split=False))
-
-    def lora() -> None:
-        case.meta.launches.clear()  # the launches a step keeps were built with the previous variant
-        ops.lora(y, x, case.flat_layer, case.meta, modules, offsets, widths)
-
+    name, modules, lora = lora_runner(case, call)
     kind = case.meta.whole().kind(kernel_settings)
     attr = {"decode": "DECODE", "mixed": "MIXED", "prompts": "PREFILL"}[kind]  # the config it uses
     if expand_only:
@@ -856,6 +859,61 @@ def tune_lora(label: str, case: LoraCase, call: int = 0, expand_only: bool = Fal
         shrink, expand = fused_variants(), fused_expand_variants()
     results = sweep(f"lora_shrink ({label} {name})", lora_shrink, attr, shrink, lora)
     return results + sweep(f"lora_expand ({label} {name})", lora_expand, attr, expand, lora)
+
+
+def lora_runner(case: LoraCase, call: int) -> tuple[str, tuple[int, ...], Callable[[], None]]:
+    """(call name, modules, a function that runs that LoRA call of `case` with the config tables as they are)."""
+    name, modules, in_features = lora_calls(case.model)[call]
+    offsets, widths = call_outputs(case.model, modules)
+    x = torch.randn((case.num_tokens, in_features), device=DEVICE).to(torch.bfloat16)
+    y = torch.zeros((case.num_tokens, sum(widths)), device=DEVICE).to(torch.bfloat16)
+    # One launch pair for a step's decodes and prompts: the MIXED configs swept here are that pair's (with
+    # lora_split the step's decodes and prompts would take the DECODE and PREFILL configs instead).
+    ops = TritonOps(dataclasses.replace(kernel_settings, lora_split=False))
+
+    def lora() -> None:
+        case.meta.launches.clear()  # the launches a step keeps were built with the previous variant
+        ops.lora(y, x, case.flat_layer, case.meta, modules, offsets, widths)
+
+    return name, modules, lora
+
+
+def tune_few_decode(case: LoraCase, call: int) -> list[dict[str, Any]]:
+    """Config sweeps of one LoRA call of a decode step of few adapters (KernelSettings.few_adapters: the MIXED
+    tables' 16-token tensor-core tiles): the shrink's candidates (few_shrink_variants), the expand's
+    (mixed_expand_variants), and the GEMV kernels on the same tiles for both (their shrink leaves K-split partials
+    that only the GEMV expand reads)."""
+    name, _, lora = lora_runner(case, call)
+    kind = case.meta.whole().kind(kernel_settings)
+    if kind != "mixed" or not case.decode_only:
+        raise ValueError(f"the few adapters' sweep is of decode steps of few adapters, not of a {kind} step")
+    label = f"{case.name} {name}"
+    results = sweep(f"lora_shrink ({label})", lora_shrink, "MIXED", few_shrink_variants(), lora)
+    results += sweep(f"lora_expand ({label})", lora_expand, "MIXED", mixed_expand_variants(), lora)
+    tables = [(lora_shrink, "MIXED"), (lora_expand, "MIXED")]
+    return results + sweep_tables(f"lora_shrink+expand GEMV ({label})", tables, few_gemv_pairs(), lora)
+
+
+def few_shrink_variants() -> list[ShrinkConfig]:
+    """Tensor-core shrink configs around MIXED on its 16-token tiles (a graph's static tile table fixes block_m):
+    fewer programs (fewer K splits: a shorter reduction by the last split), longer or shorter K blocks, other rank
+    chunks, warps and stages."""
+    base = lora_shrink.MIXED
+    shrink = [dataclasses.replace(base, target_programs=tp) for tp in (32, 64, 128, 256, 1024)]
+    shrink += [dataclasses.replace(base, block_k=bk, target_programs=tp) for bk in (64, 256) for tp in (128, 512)]
+    shrink += [dataclasses.replace(base, block_r=br) for br in (16, 64)]
+    shrink += [dataclasses.replace(base, num_warps=w) for w in (2, 8)]
+    shrink += [dataclasses.replace(base, num_stages=st) for st in (2, 4)]
+    return shrink + [base]
+
+
+def few_gemv_pairs() -> list[tuple[ShrinkConfig, ExpandConfig]]:
+    """GEMV shrink and expand on MIXED's 16-token tiles: A read from cache for a tile's later tokens, no semaphore
+    reduction (the expand sums the K splits' partials)."""
+    block_m = lora_shrink.MIXED.block_m
+    expand = ExpandConfig(block_m, 16, (1024,), 1024, 4, 2, gemv=True)
+    return [(ShrinkConfig(block_m, br, bk, 1 << 20, w, 2, gemv=True), expand)
+            for br in (16, 32) for bk in (256, 512, 1024) for w in (4, 8)]  # fmt: skip
 
 
 # Each variant compiles (about a second on the H200 host): grids around the defaults, not every combination.
@@ -919,6 +977,7 @@ def single_module_expand_variants() -> list[ExpandConfig]:
 SERVED_MIXED = "served mixed"
 SERVED_MIXED_EXPAND = "served mixed expand"  # its expand candidates on S1, S2 and S1 over 5 adapters, q/k/v and o
 SERVED_DECODE = "served decode"  # a saturated server's decode step (served_decode_case), q/k/v and o
+SERVED_DECODE_FEW = "served decode few"  # that step over 5 adapters (S1 n = 5's) as its graph replays it
 
 
 def served_mixed_sweep(gqa: Model, n: int) -> tuple[str, Callable[[], LoraCase]]:
@@ -1027,8 +1086,8 @@ def as_decode_graph(case: LoraCase) -> LoraCase:
 
 def tune(smoke: bool, only: str | None = None, lora_case_of: str | None = None) -> list[dict[str, Any]]:
     """Sweep the decode LoRA configs on S1-like (rank 8 on q, k, v, o, one adapter per token) and mixed-rank
-    decode steps, and the decode and prefill attention configs, on one representative case each; lora_case_of:
-    SERVED_MIXED: that LoRA sweep alone."""
+    decode steps, and the decode and prefill attention configs, on one representative case each; lora_case_of
+    (SERVED_MIXED, SERVED_DECODE, SERVED_DECODE_FEW, SERVED_MIXED_EXPAND): that case's LoRA sweeps alone."""
     mha, gqa, n, ctx = (TINY_MHA, TINY_GQA, 4, 64) if smoke else (LLAMA_7B, GQA_8B, 64, 4096)
     results: list[dict[str, Any]] = []
     if lora_case_of == SERVED_MIXED:
@@ -1043,6 +1102,10 @@ def tune(smoke: bool, only: str | None = None, lora_case_of: str | None = None) 
             eager = make_case()
             results += tune_fused(eager, 0) + tune_fused(eager, 1)
         return results
+    if lora_case_of == SERVED_DECODE_FEW:
+        # the smoke shape's 12 decodes are too few for few_adapters' tensor-core tiles: 36 (n = 8)
+        case = served_decode_case(gqa, 8 if smoke else n, adapters=5)
+        return tune_few_decode(case, 0) + tune_few_decode(case, 1)
     if lora_case_of == SERVED_MIXED_EXPAND:
         for label, make in served_mixed_variants(gqa, n):
             built: LoraCase | None = None  # once for both calls
@@ -1123,11 +1186,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune", action="store_true", help="also sweep the hot kernels' configs (about 3 more min)")
     parser.add_argument("--only", choices=("lora", "attention"), help="run only the LoRA or the attention cases")
     parser.add_argument("--case", help="run only the cases whose name contains this (e.g. 'served')")
-    parser.add_argument("--tune-case", choices=(SERVED_MIXED, SERVED_MIXED_EXPAND, SERVED_DECODE),
+    parser.add_argument("--tune-case", choices=(SERVED_MIXED, SERVED_MIXED_EXPAND, SERVED_DECODE, SERVED_DECODE_FEW),
                         help="sweep only this LoRA case's configs (a saturated server's step with prompts, GQA, "
                              "S1; 'expand': the mixed expand's candidates on it as S1, S2 and S1 over 5 adapters, "
-                             "q/k/v and o calls; 'served decode': its decode step as a graph, q/k/v and o), no "
-                             "benchmark rows")  # fmt: skip
+                             "q/k/v and o calls; 'served decode': its decode step as a graph, q/k/v and o; 'few': "
+                             "that step over 5 adapters, the few adapters' tiles), no benchmark rows")  # fmt: skip
     parser.add_argument(
         "--flush",
         choices=FLUSH_MODES,

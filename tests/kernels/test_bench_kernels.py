@@ -134,3 +134,30 @@ def test_tune_case_sweeps_the_served_decode_step_as_its_graph(monkeypatch: pytes
     # served step with prompts
     graphed = [(bucket, 0, False), (bucket, 1, False)]
     assert fused == graphed + [(12, 0, True), (12, 1, True), (100, 0, True), (100, 1, True)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real sweep instead")
+def test_tune_case_sweeps_the_few_adapters_decode_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--tune-case "served decode few": the decode step over 5 adapters as its graph replays it (the few adapters'
+    16-token tiles), q/k/v and o; every kind of candidate runs on that graph's tile table, the GEMV shrink and
+    expand set together, and the config tables are restored after."""
+    from perf import bench_kernels
+    from slora.kernels.triton import lora_expand, lora_shrink
+
+    shrink, expand = lora_shrink.MIXED, lora_expand.MIXED
+    monkeypatch.setattr(bench_kernels, "DEVICE", torch.device("cpu"))
+    # two candidates of each kind: the interpreter runs every one
+    for name in ("few_shrink_variants", "mixed_expand_variants", "few_gemv_pairs"):
+        full = getattr(bench_kernels, name)
+        monkeypatch.setattr(bench_kernels, name, lambda full=full: full()[:2])
+    results = bench_kernels.tune(True, None, bench_kernels.SERVED_DECODE_FEW)
+    assert lora_shrink.MIXED is shrink and lora_expand.MIXED is expand
+    kinds = {r["kernel"].split(" (")[0] for r in results}
+    assert kinds == {"lora_shrink", "lora_expand", "lora_shrink+expand GEMV"}, kinds
+    assert len(results) == 12 and all("5 adapters" in r["kernel"] for r in results), results
+    assert {r["kernel"].endswith((" qkv)", " o)")) for r in results} == {True}, results
+    ran = [r for r in results if "ms" in r]
+    assert all(r["ms"] > 0 for r in ran)
+    gemv = [r for r in results if r["kernel"].startswith("lora_shrink+expand GEMV")]
+    assert gemv and all("error" not in r for r in gemv), gemv
+    assert all("error" not in r for r in results if r["kernel"].startswith("lora_shrink ")), results
