@@ -834,6 +834,9 @@ def sweep_tables(
             except Exception as exc:  # noqa: BLE001 - a config that does not fit is a result, not a failure
                 entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             results.append(entry)
+            # as it goes: a sweep cut short by a time limit still leaves what it measured
+            logger.info("%s %d/%d: %s %s", kernel, len(results), len(variants),
+                        f"{entry['ms']:.4f} ms" if "ms" in entry else entry["error"], entry["config"])  # fmt: skip
     finally:
         for (module, attr), value in zip(tables, originals, strict=True):
             setattr(module, attr, value)
