@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 KINDS = ("decode", "prompt")
 _SERIES = re.compile(
-    r'^(slora_steps_total|slora_step_(?:seconds|wall_seconds|requests|graphs)_total)\{kind="(\w+)"\}\s+(\S+)$'
+    r"^(slora_steps_total|slora_step_(?:seconds|wall_seconds|copy_wait_seconds|requests|graphs)_total)"
+    r'\{kind="(\w+)"\}\s+(\S+)$'
 )
 _TOKENS = re.compile(r"^slora_step_prompt_tokens_total(?:\{\})?\s+(\S+)$")
 
@@ -83,8 +84,9 @@ def scrape_settled(metrics_url: str | None, interval_s: float = 0.25, tries: int
 
 def step_summary(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
     """Per kind: steps, mean_ms, mean_wall_ms (their mean interval on the host; None from a server without the
-    counter), mean_requests and graph_share (of the steps, those replayed as CUDA graphs) over the window between
-    the two scrapes; with prompt_tokens_per_step for steps with prompts."""
+    counter), copy_wait_s (the seconds the device waited ahead of them for adapter copies; None from a server
+    without the counter), mean_requests and graph_share (of the steps, those replayed as CUDA graphs) over the
+    window between the two scrapes; with prompt_tokens_per_step for steps with prompts."""
     if before is None or after is None:
         return None
 
@@ -100,6 +102,11 @@ def step_summary(before: dict[str, float] | None, after: dict[str, float] | None
             "mean_wall_ms": (
                 1000.0 * grew(f"slora_step_wall_seconds_total:{kind}") / steps
                 if steps and f"slora_step_wall_seconds_total:{kind}" in after
+                else None
+            ),
+            "copy_wait_s": (
+                grew(f"slora_step_copy_wait_seconds_total:{kind}")
+                if f"slora_step_copy_wait_seconds_total:{kind}" in after
                 else None
             ),
             "mean_requests": grew(f"slora_step_requests_total:{kind}") / steps if steps else None,

@@ -324,7 +324,7 @@ def served_steps_table(runs: list[Run]) -> list[str]:
     between steps (their wall time beyond their time on the device, over both kinds: see _host_wait_cells), and the
     steps' wall time against the run's."""
     lines = ["| run | decode steps: n, mean ms (requests) | steps with prompts: n, mean ms (requests, prompt tokens) "
-             "| as CUDA graphs: decode, with prompts | GPU waiting for the host, s "
+             "| as CUDA graphs: decode, with prompts | GPU waiting for the host (for adapter copies), s "
              "| steps' wall s / run s |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     for run in runs:
@@ -370,8 +370,9 @@ def _responder_cells(m: dict[str, Any]) -> list[str]:
 
 
 def _host_wait_cells(decode: dict[str, Any], prompt: dict[str, Any], duration_s: float | None) -> list[str]:
-    """The seconds all steps' wall time exceeded their device time, and their wall seconds / the run's; "–" from a
-    server without the wall counter.
+    """The seconds all steps' wall time exceeded their device time (with, in brackets, the part the device waited
+    for adapter copies, where the server counts it), and their wall seconds / the run's; "–" from a server without
+    the wall counter.
 
     Only the sum over both kinds means something: with overlapped steps the host launches a step before it reads the
     previous one's tokens, so an eager step's launches delay that read, and the previous step's interval grows by as
@@ -381,7 +382,11 @@ def _host_wait_cells(decode: dict[str, Any], prompt: dict[str, Any], duration_s:
         return ["–", "–"]
     wall = sum(kind["steps"] * kind["mean_wall_ms"] for kind in kinds) / 1000
     device = sum(kind["steps"] * kind["mean_ms"] for kind in kinds) / 1000
-    return [f"{wall - device:.1f}", f"{wall:.1f} / {fmt(duration_s, 1)}"]
+    copies = [kind.get("copy_wait_s") for kind in (decode, prompt)]
+    waited = f"{wall - device:.1f}"
+    if all(c is not None for c in copies):
+        waited += f" (adapter copies {sum(c for c in copies if c is not None):.2f})"
+    return [waited, f"{wall:.1f} / {fmt(duration_s, 1)}"]
 
 
 def _served_step_cell(kind: dict[str, Any], tokens: float | None) -> str:

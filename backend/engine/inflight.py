@@ -28,6 +28,8 @@ class InflightStep:
     copied: torch.cuda.Event | None = None
     device_s: float | None = None  # after read(), with `began`: the step's own time on the device's stream
     graph: bool = False  # replayed as a CUDA graph (decode or with prompts), not launched kernel by kernel
+    stalled: torch.cuda.Event | None = None  # CUDA: recorded ahead of the waits for adapter copies, when it had any
+    copy_wait_s: float = 0.0  # after read(), with `stalled`: how long the device's stream waited for those copies
 
     def __post_init__(self) -> None:
         # Reading `tokens` itself would queue its copy behind everything launched since (the next step): the copy
@@ -50,6 +52,8 @@ class InflightStep:
             values = self.host_tokens.tolist()
             if self.began is not None:
                 self.device_s = self.began.elapsed_time(self.copied) / 1000.0
+                if self.stalled is not None:
+                    self.copy_wait_s = self.stalled.elapsed_time(self.began) / 1000.0
         else:
             values = self.tokens.tolist()
         for request in self.requests:

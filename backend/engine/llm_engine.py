@@ -251,7 +251,7 @@ class LLMEngine:
         abort, or a stop found in the step before) are dropped."""
         outputs = []
         tokens = self.runner.collect(step)
-        self.scheduler.step_done(step.device_s, step.graph)
+        self.scheduler.step_done(step.device_s, step.graph, step.copy_wait_s)
         now = time.monotonic()
         for request, token in tokens:
             if not request.finished:

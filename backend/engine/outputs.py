@@ -85,6 +85,8 @@ class EngineStats:
     step_seconds_prompt: float = 0.0
     step_wall_seconds_decode: float = 0.0  # their intervals on the host (beyond step_seconds: the GPU waited)
     step_wall_seconds_prompt: float = 0.0
+    step_copy_wait_seconds_decode: float = 0.0  # the device waiting ahead of them for adapter copies (CUDA)
+    step_copy_wait_seconds_prompt: float = 0.0
     step_requests_decode: int = 0  # the steps' batch sizes, summed
     step_requests_prompt: int = 0
     step_graphs_decode: int = 0  # of the steps, those replayed as CUDA graphs
@@ -101,5 +103,6 @@ def failed_output(request_id: str, exc: Exception, reason: str = "error") -> Req
 STATS_COUNTERS = ("adapter_loads", "adapter_evictions", "preemptions", "generated_tokens", "finished_requests",
                   "adapter_disk_reads", "adapter_host_evictions", "refused_ttft_slo", "refused_ttft_slo_early",
                   "refused_queue_timeout", "steps_decode", "steps_prompt", "step_seconds_decode", "step_seconds_prompt",
-                  "step_wall_seconds_decode", "step_wall_seconds_prompt", "step_requests_decode",
+                  "step_wall_seconds_decode", "step_wall_seconds_prompt", "step_copy_wait_seconds_decode",
+                  "step_copy_wait_seconds_prompt", "step_requests_decode",
                   "step_requests_prompt", "step_graphs_decode", "step_graphs_prompt", "step_prompt_tokens")  # fmt: skip

@@ -205,12 +205,13 @@ class Scheduler:
             if self.heavy_limiter is not None:
                 self.heavy_limiter.observe(step, len(self.running) >= self.heavy_limiter.cap and bool(self.policy))
 
-    def step_done(self, device_s: float | None = None, graph: bool = False) -> None:
+    def step_done(self, device_s: float | None = None, graph: bool = False, copy_wait_s: float = 0.0) -> None:
         """The engine read the tokens of the oldest step launched; `device_s`: its time on the device, where
-        timed there (step_clock.py); `graph`: whether it replayed a CUDA graph."""
+        timed there (step_clock.py); `graph`: whether it replayed a CUDA graph; `copy_wait_s`: how long the device
+        waited ahead of it for adapter copies."""
         step = self.steps.finished(self.clock(), device_s)
         if step is not None:
-            self.step_totals.add(step, graph)
+            self.step_totals.add(step, graph, copy_wait_s)
 
     def max_running(self) -> int:
         """Requests that may run at once now: max_num_seqs, or less while itl_slo_s caps the batch."""

@@ -85,7 +85,7 @@ class ModelRunner:
         batch = self.batches.build(seqs, previous.tokens if previous is not None else None)
         patch_inputs(batch, previous)
         built = time.perf_counter()
-        self._wait_for_adapters(batch)
+        stalled = self._wait_for_adapters(batch)
         waited = time.perf_counter()
         on_device = _device_clock(self.device)
         graph = True
@@ -106,7 +106,7 @@ class ModelRunner:
         launched = time.perf_counter()
         phases = (built - began, waited - built, launched - waited, 0.0)
         self.last_step = StepShape(step_kind(batch, graph), len(batch.seqs), batch.num_tokens, phases)
-        return InflightStep(batch, tokens, requests, began=on_device, graph=graph)
+        return InflightStep(batch, tokens, requests, began=on_device, graph=graph, stalled=stalled)
 
     def collect(self, step: InflightStep) -> list[tuple[Request, int]]:
         """Wait for a launched step's tokens: (request, token) for each sequence that sampled. The time spent
@@ -118,10 +118,20 @@ class ModelRunner:
         self.last_step = StepShape(shape.kind, shape.num_seqs, shape.num_tokens, phases)
         return sampled
 
-    def _wait_for_adapters(self, batch: ForwardBatch) -> None:
-        # Adapter copies run on the copier's thread (and a side stream): the forward must not read pages still
-        # being filled. Each adapter is waited for once: later work on the compute stream follows the copy.
-        for s in batch.seqs:
-            resident = s.request.resident
-            if resident is not None and resident.ready is not None:
-                resident.wait_copied(self.device)
+    def _wait_for_adapters(self, batch: ForwardBatch) -> torch.cuda.Event | None:
+        """Make the step follow the copies of its adapters that no earlier step waited for. Adapter copies run on
+        the copier's thread (and a side stream): the forward must not read pages still being filled. Each adapter is
+        waited for once: later work on the compute stream follows the copy.
+
+        On CUDA, when there was a copy to wait for: an event recorded ahead of the waits, so that from it to the
+        step's own start event is the time the device's stream stood still for the copies (InflightStep.copy_wait_s),
+        which the step's time leaves out and the gap between steps would otherwise show as the GPU waiting for the
+        host."""
+        pending = [s.request.resident for s in batch.seqs if s.request.resident is not None]
+        pending = [resident for resident in pending if resident.ready is not None]
+        if not pending:
+            return None
+        stalled = _device_clock(self.device)
+        for resident in pending:
+            resident.wait_copied(self.device)
+        return stalled

@@ -131,11 +131,19 @@ def test_served_runs_steps_are_tabled(tmp_path: Path) -> None:
     path = tmp_path / "r.json"
     served = _run("s-n2000", "serving", 2000, "lora", 9.0, "s1-n2000", "serving-slora")
     served["metrics"]["steps"] = {
-        "decode": {"steps": 900, "mean_ms": 11.26, "mean_wall_ms": 12.26, "mean_requests": 247.4, "graph_share": 1.0},
+        "decode": {
+            "steps": 900,
+            "mean_ms": 11.26,
+            "mean_wall_ms": 12.26,
+            "copy_wait_s": 0.0,
+            "mean_requests": 247.4,
+            "graph_share": 1.0,
+        },
         "prompt": {
             "steps": 450,
             "mean_ms": 31.04,
             "mean_wall_ms": 35.04,
+            "copy_wait_s": 0.6,
             "mean_requests": 251.0,
             "prompt_tokens_per_step": 612.5,
             "graph_share": 0.6,
@@ -157,8 +165,10 @@ def test_served_runs_steps_are_tabled(tmp_path: Path) -> None:
     append_runs(path, [served, idle, shifted])
     table = report(path).split("## Served runs' engine steps by kind")[1]
     assert "| –, – | 0.1 | 4.3 / – |" in table
-    # the GPU waited 900 x 1 ms + 450 x 4 ms; the steps' wall time, 900 x 12.26 + 450 x 35.04 ms, of the run's 30 s
-    assert "| s-n2000 | 900, 11.3 (247) | 450, 31.0 (251, 612) | 100%, 60% | 2.7 | 26.8 / 30.0 |" in table
+    # the GPU waited 900 x 1 ms + 450 x 4 ms, 0.6 s of it for adapter copies; the steps' wall time,
+    # 900 x 12.26 + 450 x 35.04 ms, of the run's 30 s
+    row = "| s-n2000 | 900, 11.3 (247) | 450, 31.0 (251, 612) | 100%, 60% | 2.7 (adapter copies 0.60) | 26.8 / 30.0 |"
+    assert row in table
     assert "| s-base | 0 | 3, 5.0 (1, 20) | –, – | – | – |" in table  # results from before the wall counter
 
 

@@ -70,7 +70,7 @@ def test_metrics_are_present_and_move(server: Server) -> None:
                    'slora_requests_finished_total{reason="length"}', "slora_time_to_first_token_seconds_count",
                    "slora_inter_token_latency_seconds_count", 'slora_steps_total{kind="decode"}',
                    'slora_steps_total{kind="prompt"}', 'slora_step_seconds_total{kind="prompt"}',
-                   'slora_step_wall_seconds_total{kind="decode"}',
+                   'slora_step_wall_seconds_total{kind="decode"}', 'slora_step_copy_wait_seconds_total{kind="prompt"}',
                    'slora_step_requests_total{kind="decode"}', 'slora_step_graphs_total{kind="prompt"}',
                    "slora_step_prompt_tokens_total", "slora_first_response_delay_seconds_count",
                    "slora_responder_busy_seconds_total"):  # fmt: skip

@@ -19,6 +19,8 @@ slora_step_seconds_total{kind="decode"} 0.1
 slora_step_seconds_total{kind="prompt"} 0.12
 slora_step_wall_seconds_total{kind="decode"} 0.15
 slora_step_wall_seconds_total{kind="prompt"} 0.2
+slora_step_copy_wait_seconds_total{kind="decode"} 0
+slora_step_copy_wait_seconds_total{kind="prompt"} 0.01
 slora_step_requests_total{kind="decode"} 50
 slora_step_requests_total{kind="prompt"} 12
 slora_step_graphs_total{kind="decode"} 10
@@ -33,7 +35,9 @@ def test_parse_reads_the_step_counters_only() -> None:
     assert counters == {"slora_steps_total:decode": 10, "slora_steps_total:prompt": 4,
                         "slora_step_seconds_total:decode": 0.1, "slora_step_seconds_total:prompt": 0.12,
                         "slora_step_wall_seconds_total:decode": 0.15, "slora_step_wall_seconds_total:prompt": 0.2,
-                        "slora_step_requests_total:decode": 50, "slora_step_requests_total:prompt": 12,
+                        "slora_step_copy_wait_seconds_total:decode": 0,
+                        "slora_step_copy_wait_seconds_total:prompt": 0.01, "slora_step_requests_total:decode": 50,
+                        "slora_step_requests_total:prompt": 12,
                         "slora_step_graphs_total:decode": 10, "slora_step_graphs_total:prompt": 1,
                         "prompt_tokens": 400}  # fmt: skip
 
@@ -46,17 +50,19 @@ def test_the_summary_is_of_the_window_between_the_scrapes() -> None:
                   "slora_step_seconds_total:prompt": 0.24, "slora_step_requests_total:prompt": 32,
                   "slora_step_graphs_total:decode": 25, "slora_step_graphs_total:prompt": 2,
                   "slora_step_wall_seconds_total:decode": 0.39, "slora_step_wall_seconds_total:prompt": 0.4,
-                  "prompt_tokens": 1200})  # fmt: skip
+                  "slora_step_copy_wait_seconds_total:prompt": 0.025, "prompt_tokens": 1200})  # fmt: skip
     summary = step_summary(before, after)
     assert summary is not None
     assert summary["decode"] == {"steps": 20, "mean_ms": pytest.approx(10.0), "mean_wall_ms": pytest.approx(12.0),
-                                 "mean_requests": 10.0, "graph_share": 0.75}  # fmt: skip
+                                 "copy_wait_s": 0.0, "mean_requests": 10.0, "graph_share": 0.75}  # fmt: skip
     assert summary["prompt"] == {"steps": 4, "mean_ms": pytest.approx(30.0), "mean_wall_ms": pytest.approx(50.0),
-                                 "mean_requests": 5.0, "graph_share": 0.25,
+                                 "copy_wait_s": pytest.approx(0.015), "mean_requests": 5.0, "graph_share": 0.25,
                                  "prompt_tokens_per_step": 200.0}  # fmt: skip
     old = {k: v for k, v in after.items() if "wall" not in k}  # a server from before the wall counter
     assert step_summary(old, old)["decode"]["mean_wall_ms"] is None  # type: ignore[index]
     assert step_summary(before, old)["prompt"]["mean_wall_ms"] is None  # type: ignore[index]
+    older = {k: v for k, v in after.items() if "copy_wait" not in k}  # a server from before the copy-wait counter
+    assert step_summary(older, older)["prompt"]["copy_wait_s"] is None  # type: ignore[index]
 
 
 def _histogram(counts: dict[str, int]) -> str:
@@ -131,8 +137,8 @@ def test_no_steps_or_no_scrape_gives_no_means() -> None:
     page = parse_steps(PAGE)
     summary = step_summary(page, page)
     assert summary is not None
-    assert summary["decode"] == {"steps": 0, "mean_ms": None, "mean_wall_ms": None, "mean_requests": None,
-                                 "graph_share": None}  # fmt: skip
+    assert summary["decode"] == {"steps": 0, "mean_ms": None, "mean_wall_ms": None, "copy_wait_s": 0.0,
+                                 "mean_requests": None, "graph_share": None}  # fmt: skip
     assert summary["prompt"]["prompt_tokens_per_step"] is None
     assert step_summary(None, page) is None and step_summary(page, None) is None
 

@@ -45,6 +45,9 @@
     slora_step_seconds_total{kind}                  counter    their time (on CUDA, on the device's stream)
     slora_step_wall_seconds_total{kind}             counter    their intervals on the host (step_totals.py): beyond
                                                                their time, the GPU waited for the host
+    slora_step_copy_wait_seconds_total{kind}        counter    of that wait, the device's stream standing still
+                                                               ahead of the steps for their new adapters' copies
+                                                               (CUDA; 0 elsewhere)
     slora_step_requests_total{kind}                 counter    the requests they ran (batch sizes summed)
     slora_step_graphs_total{kind}                   counter    those of them replayed as CUDA graphs
     slora_step_prompt_tokens_total                  counter    prompt tokens they computed
@@ -231,6 +234,11 @@ class TritonMetrics(NullMetrics):
             "Host intervals of the engine's steps by kind (beyond their time: the GPU waited)",
             counter,
         )
+        copy_wait = self._family(
+            "slora_step_copy_wait_seconds_total",
+            "Time the device waited ahead of the engine's steps for their adapters' copies, by kind",
+            counter,
+        )
         requests = self._family("slora_step_requests_total", "Requests the steps ran (batch sizes summed)", counter)
         graphs = self._family("slora_step_graphs_total", "Engine steps replayed as CUDA graphs, by kind", counter)
         out = {}
@@ -239,6 +247,7 @@ class TritonMetrics(NullMetrics):
             out[f"step_graphs_{kind}"] = (graphs, {"kind": kind})
             out[f"step_seconds_{kind}"] = (seconds, {"kind": kind})
             out[f"step_wall_seconds_{kind}"] = (wall, {"kind": kind})
+            out[f"step_copy_wait_seconds_{kind}"] = (copy_wait, {"kind": kind})
             out[f"step_requests_{kind}"] = (requests, {"kind": kind})
         out["step_prompt_tokens"] = (
             self._family("slora_step_prompt_tokens_total", "Prompt tokens the steps computed", counter),
