@@ -165,10 +165,15 @@ def scrape(metrics_url: str) -> dict[str, float]:
 
 
 def wait_for_metric(metrics_url: str, series: str, predicate: Any, timeout_s: float = 15.0) -> float:
+    """Scrape until `series` satisfies `predicate`. A failed connection is retried too, until the deadline: the
+    metrics port is a listener of its own, scraped here right after the HTTP port answered ready."""
     deadline = time.monotonic() + timeout_s
     value = float("nan")
     while time.monotonic() < deadline:
-        value = scrape(metrics_url).get(series, float("nan"))
+        try:
+            value = scrape(metrics_url).get(series, float("nan"))
+        except OSError:
+            value = float("nan")
         if predicate(value):
             return value
         time.sleep(0.1)
