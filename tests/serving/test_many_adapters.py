@@ -49,10 +49,10 @@ class ManyAdapters:
     of: dict[str, Variant]  # adapter name → its variant
 
 
-def _link_adapter(source: Path, folder: Path, alpha: float) -> None:
+def _link_adapter(source: Path, config: dict[str, Any], folder: Path, alpha: float) -> None:
+    """`folder`: a hard link of `source`'s weights, and `config` (the source's) with its lora_alpha scaled."""
     folder.mkdir()
     os.link(source / WEIGHTS_FILE, folder / WEIGHTS_FILE)
-    config = json.loads((source / CONFIG_FILE).read_text())
     (folder / CONFIG_FILE).write_text(json.dumps({**config, "lora_alpha": config["lora_alpha"] * alpha}))
 
 
@@ -65,13 +65,14 @@ def many(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> M
     root, variants = base.parent / "many", base.parent / "variants"
     root.mkdir()
     variants.mkdir()
+    configs = {a.name: json.loads((base / a.name / CONFIG_FILE).read_text()) for a in DEMO_ADAPTERS}
     of: dict[str, Variant] = {}
     for i in range(NUM_ADAPTERS):
         variant = Variant(DEMO_ADAPTERS[i % len(DEMO_ADAPTERS)].name, ALPHA_FACTORS[(i // 4) % len(ALPHA_FACTORS)])
         of[f"tenant-{i:05d}"] = variant
-        _link_adapter(base / variant.source, root / f"tenant-{i:05d}", variant.alpha)
+        _link_adapter(base / variant.source, configs[variant.source], root / f"tenant-{i:05d}", variant.alpha)
     for variant in set(of.values()):
-        _link_adapter(base / variant.source, variants / variant.name, variant.alpha)
+        _link_adapter(base / variant.source, configs[variant.source], variants / variant.name, variant.alpha)
     return ManyAdapters(root, variants, of)
 
 
