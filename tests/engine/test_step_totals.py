@@ -44,10 +44,14 @@ def test_the_steps_add_up_to_the_requests_prompts_and_tokens(llama: ModelWithAda
     assert grew["step_requests_prompt"] >= len(prompts)  # each request's first token comes from a prompt step
     assert grew["steps_decode"] >= max(lengths) - 1
     assert stats.step_seconds_decode > before.step_seconds_decode and stats.step_seconds_prompt > 0
-    # on the CPU a step is timed on the host: its wall time is its time
-    assert stats.step_wall_seconds_decode - before.step_wall_seconds_decode == pytest.approx(
-        stats.step_seconds_decode - before.step_seconds_decode
-    )
+    wall = stats.step_wall_seconds_decode - before.step_wall_seconds_decode
+    device = stats.step_seconds_decode - before.step_seconds_decode
+    if target["device"] == "cpu":
+        assert wall == pytest.approx(device)  # on the CPU a step is timed on the host: its wall time is its time
+    else:
+        # timed on the GPU: the steps run one after the other on one stream, within the time that passed between
+        # their plans and their tokens, which also holds the launches and the host's waits
+        assert 0 < device <= wall
 
 
 def test_a_step_counts_under_its_kind() -> None:
