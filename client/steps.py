@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 from slora.client.admin import metrics
@@ -28,6 +29,8 @@ _SERIES = re.compile(
     r'\{kind="(\w+)"\}\s+(\S+)$'
 )
 _TOKENS = re.compile(r"^slora_step_prompt_tokens_total(?:\{\})?\s+(\S+)$")
+_GC = re.compile(r'^(slora_gc_(?:seconds|collections)_total)\{generation="(\d)"\}\s+(\S+)$')
+GC_GENERATIONS = ("0", "1", "2")
 
 
 def parse_steps(text: str) -> dict[str, float]:
@@ -39,6 +42,8 @@ def parse_steps(text: str) -> dict[str, float]:
             out[f"{m[1]}:{m[2]}"] = float(m[3])
         elif m := _TOKENS.match(line):
             out["prompt_tokens"] = float(m[1])
+        elif m := _GC.match(line):
+            out[f"{m[1]}:{m[2]}"] = float(m[3])
         elif bucket := parse_buckets(line):
             out[bucket[0]] = bucket[1]
     return out
@@ -86,7 +91,9 @@ def step_summary(before: dict[str, float] | None, after: dict[str, float] | None
     """Per kind: steps, mean_ms, mean_wall_ms (their mean interval on the host; None from a server without the
     counter), copy_wait_s (the seconds the device waited ahead of them for adapter copies; None from a server
     without the counter), mean_requests and graph_share (of the steps, those replayed as CUDA graphs) over the
-    window between the two scrapes; with prompt_tokens_per_step for steps with prompts."""
+    window between the two scrapes; with prompt_tokens_per_step for steps with prompts. Under "gc": the engine
+    process's garbage collections in the window, by generation ("0", "1", "2": full), {"seconds", "collections"}
+    each; None from a server without the counters."""
     if before is None or after is None:
         return None
 
@@ -114,7 +121,19 @@ def step_summary(before: dict[str, float] | None, after: dict[str, float] | None
         }
     prompt_steps = out["prompt"]["steps"]
     out["prompt"]["prompt_tokens_per_step"] = grew("prompt_tokens") / prompt_steps if prompt_steps else None
+    out["gc"] = (
+        {g: _gc_growth(grew, g) for g in GC_GENERATIONS}
+        if all(f"slora_gc_seconds_total:{g}" in after for g in GC_GENERATIONS)
+        else None
+    )
     return out
+
+
+def _gc_growth(grew: Callable[[str], float], generation: str) -> dict[str, float]:
+    return {
+        "seconds": grew(f"slora_gc_seconds_total:{generation}"),
+        "collections": int(grew(f"slora_gc_collections_total:{generation}")),
+    }
 
 
 def format_summary(summary: dict[str, Any] | None, window_s: float) -> str:

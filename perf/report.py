@@ -321,12 +321,12 @@ def served_steps_table(runs: list[Run]) -> list[str]:
     """Served runs' engine steps by kind, from the server's step counters around each run (client/steps.py):
     decode steps and steps with prompts, each with its count, mean time and mean batch, and the prompt tokens of a
     step with prompts; the share of each kind replayed as CUDA graphs; the seconds the GPU waited for the host
-    between steps (their wall time beyond their time on the device, over both kinds: see _host_wait_cells), and the
-    steps' wall time against the run's."""
+    between steps (their wall time beyond their time on the device, over both kinds: see _host_wait_cells), the
+    steps' wall time against the run's, and the engine process's garbage-collection pauses (_gc_cell)."""
     lines = ["| run | decode steps: n, mean ms (requests) | steps with prompts: n, mean ms (requests, prompt tokens) "
              "| as CUDA graphs: decode, with prompts | GPU waiting for the host (for adapter copies), s "
-             "| steps' wall s / run s |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+             "| steps' wall s / run s | engine's GC pauses, s (full collections: n, s) |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for run in runs:
         steps = run["metrics"].get("steps")
         if not steps:
@@ -335,6 +335,7 @@ def served_steps_table(runs: list[Run]) -> list[str]:
         cells = [_served_step_cell(decode, None), _served_step_cell(prompt, prompt.get("prompt_tokens_per_step"))]
         cells.append(", ".join(_share(kind.get("graph_share")) for kind in (decode, prompt)))
         cells += _host_wait_cells(decode, prompt, run["metrics"].get("duration_s"))
+        cells.append(_gc_cell(steps.get("gc")))
         lines.append(f"| {run['name']} | {' | '.join(cells)} |")
     return lines if len(lines) > 2 else []
 
@@ -387,6 +388,17 @@ def _host_wait_cells(decode: dict[str, Any], prompt: dict[str, Any], duration_s:
     if all(c is not None for c in copies):
         waited += f" (adapter copies {sum(c for c in copies if c is not None):.2f})"
     return [waited, f"{wall:.1f} / {fmt(duration_s, 1)}"]
+
+
+def _gc_cell(gc: dict[str, dict[str, float]] | None) -> str:
+    """The seconds the engine process's garbage collections held the GIL in the run, all generations, and its full
+    collections' count and seconds; "–" from a server without the counters. A pause stops the loop that launches
+    the GPU's steps, but the GPU waits only for the part not hidden behind a step it already runs."""
+    if not gc:
+        return "–"
+    total = sum(generation["seconds"] for generation in gc.values())
+    full = gc["2"]
+    return f"{total:.2f} ({full['collections']:.0f}, {full['seconds']:.2f})"
 
 
 def _served_step_cell(kind: dict[str, Any], tokens: float | None) -> str:

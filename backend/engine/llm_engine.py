@@ -41,6 +41,7 @@ from slora.backend.executor.model_runner import ModelRunner
 from slora.backend.memory.adapter_cache import AdapterCache
 from slora.backend.memory.page_pool import PageKind, PagePool
 from slora.backend.model.spec import LORA_MODULES
+from slora.backend.runtime.gc_pauses import PROCESS as GC_PAUSES
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class LLMEngine:
         self._inflight: InflightStep | None = None  # the launched step whose tokens are not read yet (overlap)
         self.generated_tokens = 0
         self.finished_requests = 0
+        GC_PAUSES.install()  # the process's collections from here on, on the metrics port (gc_pauses.py)
         if self.config.preload_adapters:
             self.store.preload()
         self.capture_graphs_for_host_adapters()
@@ -414,6 +416,7 @@ class LLMEngine:
             max_running=self.scheduler.max_running(),
             heavy_max_running=self.scheduler.heavy_max_running(),
             **self.scheduler.step_totals.as_stats(),
+            **GC_PAUSES.as_stats(),
         )
 
     def list_adapters(self) -> list[AdapterInfo]:

@@ -92,6 +92,14 @@ class EngineStats:
     step_graphs_decode: int = 0  # of the steps, those replayed as CUDA graphs
     step_graphs_prompt: int = 0
     step_prompt_tokens: int = 0
+    # The process's garbage collections by generation (2: full) since the engine started: their count and the time
+    # they held the GIL, every thread of the process stopped (backend/runtime/gc_pauses.py).
+    gc_seconds_0: float = 0.0
+    gc_seconds_1: float = 0.0
+    gc_seconds_2: float = 0.0
+    gc_collections_0: int = 0
+    gc_collections_1: int = 0
+    gc_collections_2: int = 0
 
 
 def failed_output(request_id: str, exc: Exception, reason: str = "error") -> RequestOutput:
@@ -105,4 +113,6 @@ STATS_COUNTERS = ("adapter_loads", "adapter_evictions", "preemptions", "generate
                   "refused_queue_timeout", "steps_decode", "steps_prompt", "step_seconds_decode", "step_seconds_prompt",
                   "step_wall_seconds_decode", "step_wall_seconds_prompt", "step_copy_wait_seconds_decode",
                   "step_copy_wait_seconds_prompt", "step_requests_decode",
-                  "step_requests_prompt", "step_graphs_decode", "step_graphs_prompt", "step_prompt_tokens")  # fmt: skip
+                  "step_requests_prompt", "step_graphs_decode", "step_graphs_prompt", "step_prompt_tokens",
+                  "gc_seconds_0", "gc_seconds_1", "gc_seconds_2", "gc_collections_0", "gc_collections_1",
+                  "gc_collections_2")  # fmt: skip

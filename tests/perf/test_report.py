@@ -148,7 +148,9 @@ def test_served_runs_steps_are_tabled(tmp_path: Path) -> None:
             "prompt_tokens_per_step": 612.5,
             "graph_share": 0.6,
         },
-    }
+        "gc": {"0": {"seconds": 0.05, "collections": 400}, "1": {"seconds": 0.02, "collections": 40},
+               "2": {"seconds": 0.31, "collections": 3}},
+    }  # fmt: skip
     served["metrics"]["duration_s"] = 30.0
     idle = _run("s-base", "serving", 0, "base", 9.0, "s1-n0", "serving-slora")
     idle["metrics"]["steps"] = {
@@ -167,9 +169,14 @@ def test_served_runs_steps_are_tabled(tmp_path: Path) -> None:
     assert "| –, – | 0.1 | 4.3 / – |" in table
     # the GPU waited 900 x 1 ms + 450 x 4 ms, 0.6 s of it for adapter copies; the steps' wall time,
     # 900 x 12.26 + 450 x 35.04 ms, of the run's 30 s
-    row = "| s-n2000 | 900, 11.3 (247) | 450, 31.0 (251, 612) | 100%, 60% | 2.7 (adapter copies 0.60) | 26.8 / 30.0 |"
+    # and the engine's garbage collections: 0.38 s in all, 3 full ones of 0.31 s
+    row = (
+        "| s-n2000 | 900, 11.3 (247) | 450, 31.0 (251, 612) | 100%, 60% | 2.7 (adapter copies 0.60) | 26.8 / 30.0 "
+        "| 0.38 (3, 0.31) |"
+    )
     assert row in table
-    assert "| s-base | 0 | 3, 5.0 (1, 20) | –, – | – | – |" in table  # results from before the wall counter
+    # results from before the wall and the GC counters
+    assert "| s-base | 0 | 3, 5.0 (1, 20) | –, – | – | – | – |" in table
 
 
 def test_served_runs_first_tokens_are_tabled_beside_the_servers(tmp_path: Path) -> None:

@@ -179,3 +179,27 @@ def test_the_cli_says_when_the_port_has_no_counters_or_no_server(caplog: pytest.
     assert "has no slora_steps_total" in caplog.text
     assert cli.main(["--metrics-url", url, "steps", "--window", "0.1"]) == 1  # nobody listens there now
     assert "cannot reach the server" in caplog.text
+
+
+GC_PAGE = """\
+slora_gc_seconds_total{generation="0"} 0.5
+slora_gc_seconds_total{generation="1"} 0.25
+slora_gc_seconds_total{generation="2"} 1
+slora_gc_collections_total{generation="0"} 100
+slora_gc_collections_total{generation="1"} 10
+slora_gc_collections_total{generation="2"} 1
+"""
+
+
+def test_the_engines_collections_in_the_window_by_generation() -> None:
+    before = parse_steps(PAGE + GC_PAGE)
+    assert before["slora_gc_seconds_total:2"] == 1 and before["slora_gc_collections_total:0"] == 100
+    after = {**before, "slora_gc_seconds_total:0": 0.75, "slora_gc_collections_total:0": 150,
+             "slora_gc_seconds_total:2": 1.5, "slora_gc_collections_total:2": 3}  # fmt: skip
+    summary = step_summary(before, after)
+    assert summary is not None
+    assert summary["gc"] == {"0": {"seconds": pytest.approx(0.25), "collections": 50},
+                             "1": {"seconds": 0.0, "collections": 0},
+                             "2": {"seconds": pytest.approx(0.5), "collections": 2}}  # fmt: skip
+    old = parse_steps(PAGE)  # a server from before the GC counters
+    assert step_summary(old, old)["gc"] is None  # type: ignore[index]

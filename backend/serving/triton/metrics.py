@@ -51,6 +51,10 @@
     slora_step_requests_total{kind}                 counter    the requests they ran (batch sizes summed)
     slora_step_graphs_total{kind}                   counter    those of them replayed as CUDA graphs
     slora_step_prompt_tokens_total                  counter    prompt tokens they computed
+    slora_gc_seconds_total{generation="0|1|2"}      counter    time the engine process's garbage collections held
+                                                               the GIL, every thread (the loop that launches the
+                                                               GPU's steps too) stopped; 2: full collections
+    slora_gc_collections_total{generation}          counter    those collections
     vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}   gauge (opt-in)
         value: the Unix time of the update; read by the Gateway API Inference Extension's endpoint picker for
         LoRA affinity (its newest series by value). One series at a time: the current adapter sets. A Python-
@@ -75,6 +79,7 @@ import triton_python_backend_utils as pb_utils
 
 from slora.backend.engine.outputs import EngineStats
 from slora.backend.engine.step_totals import KINDS as STEP_KINDS
+from slora.backend.runtime.gc_pauses import GENERATIONS as GC_GENERATIONS
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +173,7 @@ class TritonMetrics(NullMetrics):
         refused = self._family("slora_requests_refused_total", "Requests refused by admission, by reason", counter)
         labelled.update({f"refused_{reason}": (refused, {"reason": reason}) for reason in REFUSAL_REASONS})
         labelled.update(self._step_families(counter))
+        labelled.update(self._gc_families(counter))
         self.counters = {key: family.Metric(labels=labels) for key, (family, labels) in labelled.items()}
         finished = self._family("slora_requests_finished_total", "Requests finished, by reason", counter)
         self.finished = {reason: finished.Metric(labels={"reason": reason}) for reason in FINISH_REASONS}
@@ -253,6 +259,22 @@ class TritonMetrics(NullMetrics):
             self._family("slora_step_prompt_tokens_total", "Prompt tokens the steps computed", counter),
             {},
         )
+        return out
+
+    def _gc_families(self, counter: Any) -> dict[str, tuple[Any, dict[str, str]]]:
+        """The engine process's garbage collections (backend/runtime/gc_pauses.py), by EngineStats field."""
+        seconds = self._family(
+            "slora_gc_seconds_total",
+            "Time the engine process's garbage collections held the GIL (every thread stopped), by generation",
+            counter,
+        )
+        collections = self._family(
+            "slora_gc_collections_total", "The engine process's garbage collections, by generation", counter
+        )
+        out = {}
+        for generation in GC_GENERATIONS:
+            out[f"gc_seconds_{generation}"] = (seconds, {"generation": str(generation)})
+            out[f"gc_collections_{generation}"] = (collections, {"generation": str(generation)})
         return out
 
     def _family(self, name: str, description: str, kind: Any) -> Any:
