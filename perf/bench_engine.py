@@ -57,6 +57,7 @@ from slora.backend.engine.request import Request
 from slora.backend.errors import EngineOverloadedError, SloraError
 from slora.backend.executor.model_runner import PHASES, StepShape
 from slora.backend.runtime.gc_freeze import startup_objects_frozen
+from slora.backend.runtime.gc_pauses import between as gc_between
 from slora.kernels.triton.jit_stats import keys_since, variant_keys
 
 logger = logging.getLogger(__name__)
@@ -348,6 +349,7 @@ def run_one(
         preemptions=after.preemptions - before.preemptions,
         preload_s=preload_s,
         step_kinds={kind: tally.summary() for kind, tally in sorted(replay.kinds.items())},
+        gc=gc_between(before, after),  # the process's garbage collections in the run (gc_pauses.py)
         triton_compiles=sum(compiles.values()),  # kernel variants compiled inside the clock (warm-up missed)
         triton_compiles_by_kernel=compiles,
         triton_compile_keys=compiled_keys,  # their specialization keys: which launch shape the warm-up missed

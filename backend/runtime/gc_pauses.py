@@ -61,4 +61,17 @@ class GcPauses:
         self._began = None
 
 
+def between(before: Any, after: Any) -> dict[str, dict[str, float]]:
+    """The collections between two EngineStats (whose gc_seconds_<generation> and gc_collections_<generation> only
+    grow), by generation ("0", "1", "2": full): {"seconds", "collections"}, as a served run records them
+    (client/steps.py)."""
+    return {
+        str(g): {
+            "seconds": getattr(after, f"gc_seconds_{g}") - getattr(before, f"gc_seconds_{g}"),
+            "collections": getattr(after, f"gc_collections_{g}") - getattr(before, f"gc_collections_{g}"),
+        }
+        for g in GENERATIONS
+    }
+
+
 PROCESS = GcPauses()  # the one a process counts with (LLMEngine installs it)

@@ -51,6 +51,9 @@ def test_three_modes_complete_every_request(tiny_model: Path, tiny_adapters: Pat
         assert sum(k["steps"] for k in kinds.values()) == m["engine_steps"]
         assert kinds["decode"]["mean_tokens"] == kinds["decode"]["mean_seqs"] >= 1
         assert kinds["mixed"]["mean_tokens"] > kinds["mixed"]["mean_seqs"]
+        gc = m["gc"]  # the process's collections inside the clock, each generation's with its time
+        assert set(gc) == {"0", "1", "2"}
+        assert all(g["collections"] >= 0 and (g["seconds"] > 0) == (g["collections"] > 0) for g in gc.values())
         for tally in kinds.values():  # the runner's phases and the rest of the step add up to the step
             phases = [tally[f"{p}_ms"] for p in ("build", "wait", "launch", "sample")]
             assert min(phases) >= 0 and tally["launch_ms"] > 0 and tally["other_ms"] >= 0

@@ -110,6 +110,19 @@ def test_engine_steps_by_kind_and_compiles_are_tabled(tmp_path: Path) -> None:
     assert "| e-n2000 | graph |" not in text, "a tally without phases (older results) gets no row"
 
 
+def test_engine_runs_garbage_collections_are_tabled(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    run = _run("e-n2000", "engine", 2000, "lora", 12.0, "s1-n2000", "engine")
+    run["metrics"].update(engine_steps=855, gc={"0": {"seconds": 0.2, "collections": 900},
+                                                "1": {"seconds": 0.1, "collections": 90},
+                                                "2": {"seconds": 1.25, "collections": 4}})  # fmt: skip
+    older = _run("e-n5", "engine", 5, "lora", 13.0, "s1-n5", "engine")  # results from before the counters: no row
+    append_runs(path, [run, older])
+    table = report(path).split("## Engine runs' garbage collections")[1]
+    assert "| e-n2000 | 855 | 1.55 (4, 1.25) | 990 |" in table
+    assert "e-n5" not in table
+
+
 def test_the_disk_tier_pairs_2000_adapters_with_700_on_one_server(tmp_path: Path) -> None:
     path = tmp_path / "r.json"
     runs = [_run("s2-n2000", "serving", 2000, "lora", 27.0, "s2-n2000", "serving-slora"),
