@@ -328,6 +328,8 @@ def run_one(
     engine.evict_adapters()
     before = engine.stats()
     compiled_before = variant_keys()
+    tables = engine.runner.lora_tables
+    tables_before = (tables.builds, tables.hits)
     replay = Replay(engine, trace, options, desc=name)
     with startup_objects_frozen():  # as a serving process once started: no full collection of them in the clock
         duration = replay.run()
@@ -350,6 +352,9 @@ def run_one(
         preload_s=preload_s,
         step_kinds={kind: tally.summary() for kind, tally in sorted(replay.kinds.items())},
         gc=gc_between(before, after),  # the process's garbage collections in the run (gc_pauses.py)
+        # steps whose LoRA tables were built (their adapter list changed) and reused (lora_tables.py); a decode
+        # step built from the one before (decode_batch.py) asks for none
+        lora_tables={"built": tables.builds - tables_before[0], "reused": tables.hits - tables_before[1]},
         triton_compiles=sum(compiles.values()),  # kernel variants compiled inside the clock (warm-up missed)
         triton_compiles_by_kernel=compiles,
         triton_compile_keys=compiled_keys,  # their specialization keys: which launch shape the warm-up missed

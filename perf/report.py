@@ -429,17 +429,23 @@ def phases_table(runs: list[Run]) -> list[str]:
     return lines if len(lines) > 2 else []
 
 
-def engine_gc_table(runs: list[Run]) -> list[str]:
-    """In-process runs' garbage collections inside the clock (the served runs' are in their steps table): a
-    collection stops the thread that launches the steps."""
-    lines = ["| run | engine steps | GC pauses, s (full collections: n, s) | young collections (generations 0, 1) |",
-             "|---|---|---|---|"]  # fmt: skip
+def engine_host_table(runs: list[Run]) -> list[str]:
+    """In-process runs' host work that grows with the adapters, inside the clock: the steps whose LoRA tables were
+    built (their adapter list changed: built on the host and copied to the GPU) or reused, and the process's
+    garbage collections, which stop the thread that launches the steps (the served runs' are in their steps
+    table)."""
+    lines = ["| run | engine steps | LoRA tables built / reused | GC pauses, s (full collections: n, s) "
+             "| young collections (generations 0, 1) |",
+             "|---|---|---|---|---|"]  # fmt: skip
     for run in runs:
-        gc = run["metrics"].get("gc")
+        m = run["metrics"]
+        gc = m.get("gc")
         if run["kind"] != "engine" or not gc:
             continue
+        tables = m.get("lora_tables")
+        built = f"{tables['built']} / {tables['reused']}" if tables else "–"
         young = gc["0"]["collections"] + gc["1"]["collections"]
-        lines.append(f"| {run['name']} | {run['metrics'].get('engine_steps', '–')} | {_gc_cell(gc)} | {young:.0f} |")
+        lines.append(f"| {run['name']} | {m.get('engine_steps', '–')} | {built} | {_gc_cell(gc)} | {young:.0f} |")
     return lines if len(lines) > 2 else []
 
 
@@ -478,7 +484,7 @@ def report(*results: Path) -> str:
         ("Served runs' engine steps by kind", served_steps_table(runs)),
         ("Served runs' first tokens: client and server", first_token_path_table(runs)),
         ("Host time of a step, by phase", phases_table(runs)),
-        ("Engine runs' garbage collections", engine_gc_table(runs)),
+        ("Engine runs' host work: LoRA tables and garbage collections", engine_host_table(runs)),
         ("Tenant isolation: the noisy neighbour", noisy_table(runs)),
         ("Tenant isolation: overload", overload_table(runs)),
     )

@@ -66,6 +66,7 @@ class LoraTablesCache:
         self._device: torch.device | None = None
         self._tables: LoraTables | None = None
         self.hits = 0
+        self.builds = 0  # the lists that were not the last one: tables built and copied to the device
 
     def get(self, adapters: list[ResidentAdapter], device: torch.device) -> LoraTables:
         # The device as asked for, not the tables' own: a tensor on torch.device("cuda") reports "cuda:0", which
@@ -77,4 +78,5 @@ class LoraTablesCache:
         self._adapters = list(adapters)
         self._device = device
         self._tables = build_tables(adapters, device)
+        self.builds += 1
         return self._tables

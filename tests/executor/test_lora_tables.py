@@ -39,10 +39,12 @@ def test_same_adapters_reuse_the_tables_other_lists_rebuild() -> None:
     first = cache.get(residents, DEVICE)
     assert _equal(first, build_tables(residents, DEVICE))
     assert cache.get(list(residents), DEVICE) is first and cache.hits == 1  # same objects, a new list
+    assert cache.builds == 1
     reordered = cache.get(residents[::-1], DEVICE)
     assert reordered is not first and _equal(reordered, build_tables(residents[::-1], DEVICE))
     fewer = cache.get(residents[::-1][:2], DEVICE)
     assert fewer is not reordered and fewer.ranks_host == [list(RANKS[2]), list(RANKS[1])]
+    assert cache.builds == 3 and cache.hits == 1
 
 
 @pytest.mark.parametrize("index", [None, 0], ids=["unindexed", "indexed"])

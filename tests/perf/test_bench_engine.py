@@ -64,6 +64,11 @@ def test_three_modes_complete_every_request(tiny_model: Path, tiny_adapters: Pat
     assert runs["base"]["metrics"]["roofline"]["bytes"]["adapters"] == 0, "the base run reads no adapter"
     assert runs["lora"]["metrics"]["roofline"]["bytes"]["adapters"] > 0
     assert runs["lora"]["metrics"]["adapter_loads"] >= runs["lora"]["trace"]["distinct_adapters"]
+    # LoRA tables: built for each new adapter list (the first step with adapters at least), none without adapters
+    assert (
+        runs["lora"]["metrics"]["lora_tables"]["built"] >= 1 and runs["single"]["metrics"]["lora_tables"]["built"] >= 1
+    )
+    assert runs["base"]["metrics"]["lora_tables"] == {"built": 0, "reused": 0}
     profile = (tmp_path / "profile.txt").read_text()
     assert "== torch.profiler 2 step(s)" in profile and "aten::" in profile
     assert "== cProfile of 2 step(s)" in profile and "engine.py" in profile

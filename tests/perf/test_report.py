@@ -110,16 +110,16 @@ def test_engine_steps_by_kind_and_compiles_are_tabled(tmp_path: Path) -> None:
     assert "| e-n2000 | graph |" not in text, "a tally without phases (older results) gets no row"
 
 
-def test_engine_runs_garbage_collections_are_tabled(tmp_path: Path) -> None:
+def test_engine_runs_host_work_is_tabled(tmp_path: Path) -> None:
     path = tmp_path / "r.json"
     run = _run("e-n2000", "engine", 2000, "lora", 12.0, "s1-n2000", "engine")
-    run["metrics"].update(engine_steps=855, gc={"0": {"seconds": 0.2, "collections": 900},
-                                                "1": {"seconds": 0.1, "collections": 90},
-                                                "2": {"seconds": 1.25, "collections": 4}})  # fmt: skip
+    run["metrics"].update(engine_steps=855, lora_tables={"built": 600, "reused": 55},
+                          gc={"0": {"seconds": 0.2, "collections": 900}, "1": {"seconds": 0.1, "collections": 90},
+                              "2": {"seconds": 1.25, "collections": 4}})  # fmt: skip
     older = _run("e-n5", "engine", 5, "lora", 13.0, "s1-n5", "engine")  # results from before the counters: no row
     append_runs(path, [run, older])
-    table = report(path).split("## Engine runs' garbage collections")[1]
-    assert "| e-n2000 | 855 | 1.55 (4, 1.25) | 990 |" in table
+    table = report(path).split("## Engine runs' host work: LoRA tables and garbage collections")[1]
+    assert "| e-n2000 | 855 | 600 / 55 | 1.55 (4, 1.25) | 990 |" in table
     assert "e-n5" not in table
 
 
