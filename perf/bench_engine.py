@@ -332,6 +332,7 @@ def run_one(
     tables_before = (tables.builds, tables.hits)
     replay = Replay(engine, trace, options, desc=name)
     with startup_objects_frozen():  # as a serving process once started: no full collection of them in the clock
+        clock_start = engine.stats()  # after the freeze's own full collection, which is not the run's
         duration = replay.run()
     after = engine.stats()
     compiled_keys = keys_since(compiled_before)
@@ -351,7 +352,7 @@ def run_one(
         preemptions=after.preemptions - before.preemptions,
         preload_s=preload_s,
         step_kinds={kind: tally.summary() for kind, tally in sorted(replay.kinds.items())},
-        gc=gc_between(before, after),  # the process's garbage collections in the run (gc_pauses.py)
+        gc=gc_between(clock_start, after),  # the process's garbage collections in the run (gc_pauses.py)
         # steps whose LoRA tables were built (their adapter list changed) and reused (lora_tables.py); a decode
         # step built from the one before (decode_batch.py) asks for none
         lora_tables={"built": tables.builds - tables_before[0], "reused": tables.hits - tables_before[1]},
