@@ -9,6 +9,7 @@ Targets (perf/RESULTS.md) and which runs each compares, all taken from the same 
     vs-peft       ours >= 30 x HF PEFT on the same trace file                        (each PEFT run)
     served        through Triton >= 0.90 x in-process, same trace file, mode and kernels (each serving run)
     base-roofline a base-model run >= 0.70 of its roofline (issue 27)     (runs whose roofline the GPU limits)
+    bytes-floor   S2 / S-all against base >= 0.97 x the roofline's ratio at saturation (issue 27)  (lora-vs-base pairs)
 Nothing is computed from numbers that were not measured: a target with no pair of runs is listed as not run.
 
 Sections after the targets: every run (with its roofline req/s and fraction), the headline runs of S-LoRA's method
@@ -168,9 +169,21 @@ def check_disk_tier(runs: list[Run]) -> Iterator[Check]:
             yield check
 
 
+def check_bytes_floor(runs: list[Run]) -> Iterator[Check]:
+    """Issue 27: S2 and S-all runs against their base run, as a share of the bytes floor of that ratio (the
+    roofline's LoRA / base at saturation: what their adapters' rows cost at the least), not of a fixed ratio, since
+    their adapters are up to 8x S1's bytes."""
+    for check in check_lora_vs_base(runs):
+        by_name = {run["name"]: run for run in runs}
+        lora, base = by_name[check.subject], by_name[check.reference]
+        floor = _ratio_of(lora, base, "burst")
+        if _setting(lora) in ("s2", "sall") and floor:
+            yield Check("bytes-floor", check.subject, check.reference, check.value / floor, 0.97, "x")
+
+
 CHECKS = (check_s1_2000, check_scaling, check_lora_vs_base, check_vs_peft, check_served, check_base_roofline,
-          check_disk_tier)  # fmt: skip
-TARGETS = ("s1-2000", "n2000-vs-n5", "lora-vs-base", "vs-peft", "served", "base-roofline", "disk-tier")
+          check_disk_tier, check_bytes_floor)  # fmt: skip
+TARGETS = ("s1-2000", "n2000-vs-n5", "lora-vs-base", "vs-peft", "served", "base-roofline", "disk-tier", "bytes-floor")
 
 
 def _roof(run: Run) -> dict[str, Any] | None:

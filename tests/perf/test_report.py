@@ -240,6 +240,26 @@ def test_roofline_fractions_and_the_bytes_floor_are_reported(tmp_path: Path) -> 
     assert "| e-n2000 | e-base | 0.900 | 1.000 | 0.800 | 1.125 |" in floor
 
 
+def test_s2_and_s_all_runs_are_checked_against_their_bytes_floor(tmp_path: Path) -> None:
+    def run(name: str, setting: str, mode: str, rps: float, burst_rps: float) -> dict:
+        out = _with_roofline(_run(name, "serving", 700, mode, rps, f"{setting}-n700", "serving-slora"), 100.0,
+                             burst_rps, 0.0, 125.0)  # fmt: skip
+        out["trace"]["config"]["adapter_prefix"] = f"{setting}-"
+        return out
+
+    path = tmp_path / "r.json"
+    s2 = [run("s2", "s2", "lora", 24.0, 40.0), run("s2-base", "s2", "base", 30.0, 50.0)]
+    append_runs(path, s2 + [run("sall", "sall", "lora", 10.0, 20.0), run("sall-base", "sall", "base", 30.0, 50.0)])
+    text = report(path)
+    # S2: 24 / 30 = 0.8 measured against a floor of 40 / 50 = 0.8, all of it; S-all: 1 / 3 against 0.4, short
+    assert "| bytes-floor | s2 | s2-base | 1.000 x | >= 0.97 x | yes |" in text
+    assert "| bytes-floor | sall | sall-base | 0.833 x | >= 0.97 x | NO |" in text
+
+
+def test_s1_runs_have_no_bytes_floor_check(results: Path) -> None:
+    assert "| bytes-floor | not run |" in report(results)
+
+
 def test_headline_and_sweep_sections(tmp_path: Path) -> None:
     def served(name: str, rps: float, rate: float, duration: float, sweep: dict | None) -> dict:
         run = _run(name, "serving", 2000, "lora", rps, name, "serving-slora")
