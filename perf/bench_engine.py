@@ -58,6 +58,7 @@ from slora.backend.errors import EngineOverloadedError, SloraError
 from slora.backend.executor.model_runner import PHASES, StepShape
 from slora.backend.runtime.gc_freeze import startup_objects_frozen
 from slora.backend.runtime.gc_pauses import between as gc_between
+from slora.backend.runtime.gc_threshold import young_threshold_raised
 from slora.kernels.triton.jit_stats import keys_since, variant_keys
 
 logger = logging.getLogger(__name__)
@@ -331,7 +332,8 @@ def run_one(
     tables = engine.runner.lora_tables
     tables_before = (tables.builds, tables.hits)
     replay = Replay(engine, trace, options, desc=name)
-    with startup_objects_frozen():  # as a serving process once started: no full collection of them in the clock
+    # as a serving process once started: no full collection of the start's objects, few young collections
+    with startup_objects_frozen(), young_threshold_raised():
         clock_start = engine.stats()  # after the freeze's own full collection, which is not the run's
         duration = replay.run()
     after = engine.stats()

@@ -8,7 +8,12 @@ step of ~208 requests in perf/RESULTS.md), so it is worth measuring on its own, 
         --seqs 256 --prompt-len 300 --out host_step.json
 
 With --join K, K new requests (prompts of --join-prompt-len tokens, one output token) join before every step: the
-host time of mixed steps, whose new adapters are loaded and whose LoRA tables are rebuilt every step.
+host time of mixed steps, whose new adapters are loaded and whose LoRA tables are rebuilt every step. Adapters are
+read into host memory first, as a server's preload does.
+
+The steps run with the garbage collector as a server sets it (start-up objects frozen, young collections made rare:
+backend/runtime/gc_threshold.py); --python-gc-defaults runs them with CPython's thresholds instead. The collections'
+milliseconds per step are reported with the step time.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import json
 import logging
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,6 +37,9 @@ from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.engine.warmup import synthetic_prompt
 from slora.backend.executor.batch import ForwardBatch
 from slora.backend.memory.page_pool import PagePool
+from slora.backend.runtime.gc_freeze import startup_objects_frozen
+from slora.backend.runtime.gc_pauses import GENERATIONS, PROCESS
+from slora.backend.runtime.gc_threshold import young_threshold_raised
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +53,8 @@ class HostStep:
     median_ms: float
     repeats_ms: list[float]
     joins: int = 0  # new requests per step (Joiners); 0: decode steps only
+    gc_ms: float = 0.0  # garbage collections' pause per step, over every measured step
+    python_gc_defaults: bool = False  # CPython's collector thresholds instead of the server's
 
 
 def fill(engine: LLMEngine, seqs: int, prompt_len: int, adapter_names: list[str]) -> None:
@@ -102,12 +114,27 @@ def run(args: argparse.Namespace) -> HostStep:
                           max_batch_tokens=max(2048, args.seqs + joining))  # fmt: skip
     engine = LLMEngine(config)
     names = adapter_dirs(str(root), args.adapters) if root else []
+    if names:
+        engine.store.preload(names=names)
     fill(engine, args.seqs, args.prompt_len, names[: args.seqs])
     stub_forward(engine)
     joiners = Joiners(engine, args.join, args.join_prompt_len, names, args.seqs) if args.join else None
     measure(engine, args.steps, 1, joiners)  # warm
-    times = measure(engine, args.steps, args.repeats, joiners)
-    return HostStep(args.seqs, len(names), statistics.median(times), [round(t, 3) for t in times], args.join)
+    with collector_as(args.python_gc_defaults):
+        before = PROCESS.as_stats()
+        times = measure(engine, args.steps, args.repeats, joiners)
+        after = PROCESS.as_stats()
+    gc_s = sum(after[f"gc_seconds_{g}"] - before[f"gc_seconds_{g}"] for g in GENERATIONS)
+    return HostStep(args.seqs, len(names), statistics.median(times), [round(t, 3) for t in times], args.join,
+                    round(1000 * gc_s / (args.steps * args.repeats), 3), args.python_gc_defaults)  # fmt: skip
+
+
+@contextmanager
+def collector_as(python_defaults: bool) -> Iterator[None]:
+    """The garbage collector as a serving process sets it, or with CPython's thresholds (start-up objects frozen
+    either way)."""
+    with startup_objects_frozen(), nullcontext() if python_defaults else young_threshold_raised():
+        yield
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -127,6 +154,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--python-gc-defaults", action="store_true",
+                        help="CPython's collector thresholds, not the server's (gc_threshold.py)")  # fmt: skip
     parser.add_argument("--out", type=Path)
     return parser.parse_args(argv)
 
@@ -135,8 +164,10 @@ def main(argv: list[str] | None = None) -> HostStep:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
     result = run(args)
-    logger.info("host-only step, %d sequences + %d new each step, %d adapters: median %.2f ms (runs %s)",
-                result.seqs, result.joins, result.adapters, result.median_ms, result.repeats_ms)  # fmt: skip
+    logger.info("host-only step, %d sequences + %d new each step, %d adapters, %s collector: median %.2f ms (runs %s), "
+                "of it garbage collections %.2f ms a step", result.seqs, result.joins, result.adapters,
+                "CPython's" if result.python_gc_defaults else "the server's", result.median_ms, result.repeats_ms,
+                result.gc_ms)  # fmt: skip
     if args.out is not None:
         args.out.write_text(json.dumps(asdict(result), indent=1))
     return result

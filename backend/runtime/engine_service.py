@@ -24,6 +24,7 @@ from slora.backend.runtime.adapter_admin import run_adapter_command
 from slora.backend.runtime.engine_loop import EngineLoop
 from slora.backend.runtime.fresh_threads import FreshThreadExecutor, run_in_fresh_thread
 from slora.backend.runtime.gc_freeze import freeze_startup_objects
+from slora.backend.runtime.gc_threshold import raise_young_threshold
 from slora.backend.runtime.messages import AdapterCommand, EngineInfo, Submission
 from slora.backend.runtime.output_sink import OutputSink, deliver_each
 
@@ -70,9 +71,11 @@ class LocalEngine:
     @classmethod
     def start(cls, config: EngineConfig, sink: OutputSink, watchdog_s: float | None = None) -> LocalEngine:
         """A server's engine: built on a thread that ends afterwards (fresh_threads.py says why), then the
-        start-up objects frozen out of the garbage collector's reach (gc_freeze.py)."""
+        start-up objects frozen out of the garbage collector's reach (gc_freeze.py) and its young collections made
+        rare (gc_threshold.py)."""
         service = cls(run_in_fresh_thread(lambda: LLMEngine(config)), sink, watchdog_s=watchdog_s)
         freeze_startup_objects()
+        raise_young_threshold()
         return service
 
     def __init__(
