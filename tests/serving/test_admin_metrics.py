@@ -76,8 +76,12 @@ def test_metrics_are_present_and_move(server: Server) -> None:
                    "slora_responder_busy_seconds_total", 'slora_gc_seconds_total{generation="0"}',
                    'slora_gc_seconds_total{generation="2"}', 'slora_gc_collections_total{generation="1"}'):  # fmt: skip
         assert family in before, family
-    # the engine process counts its collections from its start: its warm-up and loading made many young ones
-    assert before['slora_gc_collections_total{generation="0"}'] > 0
+    # Young collections are rare while serving (backend/runtime/gc_threshold.py), so none may have run yet; the
+    # counts are the engine process's own, never negative, with time only where collections ran
+    for generation in ("0", "1", "2"):
+        count = before[f'slora_gc_collections_total{{generation="{generation}"}}']
+        seconds = before[f'slora_gc_seconds_total{{generation="{generation}"}}']
+        assert count >= 0 and seconds >= 0 and (seconds == 0 or count > 0), (generation, count, seconds)
     known = len(_rows(server))
     wait_for_metric(server.metrics_url, 'slora_adapters{tier="disk"}', lambda v: v == known)
     wait_for_metric(server.metrics_url, "slora_max_running_requests", lambda v: v == MAX_NUM_SEQS)  # no itl_slo_s
