@@ -173,8 +173,8 @@ def check_bytes_floor(runs: list[Run]) -> Iterator[Check]:
     """Issue 27: S2 and S-all runs against their base run, as a share of the bytes floor of that ratio (the
     roofline's LoRA / base at saturation: what their adapters' rows cost at the least), not of a fixed ratio, since
     their adapters are up to 8x S1's bytes."""
+    by_name = {run["name"]: run for run in runs}
     for check in check_lora_vs_base(runs):
-        by_name = {run["name"]: run for run in runs}
         lora, base = by_name[check.subject], by_name[check.reference]
         floor = _ratio_of(lora, base, "burst")
         if _setting(lora) in ("s2", "sall") and floor:
