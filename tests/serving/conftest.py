@@ -30,6 +30,9 @@ MAX_WAITING = 48
 POOL_BYTES = "192MiB"
 REGISTRY_ADAPTER = "registry-adapter"  # named by multi_lora.json, outside the adapter root
 READY_TIMEOUT_S = 600.0
+# Where the served engine runs: cpu, or cuda to serve a test's traffic on a GPU host (float32 there too, so that its
+# tokens can be compared with a reference engine's; test_many_adapters puts its reference on the same device).
+SERVE_DEVICE = os.environ.get("SLORA_TEST_SERVE_DEVICE", "cpu")
 
 
 @dataclass(frozen=True)
@@ -114,13 +117,15 @@ class Launched:
 
 
 def launch(root: Path, *options: str) -> Launched:
-    """Start slora-serve (the default model on CPU, on free local ports) with `options`; wait until it is ready."""
+    """Start slora-serve (the default model on SERVE_DEVICE, in float32, on free local ports) with `options`; wait
+    until it is ready."""
     http, grpc, metrics = _free_ports(3)
     log = root / "server.log"
     workspace = root / "workspace"
     command = _serve_command() + [
-        "--model", "default", "--device", "cpu", "--host", "127.0.0.1", "--http-port", str(http),
-        "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--workspace", str(workspace), *options,
+        "--model", "default", "--device", SERVE_DEVICE, "--dtype", "float32", "--host", "127.0.0.1",
+        "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+        "--workspace", str(workspace), *options,
     ]  # fmt: skip
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})

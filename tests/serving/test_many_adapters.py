@@ -20,7 +20,7 @@ import pytest
 
 from slora.backend.adapters.host_adapter import CONFIG_FILE, WEIGHTS_FILE
 from slora.backend.engine.sampling_params import SamplingParams
-from tests.serving.conftest import _stop, launch
+from tests.serving.conftest import SERVE_DEVICE, _stop, launch
 from tests.serving.triton_calls import Collected, run_streams, token_inputs, wait_for_metric
 
 pytestmark = pytest.mark.server
@@ -81,8 +81,8 @@ def reference(many: ManyAdapters) -> Any:
     from slora.backend.config import EngineConfig
     from slora.backend.engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineConfig(model="default", device="cpu", adapter_root=str(many.variants), max_model_len=256,
-                                  pool_bytes=64 << 20))  # fmt: skip
+    return LLMEngine(EngineConfig(model="default", device=SERVE_DEVICE, dtype="float32",
+                                  adapter_root=str(many.variants), max_model_len=256, pool_bytes=64 << 20))  # fmt: skip
 
 
 @dataclass(frozen=True)
