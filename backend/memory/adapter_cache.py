@@ -136,6 +136,10 @@ class AdapterCache:
         are free (in the unified pool, pages for either kind; with a reserved adapter region, pages of that region,
         which KV cannot use).
 
+        Adapters whose copy into the pool is issued go first: evicting one whose copy the copier has not reached
+        yet (one copied ahead for a waiting request, under pool pressure) makes the engine thread wait for every
+        copy queued before it, while the GPU waits for the engine's next step.
+
         Returns whether that many pages are free now; evicts nothing when it cannot reach the goal.
         """
         if self._free_pages() >= pages_wanted:
@@ -144,7 +148,7 @@ class AdapterCache:
             return False
         victims = sorted(
             (r for r in self._resident.values() if r.refcount == 0 and r.key not in keep),
-            key=lambda r: r.last_used,
+            key=lambda r: (not r.copy_issued, r.last_used),
         )
         for victim in victims:
             if self._free_pages() >= pages_wanted:
