@@ -136,10 +136,6 @@ class AdapterCache:
         are free (in the unified pool, pages for either kind; with a reserved adapter region, pages of that region,
         which KV cannot use).
 
-        Adapters whose copy into the pool is issued go first: evicting one whose copy the copier has not reached
-        yet (one copied ahead for a waiting request, under pool pressure) makes the engine thread wait for every
-        copy queued before it, while the GPU waits for the engine's next step.
-
         Returns whether that many pages are free now; evicts nothing when it cannot reach the goal.
         """
         if self._free_pages() >= pages_wanted:
@@ -148,7 +144,7 @@ class AdapterCache:
             return False
         victims = sorted(
             (r for r in self._resident.values() if r.refcount == 0 and r.key not in keep),
-            key=lambda r: (not r.copy_issued, r.last_used),
+            key=lambda r: r.last_used,
         )
         for victim in victims:
             if self._free_pages() >= pages_wanted:
@@ -167,7 +163,11 @@ class AdapterCache:
                 self._evict(resident)
 
     def _evict(self, resident: ResidentAdapter) -> None:
-        resident.wait_copied(self.pool.storage.device)  # a copy into these pages may still be in flight
+        # A copy the copier has not started (one copied ahead for a waiting request, under pool pressure) is dropped:
+        # waiting for it would hold the engine thread, and the GPU's next step, behind every copy queued before it.
+        # One started may still write these pages: wait for it.
+        if resident.ready is None or not resident.ready.cancel():
+            resident.wait_copied(self.pool.storage.device)
         self.pool.free(resident.pages, ("adapter", resident.key))
         del self._resident[resident.key]
         self.evictions += 1

@@ -1,5 +1,5 @@
-"""Eviction takes adapters whose copy into the pool is issued before one whose copy is still queued: evicting that
-one would make the engine thread wait for the copier."""
+"""Evicting an adapter whose copy into the pool is still queued drops the copy instead of waiting for it: waiting
+would hold the engine thread behind every copy queued before it. A copy already running is waited for."""
 
 from __future__ import annotations
 
@@ -23,16 +23,15 @@ def _host(name: str) -> HostAdapter:
     return HostAdapter(name, Path(name), (2,) + (0,) * 6, (0.5,) + (0.0,) * 6, image, empty, empty)
 
 
-def _full_cache() -> tuple[AdapterCache, list[ResidentAdapter]]:
-    cache = AdapterCache(PagePool(GEOMETRY, 16, torch.float32, torch.device("cpu")))
-    residents = []
-    for name in ("oldest", "middle", "newest"):
-        resident = cache.load(_host(name))
-        assert resident is not None and resident.ready is not None
-        resident.ready.result()  # copied (the copier's thread), not yet waited for by a batch
-        cache.touch(resident)
-        residents.append(resident)
-    return cache, residents
+def _cache() -> AdapterCache:
+    return AdapterCache(PagePool(GEOMETRY, 16, torch.float32, torch.device("cpu")))
+
+
+def _load(cache: AdapterCache, name: str) -> ResidentAdapter:
+    resident = cache.load(_host(name))
+    assert resident is not None
+    cache.touch(resident)
+    return resident
 
 
 def _evict_in_thread(cache: AdapterCache, pages: int) -> tuple[threading.Thread, list[bool]]:
@@ -43,27 +42,44 @@ def _evict_in_thread(cache: AdapterCache, pages: int) -> tuple[threading.Thread,
     return thread, result
 
 
-def test_an_adapter_whose_copy_is_queued_is_evicted_after_those_copied() -> None:
-    cache, (oldest, middle, newest) = _full_cache()
-    queued: Future = Future()  # the copier has not reached this adapter's copy yet
-    oldest.ready = queued
+def test_a_queued_copy_is_dropped_without_waiting_for_the_copies_ahead_of_it() -> None:
+    cache = _cache()
+    release = threading.Event()
+    busy = cache.copier._thread.submit(release.wait, 30)  # the copier's one thread is busy with an earlier copy
     try:
+        queued = _load(cache, "queued")  # least recently used; its copy waits behind the busy one
+        kept = [_load(cache, name) for name in ("middle", "newest")]
+        pages = list(queued.pages)
+        before = cache.pool.storage[:, pages].clone()
         thread, result = _evict_in_thread(cache, PAGES)
-        assert not thread.is_alive(), "evict waited for a queued copy while a copied adapter could go"
-        assert result == [True]
-        assert cache.get(oldest.key) is oldest and cache.get(newest.key) is newest
-        assert cache.get(middle.key) is None, "the least recently used adapter among those copied goes"
+        assert not thread.is_alive(), "evict waited for the copies queued ahead of the victim's"
+        assert result == [True] and cache.get(queued.key) is None
+        assert queued.ready is not None and queued.ready.cancelled()
+        assert all(cache.get(r.key) is r for r in kept)
     finally:
-        queued.set_result(None)
+        release.set()
+    busy.result()
+    for resident in kept:
+        resident.wait_copied(cache.pool.storage.device)
+    assert torch.equal(cache.pool.storage[:, pages], before), "the dropped copy never wrote the freed pages"
 
 
-def test_a_queued_copy_is_waited_for_when_only_it_frees_enough() -> None:
-    cache, (oldest, middle, newest) = _full_cache()
-    queued: Future = Future()
-    newest.ready = queued
-    timer = threading.Timer(0.2, queued.set_result, (None,))
+def test_a_running_copy_is_waited_for_before_its_pages_are_freed() -> None:
+    cache = _cache()
+    victim = _load(cache, "running")
+    for name in ("middle", "newest"):
+        copy = _load(cache, name).ready
+        assert copy is not None
+        copy.result()
+    running: Future = Future()
+    running.set_running_or_notify_cancel()  # the copier is writing the victim's pages
+    victim.ready = running
+    copied_when_freed: list[bool] = []
+    timer = threading.Timer(0.3, running.set_result, (None,))
     timer.start()
-    thread, result = _evict_in_thread(cache, 3 * PAGES)
+    thread = threading.Thread(target=lambda: copied_when_freed.append(cache.evict(PAGES) and running.done()))
+    thread.start()
+    thread.join(timeout=5)
     timer.join()
-    assert not thread.is_alive() and result == [True]
-    assert len(cache) == 0, "every unpinned adapter goes, the queued one once its copy is issued"
+    assert copied_when_freed == [True], "its pages were freed before the copy into them had finished"
+    assert not running.cancelled() and cache.get(victim.key) is None
