@@ -656,6 +656,11 @@ def s2_adapters(count: int) -> list[tuple[int, ...]]:
     return [(r, r, r, r, 0, 0, 0) for r in itertools.islice(itertools.cycle(S2_RANKS), count)]
 
 
+def sall_adapters(count: int) -> list[tuple[int, ...]]:
+    """perf/make_adapters.py's S-all: S2's ranks on all seven projections."""
+    return [(r,) * len(LORA_MODULES) for r in itertools.islice(itertools.cycle(S2_RANKS), count)]
+
+
 def lora_cases(mha: Model, gqa: Model, n: int, prompt: int) -> list[Callable[[], LoraCase]]:
     """n requests decode (n adapters or 4; S2 also at 3n/2 + 1, as the engine's graph steps), a mixed step of 4
     prompts of `prompt` tokens + n/2 decodes, the engine's S1 mixed step (S1 n = 2000 in perf/RESULTS.md): 4 prompts
@@ -680,6 +685,12 @@ def lora_cases(mha: Model, gqa: Model, n: int, prompt: int) -> list[Callable[[],
             f"S2 decode {s2_graph} req, {s2_graph} adapters r64/32/16/8 q,k,v,o",
             mha,
             s2_adapters(s2_graph),
+            [(i, 1) for i in range(s2_graph)],
+        ),  # fmt: skip
+        lambda: lora_case(
+            f"S-all decode {s2_graph} req, {s2_graph} adapters r64/32/16/8 all seven",
+            mha,
+            sall_adapters(s2_graph),
             [(i, 1) for i in range(s2_graph)],
         ),  # fmt: skip
         lambda: lora_case(f"decode {n} req, {n} adapters mixed r1-128", gqa, adapters(mixed[:n]), decode),
@@ -722,7 +733,7 @@ def check_targets(rows: list[Row]) -> list[dict[str, object]]:
     for r in rows:
         if r.impl != "triton":
             continue
-        decodes = r.case.startswith(("decode", "S2 decode", DECODES_WITH_PROMPTS))
+        decodes = r.case.startswith(("decode", "S2 decode", "S-all decode", DECODES_WITH_PROMPTS))
         if r.kernel in ("lora_layer", "attention_decode", "attention_prefill") and decodes:
             same_size = r.frac_same_size_copy
             checks.append({"target": f"{r.kernel} [{r.case}] >= {DECODE_BW_TARGET:.0%} of copy bandwidth",
