@@ -163,10 +163,11 @@ class AdapterCache:
                 self._evict(resident)
 
     def _evict(self, resident: ResidentAdapter) -> None:
-        # A copy the copier has not started (one copied ahead for a waiting request, under pool pressure) is dropped:
-        # waiting for it would hold the engine thread, and the GPU's next step, behind every copy queued before it.
-        # One started may still write these pages: wait for it.
-        if resident.ready is None or not resident.ready.cancel():
+        # A copy that has not started writing (one copied ahead for a waiting request, under pool pressure) is
+        # withdrawn: waiting for it would hold the engine thread, and the GPU's next step, behind every copy queued
+        # before it, and behind its own staging, which waits for the GPU copy before it. One issued may still write
+        # these pages: the compute stream follows it, which the host does not wait for.
+        if resident.ready is None or not self.copier.withdraw(resident.ready):
             resident.wait_copied(self.pool.storage.device)
         self.pool.free(resident.pages, ("adapter", resident.key))
         del self._resident[resident.key]

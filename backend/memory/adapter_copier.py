@@ -6,6 +6,9 @@ buffers, then to the GPU on a side stream; the Future's result is the CUDA event
 the runner makes the compute stream wait for before the first batch that reads the adapter. A staging buffer is
 reused only after the GPU copy out of it has finished. On CPU the copy is done when the Future is.
 
+Evicting an adapter whose copy has not been issued withdraws the copy (`withdraw`): the pages it was to write can be
+reused at once, and the engine thread never waits for a staging, which itself waits for the GPU copy two turns back.
+
 Before, the CPU copy into the (single) staging buffer ran on the engine thread: ~2 ms for a 7B rank-8 adapter
 (16.8 MB) and four times that for S2's average one, times the adapters a step loads, added to the step.
 """
@@ -13,7 +16,9 @@ Before, the CPU copy into the (single) staging buffer ran on the engine thread: 
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +26,12 @@ logger = logging.getLogger(__name__)
 
 CopyDone = Future  # result: the torch.cuda.Event after the copy on CUDA, None on CPU
 STAGING_BUFFERS = 2  # a CPU copy into one overlaps the GPU copy out of the other
+
+
+@dataclass
+class _CopyState:
+    issued: bool = False  # the copy into the pool is issued (on CPU: written): it can no longer be withdrawn
+    withdrawn: bool = False  # its pages were freed first: it must write nothing
 
 
 class AdapterCopier:
@@ -31,6 +42,8 @@ class AdapterCopier:
         self._staged: list[torch.cuda.Event | None] = [None] * staging_buffers  # the GPU copy out of each
         self._turn = 0
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slora-adapter-copy")
+        self._issue = threading.Lock()  # held while a copy is issued (on CPU: written)
+        self._states: dict[CopyDone, _CopyState] = {}  # the copies not done yet
 
     def submit(self, image: torch.Tensor, page_index: torch.Tensor) -> CopyDone:
         """Copy `image` ([num_layers, len(pages), page_elems], host) into the pages of every layer that
@@ -40,25 +53,52 @@ class AdapterCopier:
         if self._stream is not None:
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream(self._storage.device))
-        return self._thread.submit(self._copy, image, page_index, after)
+        state = _CopyState()
+        copy = self._thread.submit(self._copy, image, page_index, after, state)
+        self._states[copy] = state
+        copy.add_done_callback(self._forget)
+        return copy
+
+    def withdraw(self, copy: CopyDone) -> bool:
+        """Make sure `copy` writes nothing into the pool from now on, if it has not started writing: True when it
+        never will (its pages may be reused at once), False when it has (its Future's result is, or is about to be,
+        the event after it). Never waits for the staging, which may stand behind the GPU copies before it; only, on
+        CPU, for a write in progress."""
+        if copy.cancel():
+            return True
+        state = self._states.get(copy)
+        if state is None:
+            return False
+        with self._issue:
+            if state.issued:
+                return False
+            state.withdrawn = True
+            return True
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
 
+    def _forget(self, copy: CopyDone) -> None:
+        self._states.pop(copy, None)
+
     def _copy(
-        self, image: torch.Tensor, page_index: torch.Tensor, after: torch.cuda.Event | None
+        self, image: torch.Tensor, page_index: torch.Tensor, after: torch.cuda.Event | None, state: _CopyState
     ) -> torch.cuda.Event | None:
-        if self._stream is None:
-            copy_pages_on_host(self._storage, page_index, image)
-            return None
-        source = image if image.is_pinned() else self._stage(image)
-        assert after is not None
-        self._stream.wait_event(after)
-        with torch.cuda.stream(self._stream):
-            on_device = source.to(self._storage.device, non_blocking=True)
-            self._storage.index_copy_(1, page_index.to(self._storage.device, non_blocking=True), on_device)
-            done = torch.cuda.Event()
-            done.record(self._stream)
+        source = image if self._stream is None or image.is_pinned() else self._stage(image)
+        with self._issue:  # withdraw() decides under this lock: either this copy writes or it is withdrawn
+            if state.withdrawn:
+                return None
+            state.issued = True
+            if self._stream is None:
+                copy_pages_on_host(self._storage, page_index, image)
+                return None
+            assert after is not None
+            self._stream.wait_event(after)
+            with torch.cuda.stream(self._stream):
+                on_device = source.to(self._storage.device, non_blocking=True)
+                self._storage.index_copy_(1, page_index.to(self._storage.device, non_blocking=True), on_device)
+                done = torch.cuda.Event()
+                done.record(self._stream)
         if source is not image:
             self._staged[self._turn] = done
             self._turn = (self._turn + 1) % len(self._staging)

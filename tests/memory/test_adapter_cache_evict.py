@@ -1,15 +1,19 @@
-"""Evicting an adapter whose copy into the pool is still queued drops the copy instead of waiting for it: waiting
-would hold the engine thread behind every copy queued before it. A copy already running is waited for."""
+"""Evicting an adapter whose copy into the pool has not started writing drops the copy instead of waiting for it:
+waiting would hold the engine thread behind every copy queued before it, or behind the copy's staging. A copy already
+writing is waited for."""
 
 from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from slora.backend.adapters.host_adapter import HostAdapter
+from slora.backend.memory import adapter_copier
 from slora.backend.memory.adapter_cache import AdapterCache, ResidentAdapter
 from slora.backend.memory.page_pool import PagePool, PoolGeometry
 
@@ -83,3 +87,62 @@ def test_a_running_copy_is_waited_for_before_its_pages_are_freed() -> None:
     timer.join()
     assert copied_when_freed == [True], "its pages were freed before the copy into them had finished"
     assert not running.cancelled() and cache.get(victim.key) is None
+
+
+def test_a_copy_still_staging_is_withdrawn_without_waiting_for_it() -> None:
+    cache = _cache()
+    copier, copy = cache.copier, cache.copier._copy
+    entered, release = threading.Event(), threading.Event()
+
+    def staging(*args: Any) -> Any:  # the copier has taken the copy and stages it (the GPU copy before it is slow)
+        entered.set()
+        release.wait(timeout=30)
+        return copy(*args)
+
+    copier._copy = staging  # type: ignore[method-assign]
+    try:
+        victim = _load(cache, "staging")
+        assert entered.wait(timeout=5)
+        copier._copy = copy  # type: ignore[method-assign]
+        kept = [_load(cache, name) for name in ("middle", "newest")]
+        pages = list(victim.pages)
+        before = cache.pool.storage[:, pages].clone()
+        thread, result = _evict_in_thread(cache, PAGES)
+        assert not thread.is_alive(), "evict waited for the victim's copy to be staged"
+        assert result == [True] and cache.get(victim.key) is None
+    finally:
+        release.set()
+    assert victim.ready is not None and not victim.ready.cancelled(), "it had started: withdrawn, not cancelled"
+    assert victim.ready.result(timeout=5) is None
+    for resident in kept:
+        resident.wait_copied(cache.pool.storage.device)
+    assert torch.equal(cache.pool.storage[:, pages], before), "the withdrawn copy never wrote the freed pages"
+
+
+def test_a_copy_writing_the_pool_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = _cache()
+    writing, release = threading.Event(), threading.Event()
+    write = adapter_copier.copy_pages_on_host
+
+    def slow_write(storage: torch.Tensor, page_index: torch.Tensor, image: torch.Tensor) -> None:
+        writing.set()
+        release.wait(timeout=30)
+        write(storage, page_index, image)
+
+    monkeypatch.setattr(adapter_copier, "copy_pages_on_host", slow_write)
+    victim = _load(cache, "writing")
+    image = victim.host.image  # the resident drops it once copied
+    assert writing.wait(timeout=5)
+    monkeypatch.setattr(adapter_copier, "copy_pages_on_host", write)
+    kept = [_load(cache, name) for name in ("middle", "newest")]  # the pool is full: the victim's pages are wanted
+    result: list[bool] = []
+    thread = threading.Thread(target=lambda: result.append(cache.evict(PAGES)), daemon=True)
+    thread.start()
+    thread.join(timeout=0.3)
+    assert thread.is_alive(), "its pages were freed while the copy wrote them"
+    release.set()
+    thread.join(timeout=5)
+    assert result == [True] and cache.get(victim.key) is None
+    assert all(cache.get(r.key) is r for r in kept)
+    assert torch.equal(cache.pool.storage[:, victim.pages], image), "the copy finished before the free"
+    assert victim.ready is None, "an issued copy is followed (on CUDA the compute stream waits for it), not withdrawn"
