@@ -46,20 +46,29 @@ def _evict_in_thread(cache: AdapterCache, pages: int) -> tuple[threading.Thread,
     return thread, result
 
 
+def _evict_at_once(
+    cache: AdapterCache, victim: ResidentAdapter, why: str
+) -> tuple[list[ResidentAdapter], list[int], torch.Tensor]:
+    """Fill the pool behind `victim` (the least recently used) and evict its pages' worth: it must go without
+    waiting. Returns the adapters kept, the victim's pages and what they held before."""
+    kept = [_load(cache, name) for name in ("middle", "newest")]
+    pages = list(victim.pages)
+    before = cache.pool.storage[:, pages].clone()
+    thread, result = _evict_in_thread(cache, PAGES)
+    assert not thread.is_alive(), why
+    assert result == [True] and cache.get(victim.key) is None
+    assert all(cache.get(r.key) is r for r in kept)
+    return kept, pages, before
+
+
 def test_a_queued_copy_is_dropped_without_waiting_for_the_copies_ahead_of_it() -> None:
     cache = _cache()
     release = threading.Event()
     busy = cache.copier._thread.submit(release.wait, 30)  # the copier's one thread is busy with an earlier copy
     try:
         queued = _load(cache, "queued")  # least recently used; its copy waits behind the busy one
-        kept = [_load(cache, name) for name in ("middle", "newest")]
-        pages = list(queued.pages)
-        before = cache.pool.storage[:, pages].clone()
-        thread, result = _evict_in_thread(cache, PAGES)
-        assert not thread.is_alive(), "evict waited for the copies queued ahead of the victim's"
-        assert result == [True] and cache.get(queued.key) is None
+        kept, pages, before = _evict_at_once(cache, queued, "evict waited for the copies queued ahead of the victim's")
         assert queued.ready is not None and queued.ready.cancelled()
-        assert all(cache.get(r.key) is r for r in kept)
     finally:
         release.set()
     busy.result()
@@ -99,17 +108,12 @@ def test_a_copy_still_staging_is_withdrawn_without_waiting_for_it() -> None:
         release.wait(timeout=30)
         return copy(*args)
 
-    copier._copy = staging  # type: ignore[method-assign]
+    copier._copy = staging
     try:
         victim = _load(cache, "staging")
         assert entered.wait(timeout=5)
-        copier._copy = copy  # type: ignore[method-assign]
-        kept = [_load(cache, name) for name in ("middle", "newest")]
-        pages = list(victim.pages)
-        before = cache.pool.storage[:, pages].clone()
-        thread, result = _evict_in_thread(cache, PAGES)
-        assert not thread.is_alive(), "evict waited for the victim's copy to be staged"
-        assert result == [True] and cache.get(victim.key) is None
+        copier._copy = copy
+        kept, pages, before = _evict_at_once(cache, victim, "evict waited for the victim's copy to be staged")
     finally:
         release.set()
     assert victim.ready is not None and not victim.ready.cancelled(), "it had started: withdrawn, not cancelled"
