@@ -72,11 +72,11 @@ def cpu_shape(shape: ModelShape) -> ModelShape:
     return replace(tiny, intermediate_size=round(tiny.hidden_size * shape.intermediate_size / shape.hidden_size))
 
 
-def prepare(work: Path, shape: ModelShape, setting: str, adapters: int) -> tuple[Path, Path]:
-    """The CPU model and `adapters` adapters of `setting` under `work`, made once."""
-    model, root = work / "model", work / f"adapters-{setting}"
+def prepare(work: Path, shape: str, setting: str, adapters: int) -> tuple[Path, Path]:
+    """The CPU model of `shape` and `adapters` adapters of `setting` under `work`, each made once."""
+    model, root = work / shape / "model", work / shape / f"{setting}-{adapters}"
     if not (model / "config.json").is_file():
-        write_model_dir(cpu_shape(shape), model)
+        write_model_dir(cpu_shape(SHAPES[shape]), model)
     if not root.is_dir():
         make_adapters(model, SETTINGS[setting], adapters, root, progress=False)
     return model, root
@@ -134,7 +134,10 @@ def replay(
 
 def run(args: argparse.Namespace) -> Churn:
     trace = load_trace(args.trace)
-    model, root = prepare(args.work, SHAPES[args.shape], args.setting, max(trace.config.num_adapters, 1))
+    prefix, named = SETTINGS[args.setting].prefix, trace.config.adapter_prefix
+    if trace.config.num_adapters and named != prefix:
+        raise ValueError(f"--trace names adapters {named}*, --setting {args.setting} makes {prefix}*")
+    model, root = prepare(args.work, args.shape, args.setting, max(trace.config.num_adapters, 1))
     options = {**SERVED_OPTIONS, **engine_options(args.engine_option)}
     engine = build_engine(model, root, args.pool_pages, options)
     if args.copy_ms:

@@ -1,10 +1,12 @@
 """perf/pool_churn.py: the CPU model keeps the served shape's adapter pages against KV pages, and a replay under pool
-pressure finishes every request of the trace while its counts add up."""
+pressure finishes every request of the trace while its counts add up; a trace of other adapters is refused by name."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import pytest
 
 from perf import pool_churn
 from perf.make_model import LLAMA2_7B, ModelShape
@@ -42,3 +44,10 @@ def test_a_replay_under_pool_pressure_finishes_every_request(tmp_path: Path) -> 
     assert churn.clock_s >= churn.steps * 26.9 / 1000
     assert churn.options["max_num_seqs"] == "16" and churn.options["max_bypass"] == "8"
     assert json.loads(out.read_text())["loads_per_request"] == round(churn.adapter_loads / churn.requests, 3)
+
+
+def test_a_trace_of_other_adapters_is_refused_by_name(tmp_path: Path) -> None:
+    config = TraceConfig(num_adapters=4, duration=0.5, vocab_size=1024, adapter_prefix="s1-")
+    trace_path = save_trace(generate_trace(config), tmp_path / "trace.jsonl")
+    with pytest.raises(ValueError, match=r"--trace names adapters s1-\*, --setting Sall makes sall-\*"):
+        pool_churn.main(["--trace", str(trace_path), "--work", str(tmp_path / "work"), "--setting", "Sall"])
