@@ -658,7 +658,7 @@ def s2_adapters(count: int) -> list[tuple[int, ...]]:
 
 def sall_adapters(count: int) -> list[tuple[int, ...]]:
     """perf/make_adapters.py's S-all: S2's ranks on all seven projections."""
-    return [(r,) * len(LORA_MODULES) for r in itertools.islice(itertools.cycle(S2_RANKS), count)]
+    return adapters(list(itertools.islice(itertools.cycle(S2_RANKS), count)))
 
 
 def lora_cases(mha: Model, gqa: Model, n: int, prompt: int) -> list[Callable[[], LoraCase]]:

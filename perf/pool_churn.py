@@ -37,6 +37,8 @@ from slora.backend.config import EngineConfig
 from slora.backend.engine.llm_engine import LLMEngine
 from slora.backend.engine.sampling_params import SamplingParams
 from slora.backend.memory.adapter_copier import AdapterCopier
+from slora.backend.memory.page_pool import PoolGeometry
+from slora.backend.model.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +88,9 @@ def build_engine(model: Path, root: Path, pool_pages: int, options: dict[str, st
     """A CPU engine over `model` with a pool of `pool_pages` pages, the forward stubbed."""
     values: dict[str, Any] = {"model": str(model), "load_format": "dummy", "device": "cpu", "kernel_backend": "torch",
                               "adapter_root": str(root), "warmup": False, "page_size": 16, **options}  # fmt: skip
-    probe = LLMEngine(EngineConfig.from_dict({**values, "pool_bytes": str(64 << 20)}))
-    page_bytes = probe.pool.storage[:, 0].numel() * probe.pool.storage.element_size()
-    del probe
+    config, spec = EngineConfig.from_dict(values), ModelSpec.from_dir(model)
+    geometry = PoolGeometry(spec.num_layers, config.page_size, spec.num_kv_heads, spec.head_dim)
+    page_bytes = geometry.page_bytes(config.torch_dtype(torch.device("cpu")))
     engine = LLMEngine(EngineConfig.from_dict({**values, "pool_bytes": str(pool_pages * page_bytes)}))
     if engine.pool.num_pages != pool_pages:
         raise ValueError(f"the pool has {engine.pool.num_pages} pages, not the {pool_pages} asked for")
@@ -125,9 +127,10 @@ def replay(
         if not engine.has_unfinished():
             clock = pending[added].arrival  # idle until the next arrival
             continue
-        prompts_before = engine.stats().steps_prompt
+        prompt_steps = engine.scheduler.step_totals.kinds["prompt"]
+        prompts_before = prompt_steps.steps
         finished += sum(1 for output in engine.step() if output.finished)
-        clock += (prompt_ms if engine.stats().steps_prompt > prompts_before else decode_ms) / 1000
+        clock += (prompt_ms if prompt_steps.steps > prompts_before else decode_ms) / 1000
         steps += 1
     return added, finished, steps, clock
 

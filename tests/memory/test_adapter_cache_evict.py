@@ -38,11 +38,11 @@ def _load(cache: AdapterCache, name: str) -> ResidentAdapter:
     return resident
 
 
-def _evict_in_thread(cache: AdapterCache, pages: int) -> tuple[threading.Thread, list[bool]]:
+def _evict_in_thread(cache: AdapterCache, pages: int, timeout: float = 5) -> tuple[threading.Thread, list[bool]]:
     result: list[bool] = []
     thread = threading.Thread(target=lambda: result.append(cache.evict(pages)), daemon=True)
     thread.start()
-    thread.join(timeout=5)
+    thread.join(timeout=timeout)
     return thread, result
 
 
@@ -139,10 +139,7 @@ def test_a_copy_writing_the_pool_is_waited_for(monkeypatch: pytest.MonkeyPatch) 
     assert writing.wait(timeout=5)
     monkeypatch.setattr(adapter_copier, "copy_pages_on_host", write)
     kept = [_load(cache, name) for name in ("middle", "newest")]  # the pool is full: the victim's pages are wanted
-    result: list[bool] = []
-    thread = threading.Thread(target=lambda: result.append(cache.evict(PAGES)), daemon=True)
-    thread.start()
-    thread.join(timeout=0.3)
+    thread, result = _evict_in_thread(cache, PAGES, timeout=0.3)
     assert thread.is_alive(), "its pages were freed while the copy wrote them"
     release.set()
     thread.join(timeout=5)

@@ -12,8 +12,6 @@ from perf import pool_churn
 from perf.make_model import LLAMA2_7B, ModelShape
 from perf.workload import TraceConfig, generate_trace, save_trace
 
-ALL_SEVEN = 7
-
 
 def adapter_rows_per_kv_token(shape: ModelShape) -> float:
     """Elements of a rank-1 adapter on all seven projections of a layer, over one token's K and V in that layer."""
