@@ -2,8 +2,8 @@
 the forward stubbed, a modelled clock and modelled copy times. It counts what a served run's metrics count (adapter
 copies into the pool, evictions from it, preemptions) and shows how engine options change them.
 
-Served runs are where these counts come from, but the GPU host is lent rarely, and a served S-all run loaded adapters
-into the pool over three times per request (perf/RESULTS.md, session 48). Here each step advances the clock by the
+Served runs are where these counts come from, but the GPU host is lent rarely, and a served run's metrics do not say
+which engine option causes the churn they show (perf/RESULTS.md, session 48). Here each step advances the clock by the
 served run's mean decode-step or prompt-step time, requests are added once the clock passes their arrival, and the
 copier's thread sleeps for each copy in proportion to its pages. The model keeps the trace shape's ratio of adapter
 pages to KV pages at CPU widths (an adapter of rank r takes the pages it takes on the full model), and the pool has the
